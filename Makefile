@@ -1,0 +1,26 @@
+# Two commands: `make demo` and `make test`. Both create .venv in the repo root when it is missing.
+PY := .venv/bin/python
+STAMP := .venv/.installed
+
+.PHONY: demo test lint venv clean
+
+venv: $(STAMP)
+
+$(STAMP): requirements.txt
+	@test -x $(PY) || python3 -m venv .venv
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q -r requirements.txt
+	@touch $(STAMP)
+
+demo: $(STAMP)
+	$(PY) demo.py
+
+test: $(STAMP)
+	$(PY) -m ruff check .
+	$(PY) -m pytest
+
+lint: $(STAMP)
+	$(PY) -m ruff check .
+
+clean:
+	rm -rf output/demo data/synthetic

@@ -1,0 +1,100 @@
+"""Json-list datasets per task, ALBEF transforms, and the built-in synthetic data.
+
+Config keys read by create_dataset: image_res, image_root, max_words, train_file, val_file,
+test_file, answer_list (VQA), and optionally hflip / randaugment (default true, as in ALBEF; set
+``hflip: false`` for data whose captions say left/right, e.g. the synthetic set) and crop_scale.
+"""
+
+from __future__ import annotations
+
+import importlib
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from torch.utils.data import DataLoader, Dataset, Sampler
+
+__all__ = [
+    "ImageReadError", "NLVRDataset", "PretrainDataset", "RetrievalEvalDataset", "RetrievalTrainDataset",
+    "VQADataset", "create_dataset", "create_loader", "ensure_synthetic", "load_json_list", "pre_caption",
+    "pre_question", "read_image", "resolve_image", "test_transform",
+    "train_transform", "vqa_collate",
+]
+
+# Public names are imported on first use (PEP 562), so `python -m dataset.synthetic` stays light
+# (no torch import) and does not import its own module twice.
+_LAZY = {
+    "NLVRDataset": "nlvr", "PretrainDataset": "pretrain", "RetrievalEvalDataset": "retrieval",
+    "RetrievalTrainDataset": "retrieval", "VQADataset": "vqa", "vqa_collate": "vqa",
+    "ensure_synthetic": "synthetic", "test_transform": "transforms", "train_transform": "transforms",
+    "ImageReadError": "utils", "load_json_list": "utils", "pre_caption": "utils", "pre_question": "utils",
+    "read_image": "utils", "resolve_image": "utils",
+}
+
+TASKS = ("pretrain", "retrieval", "nlvr", "vqa")
+
+
+def __getattr__(name: str):
+    if name in _LAZY:
+        return getattr(importlib.import_module(f".{_LAZY[name]}", __name__), name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+def _require(config: dict, key: str, task: str):
+    if config.get(key) in (None, "", []):
+        raise ValueError(f"config key '{key}' is required for task '{task}'")
+    return config[key]
+
+
+def create_dataset(task: str, config: dict):
+    """Build the datasets of a task from a config.
+
+    'pretrain' -> PretrainDataset; 'retrieval' -> (train, val, test); 'nlvr' -> (train, val, test);
+    'vqa' -> (train, test). Pre-training crops with scale (0.2, 1), fine-tuning with (0.5, 1).
+    """
+    from .nlvr import NLVRDataset
+    from .pretrain import PretrainDataset
+    from .retrieval import RetrievalEvalDataset, RetrievalTrainDataset
+    from .transforms import test_transform, train_transform
+    from .vqa import VQADataset
+
+    if task not in TASKS:
+        raise ValueError(f"unknown task {task!r}; expected one of {TASKS}")
+    res = int(_require(config, "image_res", task))
+    scale = tuple(config.get("crop_scale") or ((0.2, 1.0) if task == "pretrain" else (0.5, 1.0)))
+    train_tf = train_transform(res, scale=scale, hflip=config.get("hflip", True),
+                               randaugment=config.get("randaugment", True))
+    test_tf = test_transform(res)
+    root = config.get("image_root", "") or ""
+    max_words = int(config.get("max_words", 30))
+    train_file = _require(config, "train_file", task)
+    if task == "pretrain":
+        return PretrainDataset(train_file, train_tf, root, max_words)
+    if task == "retrieval":
+        return (RetrievalTrainDataset(train_file, train_tf, root, max_words),
+                RetrievalEvalDataset(_require(config, "val_file", task), test_tf, root, max_words),
+                RetrievalEvalDataset(_require(config, "test_file", task), test_tf, root, max_words))
+    if task == "nlvr":
+        return (NLVRDataset(train_file, train_tf, root, max_words),
+                NLVRDataset(_require(config, "val_file", task), test_tf, root, max_words),
+                NLVRDataset(_require(config, "test_file", task), test_tf, root, max_words))
+    return (VQADataset(train_file, train_tf, root, "train", max_words=max_words),
+            VQADataset(_require(config, "test_file", task), test_tf, root, "test",
+                       answer_list=_require(config, "answer_list", task), max_words=max_words))
+
+
+def create_loader(datasets: Sequence[Dataset], samplers: Sequence[Sampler | None], batch_size: Sequence[int],
+                  num_workers: Sequence[int], is_trains: Sequence[bool],
+                  collate_fns: Sequence[Callable | None]) -> list[DataLoader]:
+    """One DataLoader per dataset (ALBEF's helper): training loaders shuffle (unless a sampler is
+    given) and drop the last partial batch; evaluation loaders keep order and every item."""
+    import torch
+    from torch.utils.data import DataLoader
+
+    loaders = []
+    for ds, sampler, bs, nw, is_train, collate in zip(datasets, samplers, batch_size, num_workers, is_trains,
+                                                      collate_fns):
+        loaders.append(DataLoader(ds, batch_size=bs, num_workers=nw, pin_memory=torch.cuda.is_available(),
+                                  sampler=sampler, shuffle=is_train and sampler is None, collate_fn=collate,
+                                  drop_last=is_train))
+    return loaders

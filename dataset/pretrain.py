@@ -1,0 +1,48 @@
+"""Pre-training data: image-caption pairs from ALBEF json lists."""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Callable, Sequence
+
+from torch.utils.data import Dataset
+
+from .utils import load_json_list, pre_caption, read_image, resolve_image
+
+__all__ = ["PretrainDataset", "check_caption"]
+
+
+def check_caption(entry: dict, key: str = "caption") -> None:
+    """Raise ValueError unless entry[key] is a string or a non-empty list of strings."""
+    cap = entry[key]
+    if isinstance(cap, str):
+        return
+    if isinstance(cap, list) and cap and all(isinstance(c, str) for c in cap):
+        return
+    raise ValueError(f"'{key}' must be a string or a non-empty list of strings, got {cap!r}")
+
+
+class PretrainDataset(Dataset):
+    """``[{"image", "caption": str | [str, ...]}]`` -> (image Tensor (3,H,W), caption str, index int).
+
+    A list caption yields a random member on every visit (python ``random``, which DataLoader
+    seeds per worker). The index is what the GRIT sampler collects features under.
+    """
+
+    def __init__(self, files: str | Sequence[str], transform: Callable, image_root: str = "",
+                 max_words: int = 30):
+        self.ann = load_json_list(files, required=("image", "caption"), check=check_caption)
+        self.transform = transform
+        self.image_root = image_root
+        self.max_words = max_words
+
+    def __len__(self) -> int:
+        return len(self.ann)
+
+    def __getitem__(self, index: int):
+        ann = self.ann[index]
+        caption = ann["caption"]
+        if isinstance(caption, list):
+            caption = random.choice(caption)
+        image = self.transform(read_image(resolve_image(self.image_root, ann["image"])))
+        return image, pre_caption(caption, self.max_words), index

@@ -1,0 +1,37 @@
+"""The tokenizer every task builds from its config (ALBEF uses the BertTokenizer of `text_encoder`)."""
+
+from __future__ import annotations
+
+import os
+
+from transformers import BertTokenizerFast
+
+
+def tokenizer_from_vocab(vocab_file: str) -> BertTokenizerFast:
+    """BertTokenizerFast over a local WordPiece vocab.txt; errors if the file is missing or not fully read."""
+    if not os.path.isfile(vocab_file):
+        raise FileNotFoundError(f"config key 'vocab_file': no such file: {vocab_file}")
+    with open(vocab_file, encoding="utf-8") as f:
+        n_tokens = len({line.rstrip("\n") for line in f if line.strip()})
+    tokenizer = BertTokenizerFast(vocab_file=vocab_file, do_lower_case=True)
+    # transformers 5 silently ignores vocab_file (the requirements pin 4.x); never train on [UNK]s.
+    if len(tokenizer) < n_tokens:
+        raise ValueError(f"{vocab_file}: the tokenizer read {len(tokenizer)} tokens, the file has {n_tokens}")
+    return tokenizer
+
+
+def build_tokenizer(config: dict) -> BertTokenizerFast:
+    """Return the BERT tokenizer named by `vocab_file` (a vocab.txt) or else by `text_encoder`."""
+    vocab_file = config.get("vocab_file")
+    if vocab_file:
+        return tokenizer_from_vocab(str(vocab_file))
+    name = config.get("text_encoder")
+    if not name:
+        raise ValueError("config needs 'vocab_file' or 'text_encoder' to build the tokenizer")
+    try:
+        return BertTokenizerFast.from_pretrained(str(name))
+    except OSError as err:
+        raise FileNotFoundError(
+            f"config key 'text_encoder': could not load a tokenizer from {name!r} "
+            "(a local directory with vocab.txt, or a hub id reachable from this machine)"
+        ) from err
