@@ -1,0 +1,316 @@
+"""Shared training objectives: ITC (+ GRIT consistency), ITM negative mining, MLM masking.
+
+Everything here is a pure function of tensors (no module state, no hidden globals), so the
+pre-training and every fine-tuning model compose the same code. Paper: Eq. 1-2 (ITC), Eq. 6
+(consistency); ALBEF's in-batch hard-negative ITM and BERT masking.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import Tensor
+
+__all__ = [
+    "concat_all_gather",
+    "gather_features",
+    "hardest_negative_similarity",
+    "itc_loss",
+    "local_columns",
+    "mask_tokens",
+    "mine_negatives",
+]
+
+
+def _rank_world() -> tuple[int, int]:
+    """(rank, world size) of the default process group, (0, 1) when not distributed."""
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_rank(), dist.get_world_size()
+    return 0, 1
+
+
+def _fp32(x: Tensor) -> Tensor:
+    """Upcast half types to fp32 (double stays double) for softmax/log maths."""
+    return x.float() if x.dtype in (torch.float16, torch.bfloat16) else x
+
+
+def _check_rows(mask: Tensor, message: str) -> None:
+    """Raise ValueError(message) unless every row of the bool mask has a True entry.
+
+    On CPU this is free; on an accelerator a host check would stall the step, so the check is
+    queued on the device instead (torch._assert_async fails loudly without a host sync).
+    """
+    ok = mask.any(dim=1).all()
+    if mask.device.type == "cpu":
+        if not bool(ok):
+            raise ValueError(message)
+    else:
+        torch._assert_async(ok, message)
+
+
+@torch.no_grad()
+def concat_all_gather(x: Tensor) -> Tensor:
+    """(B, ...) -> (W*B, ...): rows of every rank in rank order, no gradient; identity if W == 1."""
+    _, world = _rank_world()
+    if world == 1:
+        return x.detach()
+    x = x.detach().contiguous()
+    parts = [torch.empty_like(x) for _ in range(world)]
+    dist.all_gather(parts, x)
+    return torch.cat(parts, dim=0)
+
+
+def gather_features(x: Tensor) -> Tensor:
+    """(B, d) -> (W*B, d): all ranks' rows in rank order; gradient reaches only the local slice.
+
+    The other ranks' rows arrive as constants; this rank's slice is the input tensor itself, so
+    autograd flows into it (open_clip's `gather_features` without gather_with_grad). Every rank
+    must pass the same B. Identity when torch.distributed is not initialised or W == 1.
+    """
+    rank, world = _rank_world()
+    if world == 1:
+        return x
+    parts = [torch.empty_like(x) for _ in range(world)]
+    dist.all_gather(parts, x.detach().contiguous())
+    parts[rank] = x
+    return torch.cat(parts, dim=0)
+
+
+def local_columns(sim: Tensor) -> Tensor:
+    """(B, W*B) similarity from itc_loss(gather=True) -> (B, B) block of this rank's own batch."""
+    rank, world = _rank_world()
+    b = sim.shape[0]
+    if world == 1 or sim.shape[1] != world * b:
+        return sim
+    return sim[:, rank * b : (rank + 1) * b]
+
+
+def itc_loss(
+    image_feat: Tensor,
+    text_feat: Tensor,
+    temp: Tensor | float,
+    lambda_cons: float = 0.0,
+    positive: Tensor | None = None,
+    gather: bool = False,
+    image_bank: Tensor | None = None,
+    text_bank: Tensor | None = None,
+) -> dict[str, Tensor]:
+    """ITC (Eq. 1-2) + consistency (Eq. 6); feats (B, d) L2-normalised -> losses (0-dim), sims (B, N).
+
+    The "other side" of the contrast (N columns) is, in this order of precedence:
+      * image_bank / text_bank (N, d), given together: retrieval with a queue (ALBEF). Build them as
+        cat([feat_m, queue.t()]) (see FeatureQueue.bank); sim_i2t = image_feat @ text_bank.T / temp,
+        sim_t2i = text_feat @ image_bank.T / temp. Row j of both banks must be the same pair, so the
+        two softmaxes of the consistency term range over the same N pairs. No momentum distillation.
+      * gather=True: all ranks' features (N = W*B, gather_features: gradient to the local part only);
+        the true pair of row i is column rank*B + i. Consistency then compares rows over the same
+        W*B pairs (images for p_t2v, texts for p_v2t). Each rank's loss covers its own B rows; the
+        gradient that other ranks' rows would send to this rank's columns is dropped (open_clip's
+        local_loss without gather_with_grad).
+      * otherwise the local batch (N = B), the paper's in-batch pre-training setting.
+
+    positive (B, N) bool: positive[i, j] is True when pair i and column pair j share the image
+    (so image i matches text j and text i matches image j); it serves both directions. The targets
+    are then positive / positive.sum(1) (ALBEF retrieval soft multi-positive targets); every row
+    needs a True entry. None -> one-hot on the true pair (column rank*B + i, or i with a bank,
+    which must then start with the current batch).
+
+    loss_itc = (CE(y, p_v2t) + CE(y, p_t2v)) / 2 averaged over the batch;
+    loss_cons = lambda_cons / 2 * mean_i [KL(sg(p_v2t_i) || p_t2v_i) + KL(sg(p_t2v_i) || p_v2t_i)],
+    where p_v2t_i = softmax(sim_i2t[i]) (image i over texts) and p_t2v_i = softmax(sim_t2i[i])
+    (text i over images). lambda_cons == 0 -> loss_cons is an exact zero and costs nothing.
+    Returned sims keep their graph (use .detach() for mining).
+    """
+    if image_feat.dim() != 2 or image_feat.shape != text_feat.shape:
+        raise ValueError(
+            f"itc_loss: image_feat and text_feat must both be (B, d), got "
+            f"{tuple(image_feat.shape)} and {tuple(text_feat.shape)}"
+        )
+    if lambda_cons < 0:
+        raise ValueError(f"itc_loss: lambda_cons must be >= 0, got {lambda_cons}")
+    b = image_feat.shape[0]
+    offset = 0
+    if (image_bank is None) != (text_bank is None):
+        raise ValueError("itc_loss: image_bank and text_bank must be given together")
+    if image_bank is not None:
+        if gather:
+            raise ValueError("itc_loss: gather=True and a feature bank are exclusive; gather into the bank")
+        if image_bank.shape != text_bank.shape or image_bank.shape[1] != image_feat.shape[1]:
+            raise ValueError(
+                f"itc_loss: banks must both be (N, {image_feat.shape[1]}), got "
+                f"{tuple(image_bank.shape)} and {tuple(text_bank.shape)}"
+            )
+        image_all, text_all = image_bank, text_bank
+    elif gather:
+        rank, _ = _rank_world()
+        offset = rank * b
+        image_all, text_all = gather_features(image_feat), gather_features(text_feat)
+    else:
+        image_all, text_all = image_feat, text_feat
+    n = text_all.shape[0]
+    if n < b:
+        raise ValueError(f"itc_loss: the bank has {n} rows, fewer than the batch ({b})")
+
+    sim_i2t = image_feat @ text_all.t() / temp
+    sim_t2i = text_feat @ image_all.t() / temp
+    # Losses in fp32: under autocast the sims may be fp16 and log-softmax over a large bank loses bits.
+    log_p_v2t = F.log_softmax(_fp32(sim_i2t), dim=1)
+    log_p_t2v = F.log_softmax(_fp32(sim_t2i), dim=1)
+
+    if positive is None:
+        target = torch.arange(offset, offset + b, device=sim_i2t.device).unsqueeze(1)
+        loss_i2t = -log_p_v2t.gather(1, target).mean()
+        loss_t2i = -log_p_t2v.gather(1, target).mean()
+    else:
+        if positive.shape != (b, n) or positive.dtype != torch.bool:
+            raise ValueError(
+                f"itc_loss: positive must be a bool ({b}, {n}) mask, got "
+                f"{positive.dtype} {tuple(positive.shape)}"
+            )
+        _check_rows(positive, "itc_loss: every row of `positive` needs at least one True (its own pair)")
+        target = positive.to(log_p_v2t.dtype)
+        target = target / target.sum(dim=1, keepdim=True)
+        loss_i2t = -(target * log_p_v2t).sum(dim=1).mean()
+        loss_t2i = -(target * log_p_t2v).sum(dim=1).mean()
+    loss_itc = (loss_i2t + loss_t2i) / 2
+
+    if lambda_cons == 0:
+        loss_cons = loss_itc.new_zeros(())
+    else:
+        # kl_div(input=log q, target=log p) = sum p (log p - log q) / B: KL(sg(p) || q) per row.
+        kl_v2t_t2v = F.kl_div(log_p_t2v, log_p_v2t.detach(), reduction="batchmean", log_target=True)
+        kl_t2v_v2t = F.kl_div(log_p_v2t, log_p_t2v.detach(), reduction="batchmean", log_target=True)
+        loss_cons = lambda_cons / 2 * (kl_v2t_t2v + kl_t2v_v2t)
+    return {"loss_itc": loss_itc, "loss_cons": loss_cons, "sim_i2t": sim_i2t, "sim_t2i": sim_t2i}
+
+
+_MODES = ("hard", "random")
+_SAMPLINGS = ("argmax", "multinomial")
+
+
+@torch.no_grad()
+def mine_negatives(
+    sim_i2t: Tensor,
+    sim_t2i: Tensor,
+    positive: Tensor | None = None,
+    mode: str = "hard",
+    sampling: str = "argmax",
+    generator: torch.Generator | None = None,
+) -> tuple[Tensor, Tensor]:
+    """In-batch ITM negatives: sims (B, B) -> (neg_text_idx (B,), neg_image_idx (B,)) LongTensors.
+
+    neg_text_idx[i] is the text paired with image i, neg_image_idx[i] the image paired with text i.
+    Candidates are the in-batch items that are not positives: positive[i, j] True means image i
+    matches text j (None -> only the true pairs, the diagonal, which is always excluded too); the
+    text side uses positive.T. With image-id positives every caption of the same image is excluded.
+      mode='hard', sampling='argmax':      the most similar negative (GRIT-VLP authors' code);
+      mode='hard', sampling='multinomial': drawn from softmax(sim) + 1e-5 with positives zeroed (ALBEF);
+      mode='random':                       uniform over the negatives (`sampling` is ignored).
+    Pass the temperature-scaled sims of itc_loss (only the multinomial weights depend on the scale).
+    Raises ValueError when B < 2 or some row has no negative (e.g. the whole batch is one image).
+    """
+    if mode not in _MODES:
+        raise ValueError(f"mine_negatives: mode must be one of {_MODES}, got {mode!r}")
+    if sampling not in _SAMPLINGS:
+        raise ValueError(f"mine_negatives: sampling must be one of {_SAMPLINGS}, got {sampling!r}")
+    b = sim_i2t.shape[0]
+    if sim_i2t.dim() != 2 or sim_i2t.shape != (b, b) or sim_t2i.shape != (b, b):
+        raise ValueError(
+            f"mine_negatives: sims must be square (B, B) in-batch matrices, got "
+            f"{tuple(sim_i2t.shape)} and {tuple(sim_t2i.shape)} (use local_columns after gather)"
+        )
+    if b < 2:
+        raise ValueError("mine_negatives: batch size must be >= 2 to mine in-batch ITM negatives")
+    excluded = torch.eye(b, dtype=torch.bool, device=sim_i2t.device)
+    if positive is not None:
+        if positive.shape != (b, b) or positive.dtype != torch.bool:
+            raise ValueError(
+                f"mine_negatives: positive must be a bool ({b}, {b}) mask, got "
+                f"{positive.dtype} {tuple(positive.shape)}"
+            )
+        excluded = excluded | positive
+        _check_rows(
+            torch.cat([~excluded, ~excluded.t()]),
+            "mine_negatives: some image or text has no in-batch negative (all items are positives); "
+            "batch size must be >= 2 with at least two distinct images",
+        )
+    return (
+        _pick(sim_i2t, excluded, mode, sampling, generator),
+        _pick(sim_t2i, excluded.t(), mode, sampling, generator),
+    )
+
+
+def _pick(
+    sim: Tensor, excluded: Tensor, mode: str, sampling: str, generator: torch.Generator | None
+) -> Tensor:
+    """One negative column per row of sim (B, B), never an excluded one -> (B,) LongTensor."""
+    if mode == "hard" and sampling == "argmax":
+        return sim.masked_fill(excluded, float("-inf")).argmax(dim=1)
+    if mode == "hard":
+        # ALBEF's +1e-5 keeps every negative reachable when the softmax underflows to zero.
+        weights = F.softmax(_fp32(sim), dim=1) + 1e-5
+    else:
+        weights = torch.ones_like(sim, dtype=torch.float)
+    weights = weights.masked_fill(excluded, 0.0)
+    return torch.multinomial(weights, 1, generator=generator).squeeze(1)
+
+
+@torch.no_grad()
+def hardest_negative_similarity(sim: Tensor, positive: Tensor | None = None) -> Tensor:
+    """Cosine sims (B, N) (not /temp) -> 0-dim: mean over rows of the largest negative similarity.
+
+    positive (B, N) bool as in itc_loss (None -> the diagonal); the diagonal is always excluded.
+    Rows without a negative are left out of the mean (NaN if no row has one). Detached; no host sync.
+    """
+    b, n = sim.shape
+    excluded = torch.eye(b, n, dtype=torch.bool, device=sim.device)
+    if positive is not None:
+        if positive.shape != sim.shape or positive.dtype != torch.bool:
+            raise ValueError(
+                f"hardest_negative_similarity: positive must be a bool {tuple(sim.shape)} mask, got "
+                f"{positive.dtype} {tuple(positive.shape)}"
+            )
+        excluded = excluded | positive
+    hardest = _fp32(sim.detach()).masked_fill(excluded, float("-inf")).amax(dim=1)
+    valid = torch.isfinite(hardest)
+    return torch.where(valid, hardest, 0.0).sum() / valid.sum()
+
+
+def mask_tokens(
+    input_ids: Tensor,
+    vocab_size: int,
+    mask_token_id: int,
+    special_ids: Sequence[int],
+    probability: float,
+    generator: torch.Generator | None = None,
+) -> tuple[Tensor, Tensor]:
+    """BERT masking: input_ids (B, L) -> (masked_ids (B, L), labels (B, L), -100 where not selected).
+
+    Each token whose id is not in special_ids is selected with `probability`; of the selected,
+    80 % become mask_token_id, 10 % a token drawn uniformly from [0, vocab_size), 10 % stay. Labels
+    hold the original id at selected positions. Following ALBEF, pass special_ids=[pad, cls]: [SEP]
+    stays maskable. The generator must live on input_ids' device; with it the result is reproducible.
+    """
+    if not 0.0 <= probability <= 1.0:
+        raise ValueError(f"mask_tokens: probability must be in [0, 1], got {probability}")
+    if vocab_size <= 0:
+        raise ValueError(f"mask_tokens: vocab_size must be positive, got {vocab_size}")
+    device = input_ids.device
+    maskable = torch.ones_like(input_ids, dtype=torch.bool)
+    for special in special_ids:  # a handful of ids, not the batch
+        maskable &= input_ids != special
+    draw = torch.rand((3, *input_ids.shape), generator=generator, device=device)
+    selected = (draw[0] < probability) & maskable
+    to_mask = selected & (draw[1] < 0.8)
+    # Half of the remaining 20 %: 10 % of the selected tokens overall.
+    to_random = selected & ~to_mask & (draw[2] < 0.5)
+    random_ids = torch.randint(
+        vocab_size, input_ids.shape, generator=generator, device=device, dtype=input_ids.dtype
+    )
+    masked_ids = torch.where(to_mask, torch.full_like(input_ids, mask_token_id), input_ids)
+    masked_ids = torch.where(to_random, random_ids, masked_ids)
+    labels = torch.where(selected, input_ids, torch.full_like(input_ids, -100))
+    return masked_ids, labels

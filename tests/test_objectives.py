@@ -1,0 +1,345 @@
+"""models/objectives.py: ITC + consistency, negative mining, hardness, MLM masking, feature gather."""
+
+import datetime
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+import torch.nn.functional as F
+
+from models.objectives import (
+    concat_all_gather,
+    gather_features,
+    hardest_negative_similarity,
+    itc_loss,
+    local_columns,
+    mask_tokens,
+    mine_negatives,
+)
+
+
+def _feats(b, d, seed=0, dtype=torch.float64):
+    g = torch.Generator().manual_seed(seed)
+    img = F.normalize(torch.randn(b, d, generator=g, dtype=dtype), dim=1)
+    txt = F.normalize(torch.randn(b, d, generator=g, dtype=dtype), dim=1)
+    return img, txt
+
+
+def _reference(img, txt, temp, lam, target=None, image_bank=None, text_bank=None):
+    """Explicit softmax / log formulas of Eq. 1, 2 and 6 (rows = pairs of the batch)."""
+    image_bank = img if image_bank is None else image_bank
+    text_bank = txt if text_bank is None else text_bank
+    s_i2t = img @ text_bank.T / temp
+    s_t2i = txt @ image_bank.T / temp
+    p_v2t = torch.exp(s_i2t) / torch.exp(s_i2t).sum(1, keepdim=True)
+    p_t2v = torch.exp(s_t2i) / torch.exp(s_t2i).sum(1, keepdim=True)
+    if target is None:
+        target = torch.eye(*s_i2t.shape, dtype=img.dtype)
+    ce_v2t = -(target * torch.log(p_v2t)).sum(1).mean()
+    ce_t2v = -(target * torch.log(p_t2v)).sum(1).mean()
+    kl1 = (p_v2t * (torch.log(p_v2t) - torch.log(p_t2v))).sum(1).mean()
+    kl2 = (p_t2v * (torch.log(p_t2v) - torch.log(p_v2t))).sum(1).mean()
+    return (ce_v2t + ce_t2v) / 2, lam / 2 * (kl1 + kl2)
+
+
+# ----------------------------------------------------------------------------- ITC + consistency
+
+
+def test_itc_matches_reference():
+    img, txt = _feats(6, 16)
+    temp = torch.tensor(0.07, dtype=torch.float64)
+    out = itc_loss(img, txt, temp, lambda_cons=0.2)
+    ref_itc, ref_cons = _reference(img, txt, temp, 0.2)
+    torch.testing.assert_close(out["loss_itc"], ref_itc)
+    torch.testing.assert_close(out["loss_cons"], ref_cons)
+    torch.testing.assert_close(out["sim_i2t"], img @ txt.T / temp)
+    torch.testing.assert_close(out["sim_t2i"], txt @ img.T / temp)
+    assert out["loss_itc"].dim() == 0 and out["loss_cons"].dim() == 0
+    assert out["loss_cons"] > 0
+
+
+def test_itc_float32_float_temp():
+    img, txt = _feats(5, 8, dtype=torch.float32)
+    out = itc_loss(img, txt, 0.1, lambda_cons=0.5)
+    ref_itc, ref_cons = _reference(img.double(), txt.double(), 0.1, 0.5)
+    torch.testing.assert_close(out["loss_itc"].double(), ref_itc, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(out["loss_cons"].double(), ref_cons, rtol=1e-5, atol=1e-5)
+
+
+def test_lambda_zero_is_plain_itc():
+    img, txt = _feats(6, 16, seed=1)
+    out0 = itc_loss(img, txt, 0.07, lambda_cons=0.0)
+    out1 = itc_loss(img, txt, 0.07, lambda_cons=0.3)
+    assert torch.is_tensor(out0["loss_cons"]) and out0["loss_cons"].item() == 0.0
+    assert torch.equal(out0["loss_itc"], out1["loss_itc"])
+    labels = torch.arange(6)
+    plain = (F.cross_entropy(img @ txt.T / 0.07, labels) + F.cross_entropy(txt @ img.T / 0.07, labels)) / 2
+    torch.testing.assert_close(out0["loss_itc"], plain)
+
+
+def test_consistency_zero_when_symmetric():
+    img, _ = _feats(7, 16, seed=2)
+    out = itc_loss(img, img.clone(), 0.07, lambda_cons=0.2)
+    torch.testing.assert_close(out["loss_cons"], torch.zeros((), dtype=img.dtype), atol=1e-12, rtol=0)
+
+
+def test_consistency_stop_gradient():
+    img, txt = _feats(5, 8, seed=3)
+    img.requires_grad_(True)
+    txt.requires_grad_(True)
+    lam, temp = 0.2, 0.1
+    got = torch.autograd.grad(itc_loss(img, txt, temp, lam)["loss_cons"], (img, txt))
+
+    def cons(stop):
+        log_p = F.log_softmax(img @ txt.T / temp, 1)  # p_v2t, row i = image i
+        log_q = F.log_softmax(txt @ img.T / temp, 1)  # p_t2v, row i = text i
+        tp, tq = (log_p.detach(), log_q.detach()) if stop else (log_p, log_q)
+        kl1 = (tp.exp() * (tp - log_q)).sum(1).mean()
+        kl2 = (tq.exp() * (tq - log_p)).sum(1).mean()
+        return lam / 2 * (kl1 + kl2)
+
+    want = torch.autograd.grad(cons(stop=True), (img, txt))
+    without_sg = torch.autograd.grad(cons(stop=False), (img, txt))
+    for g, w, n in zip(got, want, without_sg):
+        torch.testing.assert_close(g, w)
+        assert not torch.allclose(g, n, atol=1e-6)
+
+
+def test_multi_positive_targets():
+    img, txt = _feats(6, 16, seed=4)
+    ids = torch.tensor([3, 3, 7, 1, 7, 7])
+    positive = ids[:, None] == ids[None, :]
+    out = itc_loss(img, txt, 0.07, lambda_cons=0.2, positive=positive)
+    target = positive.double() / positive.sum(1, keepdim=True)
+    ref_itc, ref_cons = _reference(img, txt, 0.07, 0.2, target=target)
+    torch.testing.assert_close(out["loss_itc"], ref_itc)
+    torch.testing.assert_close(out["loss_cons"], ref_cons)
+    # Identity positives are exactly the one-hot default.
+    eye = itc_loss(img, txt, 0.07, positive=torch.eye(6, dtype=torch.bool))
+    torch.testing.assert_close(eye["loss_itc"], itc_loss(img, txt, 0.07)["loss_itc"])
+
+
+def test_itc_with_queue_bank():
+    img, txt = _feats(4, 8, seed=5)
+    img_m, txt_m = _feats(4, 8, seed=6)
+    q_img, q_txt = _feats(10, 8, seed=7)
+    image_bank, text_bank = torch.cat([img_m, q_img]), torch.cat([txt_m, q_txt])
+    ids = torch.tensor([0, 1, 2, 0])
+    queue_ids = torch.tensor([5, 1, -100, 9, 2, 2, 8, -100, 0, 4])
+    positive = ids[:, None] == torch.cat([ids, queue_ids])[None, :]
+    out = itc_loss(img, txt, 0.07, 0.2, positive=positive, image_bank=image_bank, text_bank=text_bank)
+    assert out["sim_i2t"].shape == (4, 14) and out["sim_t2i"].shape == (4, 14)
+    target = positive.double() / positive.sum(1, keepdim=True)
+    ref_itc, ref_cons = _reference(img, txt, 0.07, 0.2, target, image_bank, text_bank)
+    torch.testing.assert_close(out["loss_itc"], ref_itc)
+    torch.testing.assert_close(out["loss_cons"], ref_cons)
+    # Default targets with a bank: the true pair is column i (the bank starts with the batch).
+    plain = itc_loss(img, txt, 0.07, image_bank=image_bank, text_bank=text_bank)
+    one_hot = torch.eye(4, 14, dtype=torch.float64)
+    ref_plain, _ = _reference(img, txt, 0.07, 0.0, one_hot, image_bank, text_bank)
+    torch.testing.assert_close(plain["loss_itc"], ref_plain)
+
+
+def test_itc_bad_input():
+    img, txt = _feats(4, 8)
+    with pytest.raises(ValueError, match="image_feat"):
+        itc_loss(img, txt[:, :4], 0.07)
+    with pytest.raises(ValueError, match="together"):
+        itc_loss(img, txt, 0.07, image_bank=img)
+    with pytest.raises(ValueError, match="positive"):
+        itc_loss(img, txt, 0.07, positive=torch.eye(3, dtype=torch.bool))
+    with pytest.raises(ValueError, match="at least one True"):
+        itc_loss(img, txt, 0.07, positive=torch.zeros(4, 4, dtype=torch.bool))
+
+
+# ----------------------------------------------------------------------------- negative mining
+
+IDS = torch.tensor([0, 0, 1, 1, 1, 2, 3, 3])  # several captions share an image
+SAME_IMAGE = IDS[:, None] == IDS[None, :]
+
+
+@pytest.mark.parametrize("mode,sampling", [("hard", "argmax"), ("hard", "multinomial"), ("random", "argmax")])
+@pytest.mark.parametrize("positive", [None, SAME_IMAGE], ids=["pairs", "image_id"])
+def test_mined_negative_never_positive(mode, sampling, positive):
+    b = len(IDS)
+    excluded = torch.eye(b, dtype=torch.bool) if positive is None else positive
+    g = torch.Generator().manual_seed(0)
+    for seed in range(20):
+        img, txt = _feats(b, 8, seed=seed, dtype=torch.float32)
+        # Make positives the most similar items so that a leak would be picked.
+        sim = img @ txt.T / 0.07 + 50.0 * excluded
+        neg_t, neg_i = mine_negatives(sim, sim.T.contiguous(), positive, mode, sampling, generator=g)
+        assert neg_t.shape == (b,) and neg_i.shape == (b,) and neg_t.dtype == torch.long
+        assert not excluded[torch.arange(b), neg_t].any()  # image i vs text neg_t[i]
+        assert not excluded[neg_i, torch.arange(b)].any()  # image neg_i[i] vs text i
+
+
+def test_argmax_picks_most_similar_negative():
+    b = len(IDS)
+    img, txt = _feats(b, 8, seed=11, dtype=torch.float32)
+    sim_i2t = img @ txt.T
+    sim_t2i = sim_i2t.T.contiguous()
+    neg_t, neg_i = mine_negatives(sim_i2t, sim_t2i, SAME_IMAGE, "hard", "argmax")
+    for i in range(b):  # reference loop (test only)
+        cand_t = [j for j in range(b) if not SAME_IMAGE[i, j]]
+        cand_i = [j for j in range(b) if not SAME_IMAGE[j, i]]
+        assert neg_t[i] == max(cand_t, key=lambda j: sim_i2t[i, j])
+        assert neg_i[i] == max(cand_i, key=lambda j: sim_t2i[i, j])
+
+
+def test_multinomial_and_random_frequencies():
+    sim = torch.tensor(
+        [[2.0, 1.0, 0.0, -1.0], [0.5, 3.0, 0.5, 0.0], [1.0, 1.0, 1.0, 2.0], [0.0, 0.0, 2.0, 1.0]]
+    )
+    positive = torch.eye(4, dtype=torch.bool)
+    positive[0, 1] = positive[1, 0] = True
+    # One call instead of many: `reps` copies of the 4x4 problem on the block diagonal; everything
+    # off the blocks is marked positive (and has negligible softmax mass), so each row samples its block.
+    reps = 400
+    block = torch.block_diag(*[torch.ones(4, 4)] * reps).bool()
+    big_sim = torch.where(block, sim.repeat(reps, reps), torch.tensor(-1e4))
+    big_pos = ~block | positive.repeat(reps, reps)
+    g = torch.Generator().manual_seed(1)
+    hard = mine_negatives(big_sim, big_sim, big_pos, "hard", "multinomial", g)[0].view(reps, 4) % 4
+    rand = mine_negatives(big_sim, big_sim, big_pos, "random", generator=g)[0].view(reps, 4) % 4
+    want_hard = (F.softmax(sim, 1) + 1e-5).masked_fill(positive, 0)
+    want_hard = want_hard / want_hard.sum(1, keepdim=True)
+    want_rand = (~positive).float() / (~positive).sum(1, keepdim=True)
+    for row in range(4):
+        freq_h = torch.bincount(hard[:, row], minlength=4).float() / reps
+        freq_r = torch.bincount(rand[:, row], minlength=4).float() / reps
+        torch.testing.assert_close(freq_h, want_hard[row], atol=0.07, rtol=0)
+        torch.testing.assert_close(freq_r, want_rand[row], atol=0.07, rtol=0)
+
+
+def test_mining_reproducible_with_generator():
+    img, txt = _feats(8, 8, seed=3, dtype=torch.float32)
+    sim = img @ txt.T / 0.07
+    a = mine_negatives(sim, sim.T, None, "hard", "multinomial", torch.Generator().manual_seed(5))
+    b = mine_negatives(sim, sim.T, None, "hard", "multinomial", torch.Generator().manual_seed(5))
+    assert all(torch.equal(x, y) for x, y in zip(a, b))
+
+
+def test_mining_errors():
+    one = torch.zeros(1, 1)
+    with pytest.raises(ValueError, match="batch size must be >= 2"):
+        mine_negatives(one, one, torch.ones(1, 1, dtype=torch.bool))
+    sim = torch.randn(3, 3)
+    with pytest.raises(ValueError, match="no in-batch negative"):
+        mine_negatives(sim, sim, torch.ones(3, 3, dtype=torch.bool))
+    with pytest.raises(ValueError, match="mode"):
+        mine_negatives(sim, sim, None, mode="easy")
+    with pytest.raises(ValueError, match="sampling"):
+        mine_negatives(sim, sim, None, sampling="topk")
+    with pytest.raises(ValueError, match="square"):
+        mine_negatives(torch.randn(3, 6), torch.randn(3, 6))
+
+
+# ----------------------------------------------------------------------------- hardness diagnostic
+
+
+def test_hardest_negative_similarity_hand_matrix():
+    sim = torch.tensor([[0.9, 0.2, 0.5], [0.1, 0.8, 0.3], [0.4, 0.7, 0.6]], requires_grad=True)
+    h = hardest_negative_similarity(sim)  # row maxima off the diagonal: 0.5, 0.3, 0.7
+    assert h.dim() == 0 and not h.requires_grad
+    torch.testing.assert_close(h, torch.tensor(0.5))
+    positive = torch.eye(3, dtype=torch.bool)
+    positive[0, 2] = positive[2, 0] = True  # pairs 0 and 2 share an image: 0.2, 0.3, 0.7
+    torch.testing.assert_close(hardest_negative_similarity(sim, positive), torch.tensor(0.4))
+    positive[1] = True  # row 1 has no negative: left out of the mean -> (0.2 + 0.4) / 2
+    positive[2, 1] = False
+    torch.testing.assert_close(hardest_negative_similarity(sim, positive), torch.tensor(0.45))
+
+
+# ----------------------------------------------------------------------------- MLM masking
+
+PAD, CLS, SEP, MASK, VOCAB = 0, 101, 102, 103, 1000
+
+
+def _token_batch(b=512, length=40, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(200, VOCAB, (b, length), generator=g)
+    ids[:, 0] = CLS
+    lengths = torch.randint(5, length, (b,), generator=g)
+    pos = torch.arange(length)[None, :]
+    ids[pos == lengths[:, None]] = SEP
+    ids[pos > lengths[:, None]] = PAD
+    return ids
+
+
+def test_mask_tokens_statistics():
+    ids = _token_batch()
+    masked, labels = mask_tokens(ids, VOCAB, MASK, [PAD, CLS], 0.5, torch.Generator().manual_seed(0))
+    assert masked.shape == ids.shape and labels.shape == ids.shape and masked.dtype == ids.dtype
+    selected = labels != -100
+    maskable = (ids != PAD) & (ids != CLS)
+    assert not (selected & ~maskable).any()  # never [PAD] / [CLS]
+    assert selected[ids == SEP].any()  # ALBEF: [SEP] is maskable
+    assert torch.equal(labels[selected], ids[selected])
+    assert torch.equal(masked[~selected], ids[~selected])
+    frac = selected.sum() / maskable.sum()
+    assert abs(frac.item() - 0.5) < 0.02
+    n = selected.sum().item()
+    to_mask = (masked == MASK) & selected
+    kept = (masked == ids) & selected
+    replaced = selected & ~to_mask & ~kept
+    assert abs(to_mask.sum().item() / n - 0.8) < 0.02
+    assert abs(kept.sum().item() / n - 0.1) < 0.02
+    assert abs(replaced.sum().item() / n - 0.1) < 0.02
+    assert masked.min() >= 0 and masked.max() < VOCAB
+
+
+def test_mask_tokens_reproducible_and_edges():
+    ids = _token_batch(8, 12, seed=1)
+    a = mask_tokens(ids, VOCAB, MASK, [PAD, CLS], 0.3, torch.Generator().manual_seed(4))
+    b = mask_tokens(ids, VOCAB, MASK, [PAD, CLS], 0.3, torch.Generator().manual_seed(4))
+    assert torch.equal(a[0], b[0]) and torch.equal(a[1], b[1])
+    none_masked, labels = mask_tokens(ids, VOCAB, MASK, [PAD, CLS], 0.0)
+    assert torch.equal(none_masked, ids) and (labels == -100).all()
+    with pytest.raises(ValueError, match="probability"):
+        mask_tokens(ids, VOCAB, MASK, [PAD, CLS], 1.5)
+
+
+# ----------------------------------------------------------------------------- distributed gather
+
+
+def _gather_worker(rank, world, init_file):
+    dist.init_process_group(
+        "gloo", init_method=f"file://{init_file}", rank=rank, world_size=world,
+        timeout=datetime.timedelta(seconds=60),
+    )
+    try:
+        b, d = 3, 8
+        img_full, txt_full = _feats(world * b, d, seed=0)
+        sl = slice(rank * b, (rank + 1) * b)
+        x = img_full[sl].clone().requires_grad_(True)
+        out = gather_features(x)
+        assert torch.equal(out.detach(), img_full)
+        w = torch.randn(world * b, d, generator=torch.Generator().manual_seed(1), dtype=x.dtype)
+        (out * w).sum().backward()
+        assert torch.equal(x.grad, w[sl])  # gradient only to the local part
+        assert torch.equal(concat_all_gather(txt_full[sl]), txt_full)
+
+        img, txt = img_full[sl].clone(), txt_full[sl].clone()
+        res = itc_loss(img, txt, 0.07, 0.2, gather=True)
+        assert res["sim_i2t"].shape == (b, world * b)
+        ref_target = torch.zeros(b, world * b, dtype=img.dtype)
+        ref_target[torch.arange(b), torch.arange(b) + rank * b] = 1
+        ref_itc, ref_cons = _reference(img, txt, 0.07, 0.2, ref_target, img_full, txt_full)
+        torch.testing.assert_close(res["loss_itc"], ref_itc)
+        torch.testing.assert_close(res["loss_cons"], ref_cons)
+        torch.testing.assert_close(local_columns(res["sim_i2t"]), img @ txt.T / 0.07)
+    finally:
+        dist.destroy_process_group()
+
+
+def test_gather_features_two_processes(tmp_path):
+    mp.spawn(_gather_worker, args=(2, str(tmp_path / "store")), nprocs=2, join=True)
+
+
+def test_gather_identity_without_distributed():
+    x = torch.randn(4, 3, requires_grad=True)
+    assert gather_features(x) is x
+    assert torch.equal(concat_all_gather(x), x) and not concat_all_gather(x).requires_grad
+    assert local_columns(x) is x
