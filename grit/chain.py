@@ -1,0 +1,99 @@
+"""Phase 3 of GRIT: the greedy alternating chain, for many sub-queues at once."""
+
+from __future__ import annotations
+
+import torch
+
+__all__ = ["greedy_chain"]
+
+
+def _transpose_last2(x: torch.Tensor) -> torch.Tensor:
+    """Contiguous copy of x (S, M, M) transposed in its last two dims -> (S, M, M)."""
+    if x.device.type != "cpu":
+        return x.transpose(1, 2).contiguous()
+    # On CPU a 2-D copy_ from a transposed matrix takes torch's cache-blocked transpose kernel, several
+    # times faster than one strided copy of the 3-D tensor.
+    out = torch.empty_like(x)
+    for s in range(x.shape[0]):
+        out[s].copy_(x[s].t())
+    return out
+
+
+def greedy_chain(image_feats: torch.Tensor, text_feats: torch.Tensor, start: torch.Tensor | int,
+                 valid: torch.Tensor | None = None) -> torch.Tensor:
+    """Greedy alternating chains: feats (S, M, d) or (M, d), start (S,) -> LongTensor (S, M) or (M,).
+
+    Row s is a permutation of range(M) with p_0 = start[s] and, for i >= 1,
+    p_i = argmax_{j not in {p_0..p_{i-1}}} of v_{p_{i-1}} . t_j (i odd, image -> text) or
+    t_{p_{i-1}} . v_j (i even, text -> image); ties go to the lowest index.
+    `valid` (S, M) bool, optional: invalid positions (padding, invalid samples) are visited only after
+    every valid one of their row; `start` should then point at a valid position.
+    All rows advance together on the features' device; the step loop never synchronises with the host.
+    Features must be finite (the caller checks once); similarities are computed in float32 and held as
+    two (S, M, M) tables (8*S*M^2 bytes: 737 MB for a queue of 48000 in sub-queues of 1920).
+    """
+    if image_feats.dim() not in (2, 3) or image_feats.shape != text_feats.shape:
+        raise ValueError(
+            f"greedy_chain: image_feats {tuple(image_feats.shape)} and text_feats {tuple(text_feats.shape)} "
+            "must have the same shape (S, M, d) or (M, d)")
+    squeeze = image_feats.dim() == 2
+    v = image_feats.unsqueeze(0) if squeeze else image_feats
+    t = text_feats.unsqueeze(0) if squeeze else text_feats
+    S, M, _ = v.shape
+    device = v.device
+    start = torch.as_tensor(start, dtype=torch.long, device=device).reshape(-1)
+    if start.shape != (S,):
+        raise ValueError(f"greedy_chain: start must have shape ({S},), got {tuple(start.shape)}")
+    if valid is not None and valid.shape != (S, M):
+        raise ValueError(f"greedy_chain: valid must have shape ({S}, {M}), got {tuple(valid.shape)}")
+    out = torch.empty(S, M, dtype=torch.long, device=device)
+    if M > 0:
+        with torch.inference_mode():
+            _chain_into(out, v.float(), t.float(), start, valid)
+    return out[0] if squeeze else out
+
+
+def _chain_into(out: torch.Tensor, v: torch.Tensor, t: torch.Tensor, start: torch.Tensor,
+                valid: torch.Tensor | None) -> None:
+    """Fill out (S, M) with the chains of v, t (S, M, d) float32 from start (S,)."""
+    S, M, _ = v.shape
+    device = v.device
+    # Step i reads row p_{i-1} of sim (odd i, image -> text) or of sim^T (even i, text -> image);
+    # both are made row-contiguous once, so every step is one gather of S rows.
+    sim = torch.bmm(v, t.transpose(1, 2))
+    sim_t = _transpose_last2(sim)
+    tables = (sim_t.view(S * M, M), sim.view(S * M, M))  # indexed by i % 2
+    row_offset = torch.arange(S, device=device) * M
+
+    # Additive mask: 0 = unvisited, -inf = visited. Invalid positions get a finite penalty below every
+    # reachable similarity (|v.t| <= |v||t|), so they come last but the row stays a permutation.
+    mask = torch.zeros(S, M, device=device)
+    if valid is not None:
+        bound = v.norm(dim=-1).amax(dim=-1) * t.norm(dim=-1).amax(dim=-1)  # (S,)
+        penalty = -(2.0 * bound + 1.0)
+        mask = torch.where(valid.to(device=device, dtype=torch.bool), mask, penalty[:, None])
+    neg_inf = torch.full((S, 1), float("-inf"), device=device)
+
+    cur = start.clone()
+    steps = [cur]
+    mask.scatter_(1, cur[:, None], neg_inf)
+    flat = torch.empty(S, dtype=torch.long, device=device)
+    row = torch.empty(S, M, device=device)
+    # Each CPU step touches only S*M floats: one thread is faster than waking the intra-op pool M times
+    # (and far faster when the cores are shared with other work).
+    threads = torch.get_num_threads()
+    if device.type == "cpu":
+        torch.set_num_threads(1)
+    try:
+        for i in range(1, M):
+            torch.add(cur, row_offset, out=flat)
+            torch.index_select(tables[i & 1], 0, flat, out=row)
+            row.add_(mask)
+            # torch.argmax returns the first maximal index, i.e. ties go to the lowest index.
+            cur = torch.argmax(row, dim=1)
+            mask.scatter_(1, cur[:, None], neg_inf)
+            steps.append(cur)
+    finally:
+        if device.type == "cpu":
+            torch.set_num_threads(threads)
+    torch.stack(steps, dim=1, out=out)

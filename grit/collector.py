@@ -1,0 +1,187 @@
+"""Phases 1-3 of GRIT: collect features into queues of size L, shuffle, split into sub-queues, group.
+
+Queue fills are grouped as soon as they are full; a batch that overflows the queue spills into the next
+fill. The only host synchronisation is one validity check per queue fill (finite features, indices in
+range) and one per epoch in `finalize`; `add` itself never waits for the device.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from .chain import greedy_chain
+
+__all__ = ["GritCollector"]
+
+
+class GritCollector:
+    """Queues of size L for (image feature, text feature, dataset index, valid) and the growing array G.
+
+    `add` takes batches already gathered from every rank, so every rank runs the same computation on the
+    same data with the same generator and ends up with the same G.
+    """
+
+    def __init__(self, queue_size: int, search_space: int, dim: int, dataset_len: int,
+                 device: torch.device | str = "cpu", example_shuffle: bool = True) -> None:
+        self.queue_size = int(queue_size)
+        self.search_space = int(search_space)
+        self.dim = int(dim)
+        self.dataset_len = int(dataset_len)
+        self.device = torch.device(device)
+        self.example_shuffle = bool(example_shuffle)
+        self.generator = torch.Generator()  # CPU: its state is a portable ByteTensor
+        self._image: torch.Tensor | None = None  # (L, d) float32, allocated on first use
+        self._text: torch.Tensor | None = None
+        self._index: torch.Tensor | None = None  # (L,) int64
+        self._valid: torch.Tensor | None = None  # (L,) bool
+        self.ptr = 0
+        self._groups: list[torch.Tensor] = []  # grouped dataset indices, -1 marks an invalid sample
+
+    def reset(self, seed: int) -> None:
+        """Empty the queues and G and re-seed the generator (start of an epoch)."""
+        self.generator.manual_seed(int(seed))
+        self.ptr = 0
+        self._groups = []
+
+    def _allocate(self) -> None:
+        L, d = self.queue_size, self.dim
+        self._image = torch.zeros(L, d, device=self.device)
+        self._text = torch.zeros(L, d, device=self.device)
+        self._index = torch.full((L,), -1, dtype=torch.long, device=self.device)
+        self._valid = torch.zeros(L, dtype=torch.bool, device=self.device)
+
+    @torch.no_grad()
+    def add(self, image_feat: torch.Tensor, text_feat: torch.Tensor, index: torch.Tensor,
+            valid: torch.Tensor | None = None) -> None:
+        """Append a gathered batch: feats (B, d), index (B,), valid (B,) bool | None; group full queues."""
+        if self._image is None:
+            self._allocate()
+        B = image_feat.shape[0]
+        image_feat = image_feat.detach().to(self.device, torch.float32)
+        text_feat = text_feat.detach().to(self.device, torch.float32)
+        index = index.detach().to(self.device, torch.long)
+        if valid is None:
+            valid = torch.ones(B, dtype=torch.bool, device=self.device)
+        else:
+            valid = valid.detach().to(self.device, torch.bool)
+            # Invalid samples may carry NaNs (e.g. a diverged loss); zero them so grouping stays finite.
+            image_feat = torch.where(valid[:, None], image_feat, 0.0)
+            text_feat = torch.where(valid[:, None], text_feat, 0.0)
+        done = 0
+        while done < B:
+            k = min(self.queue_size - self.ptr, B - done)
+            dst = slice(self.ptr, self.ptr + k)
+            self._image[dst] = image_feat[done:done + k]
+            self._text[dst] = text_feat[done:done + k]
+            self._index[dst] = index[done:done + k]
+            self._valid[dst] = valid[done:done + k]
+            self.ptr += k
+            done += k
+            if self.ptr == self.queue_size:
+                self._group(self.queue_size)
+                self.ptr = 0
+
+    def _check(self, n: int) -> None:
+        """One host sync per fill: finite features and in-range indices, else a ValueError naming them."""
+        valid = self._valid[:n]
+        index = self._index[:n]
+        in_range = (index >= 0) & (index < self.dataset_len)
+        # A NaN/inf anywhere makes its row sum non-finite; reducing first is cheaper than isfinite(all).
+        flags = torch.stack([
+            torch.isfinite(self._image[:n].sum(dim=1)).all(), torch.isfinite(self._text[:n].sum(dim=1)).all(),
+            (in_range | ~valid).all()]).tolist()
+        for ok, name in zip(flags[:2], ("image_feat", "text_feat")):
+            if not ok:
+                raise ValueError(
+                    f"GRIT: {name} passed to collect() contains NaN or inf (found when grouping a queue "
+                    "fill); mark such samples with valid=False")
+        if not flags[2]:
+            bad = index[valid & ~in_range][:5].tolist()
+            raise ValueError(
+                f"GRIT: index passed to collect() must hold dataset positions in [0, {self.dataset_len}); "
+                f"got e.g. {bad}")
+
+    @torch.no_grad()
+    def _group(self, n: int) -> None:
+        """Phases 2-3 on the first n queue entries: shuffle, split into sub-queues of M, chain, extend G."""
+        self._check(n)
+        if self.example_shuffle:
+            perm = torch.randperm(n, generator=self.generator).to(self.device, non_blocking=True)
+        else:
+            perm = torch.arange(n, device=self.device)
+        M = min(self.search_space, n)
+        S = math.ceil(n / M)
+        pad = S * M - n  # only the last sub-queue can be short: pad it with invalid entries
+        image, text = self._image[perm], self._text[perm]
+        index, valid = self._index[perm], self._valid[perm]
+        if pad:
+            image = torch.cat([image, image.new_zeros(pad, self.dim)])
+            text = torch.cat([text, text.new_zeros(pad, self.dim)])
+            index = torch.cat([index, index.new_full((pad,), -1)])
+            valid = torch.cat([valid, valid.new_zeros(pad)])
+        valid = valid.view(S, M)
+        # Uniform random start among the valid entries of each sub-queue (invalid keys are -1).
+        keys = torch.rand(S, M, generator=self.generator).to(self.device, non_blocking=True)
+        start = torch.where(valid, keys, -1.0).argmax(dim=1)
+        order = greedy_chain(image.view(S, M, self.dim), text.view(S, M, self.dim), start, valid=valid)
+        grouped = torch.where(valid, index.view(S, M), -1).gather(1, order).reshape(-1)
+        # Invalid and padding entries are chained last, so the `pad` trailing ones are all padding/invalid.
+        self._groups.append(grouped[:n])
+
+    def partial_groups(self) -> torch.Tensor:
+        """G so far (valid dataset indices of all grouped fills, in grouped order) -> LongTensor on CPU."""
+        if not self._groups:
+            return torch.empty(0, dtype=torch.long)
+        G = torch.cat(self._groups).cpu()
+        return G[G >= 0]
+
+    @torch.no_grad()
+    def finalize(self) -> torch.Tensor:
+        """Group the partial queue, return G (valid dataset indices in grouped order, CPU) and empty all."""
+        if self.ptr > 0:
+            self._group(self.ptr)
+            self.ptr = 0
+        G = self.partial_groups()
+        self._groups = []
+        if G.numel():
+            counts = torch.bincount(G, minlength=self.dataset_len)
+            if int(counts.max()) > 1:
+                dup = torch.nonzero(counts > 1).flatten()[:5].tolist()
+                raise ValueError(
+                    "GRIT: an index passed to collect() occurred more than once in one epoch (e.g. "
+                    f"{dup}); index must be the dataset position of the sample (0..{self.dataset_len - 1}), "
+                    "not an image or caption id")
+        return G
+
+    def state_dict(self) -> dict:
+        """Queue contents up to the pointer, the pointer and the generator state (CPU tensors)."""
+        n = self.ptr
+        empty_f = torch.zeros(0, self.dim)
+        return {
+            "ptr": n,
+            "image": self._image[:n].cpu().clone() if n else empty_f,
+            "text": self._text[:n].cpu().clone() if n else empty_f,
+            "index": self._index[:n].cpu().clone() if n else torch.zeros(0, dtype=torch.long),
+            "valid": self._valid[:n].cpu().clone() if n else torch.zeros(0, dtype=torch.bool),
+            "rng": self.generator.get_state(),
+        }
+
+    def load_state_dict(self, state: dict, groups: torch.Tensor) -> None:
+        """Restore queues, pointer and generator from `state_dict()`; groups: the partial G (LongTensor)."""
+        n = int(state["ptr"])
+        if not 0 <= n < self.queue_size or state["image"].shape != (n, self.dim):
+            raise ValueError(
+                f"GRIT sampler state: queue of {n} entries with image shape {tuple(state['image'].shape)} "
+                f"does not fit queue_size={self.queue_size}, dim={self.dim}")
+        if self._image is None:
+            self._allocate()
+        self.ptr = n
+        if n:
+            self._image[:n] = state["image"].to(self.device)
+            self._text[:n] = state["text"].to(self.device)
+            self._index[:n] = state["index"].to(self.device)
+            self._valid[:n] = state["valid"].to(self.device)
+        self.generator.set_state(state["rng"].cpu())
+        self._groups = [groups.to(self.device, torch.long)] if groups.numel() else []

@@ -1,0 +1,404 @@
+"""GritSampler: a DistributedSampler replacement that deals GRIT's grouped mini-batches (phase 4)."""
+
+from __future__ import annotations
+
+import json
+import numbers
+import os
+import warnings
+from collections.abc import Callable, Iterable, Iterator
+
+import torch
+import torch.distributed as dist
+
+from . import dist as gdist
+from .collector import GritCollector
+
+__all__ = ["GritSampler", "parse_grit_config", "load_index_array"]
+
+_GRIT_DEFAULTS = {"enabled": True, "queue_size": None, "search_space": None, "example_shuffle": True,
+                  "batch_shuffle": True, "mode": "concurrent", "warmstart_indices": None}
+
+# Independent random streams derived from (seed, epoch): example shuffle + chain starts, composition of
+# the epoch (unseen order, dropped chunks, chunk order), and the naive mode's fresh permutation.
+_STREAM_COLLECT, _STREAM_COMPOSE, _STREAM_NAIVE = 1, 2, 3
+
+NaivePass = Callable[[torch.Tensor], Iterable[tuple]]
+
+
+def _mix(seed: int, epoch: int, stream: int) -> int:
+    """A generator seed for (seed, epoch, stream), distinct from DistributedSampler's seed + epoch."""
+    return (int(seed) * 0x9E3779B97F4A7C15 + int(epoch) * 0xBF58476D1CE4E5B9 + stream * 0x94D049BB133111EB
+            + 0x2545F4914F6CDD1D) % (2**63 - 1)
+
+
+def parse_grit_config(grit: dict | None, batch_size: int) -> dict:
+    """Validate the config['grit'] block -> dict with every key of _GRIT_DEFAULTS filled in."""
+    if grit is None:
+        return dict(_GRIT_DEFAULTS, enabled=False)
+    if not isinstance(grit, dict):
+        raise ValueError(f"grit: expected a mapping (the config's grit block), got {type(grit).__name__}")
+    unknown = sorted(set(grit) - set(_GRIT_DEFAULTS))
+    if unknown:
+        raise ValueError(f"grit: unknown key(s) {unknown}; known keys: {sorted(_GRIT_DEFAULTS)}")
+    cfg = dict(_GRIT_DEFAULTS, **grit)
+    for key in ("enabled", "example_shuffle", "batch_shuffle"):
+        if not isinstance(cfg[key], bool):
+            raise ValueError(f"grit.{key} must be true or false, got {cfg[key]!r}")
+    if cfg["mode"] not in ("concurrent", "naive"):
+        raise ValueError(f"grit.mode must be 'concurrent' or 'naive', got {cfg['mode']!r}")
+    if not cfg["enabled"]:
+        return cfg
+    for key in ("queue_size", "search_space"):
+        value = cfg[key]
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ValueError(f"grit.{key} must be a positive integer, got {value!r}")
+    if cfg["search_space"] < batch_size:
+        raise ValueError(
+            f"grit.search_space ({cfg['search_space']}) must be >= batch_size ({batch_size}): each per-rank "
+            "batch is one group cut from a sub-queue")
+    if cfg["queue_size"] < cfg["search_space"]:
+        raise ValueError(
+            f"grit.queue_size ({cfg['queue_size']}) must be >= grit.search_space ({cfg['search_space']})")
+    return cfg
+
+
+def load_index_array(path: str, dataset_len: int, what: str = "grit.warmstart_indices") -> torch.Tensor:
+    """Load a 1-D array of distinct dataset indices in [0, dataset_len) from .pt/.pth, .npy or .json."""
+    if not os.path.isfile(path):
+        raise FileNotFoundError(f"{what}: no such file: {path}")
+    try:
+        if path.endswith(".npy"):
+            import numpy as np
+
+            data = torch.from_numpy(np.load(path, allow_pickle=False))
+        elif path.endswith(".json"):
+            with open(path) as f:
+                data = torch.tensor(json.load(f))
+        else:
+            data = torch.load(path, map_location="cpu", weights_only=True)
+            if isinstance(data, dict):  # a sampler state or a checkpoint holding one
+                data = data.get("sampler", data).get("indices")
+    except Exception as e:  # noqa: BLE001 - any parse failure becomes one clear message
+        raise ValueError(f"{what}: cannot read an index array from {path}: {e}") from e
+    if not isinstance(data, torch.Tensor) or data.dim() != 1:
+        shape = tuple(data.shape) if isinstance(data, torch.Tensor) else type(data).__name__
+        raise ValueError(f"{what}: {path} must hold a 1-D integer array, got {shape}")
+    if data.dtype.is_floating_point or data.dtype == torch.bool or data.dtype.is_complex:
+        raise ValueError(f"{what}: {path} must hold integers, got dtype {data.dtype}")
+    data = data.long()
+    if data.numel() and (int(data.min()) < 0 or int(data.max()) >= dataset_len):
+        raise ValueError(f"{what}: {path} has indices outside [0, {dataset_len}) (dataset size)")
+    if data.numel() != torch.unique(data).numel():
+        raise ValueError(f"{what}: {path} contains repeated indices")
+    return data
+
+
+class GritSampler(torch.utils.data.Sampler):
+    """Yields this rank's dataset indices for one epoch in per-rank batch order (see grit/__init__.py).
+
+    Use with DataLoader(batch_size=batch_size, drop_last=True): batch s of rank r is chunk s*W + r of the
+    epoch's global array, i.e. one GRIT group per local batch.
+    """
+
+    def __init__(self, dataset, num_replicas: int | None = None, rank: int | None = None,
+                 shuffle: bool = True, seed: int = 0, drop_last: bool = True, *, batch_size: int,
+                 grit: dict | None = None, dim: int = 256, device: torch.device | str | None = None) -> None:
+        self.dataset_len = int(dataset) if isinstance(dataset, numbers.Integral) else len(dataset)
+        world, this_rank = gdist.world_info()
+        self.num_replicas = world if num_replicas is None else int(num_replicas)
+        self.rank = this_rank if rank is None else int(rank)
+        if self.num_replicas < 1 or not 0 <= self.rank < self.num_replicas:
+            raise ValueError(f"GritSampler: invalid rank {self.rank} for num_replicas {self.num_replicas}")
+        if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
+            raise ValueError(f"GritSampler: batch_size must be a positive integer, got {batch_size!r}")
+        if not drop_last:
+            raise ValueError(
+                "GritSampler: drop_last=False is not supported; every epoch leaves out fewer than "
+                "batch_size * num_replicas indices, chosen anew each epoch")
+        self.batch_size = batch_size
+        self.shuffle = bool(shuffle)
+        self.seed = int(seed)
+        self.drop_last = True
+        self.dim = int(dim)
+        self.device = torch.device(device) if device is not None else torch.device("cpu")
+        self.grit = parse_grit_config(grit, batch_size)
+        self.global_batch = batch_size * self.num_replicas
+        if self.dataset_len < self.global_batch:
+            raise ValueError(
+                f"GritSampler: dataset has {self.dataset_len} examples, fewer than one global batch "
+                f"(batch_size {batch_size} x num_replicas {self.num_replicas})")
+        self.batches_per_epoch = self.dataset_len // self.global_batch  # T, identical in every mode
+        self.warmstart = None
+        if self.grit["enabled"] and self.grit["warmstart_indices"]:
+            self.warmstart = load_index_array(str(self.grit["warmstart_indices"]), self.dataset_len)
+        self.collector = None
+        if self.grit["enabled"]:
+            self.collector = GritCollector(self.grit["queue_size"], self.grit["search_space"], self.dim,
+                                           self.dataset_len, self.device, self.grit["example_shuffle"])
+        self.epoch: int | None = None
+        self.in_progress = False
+        self.position = 0  # batches consumed this epoch = collect() calls since set_epoch
+        self.start_batch = 0  # where __iter__ starts: 0, or the position restored by load_state_dict
+        self._epochs_started = 0
+        self._epoch_array = torch.empty(0, dtype=torch.long)  # (T*B,) global order, chunk k = k-th N
+        self._next_array: torch.Tensor | None = None  # next epoch's array, composed by end_epoch()
+        self._check_pending = False  # a loaded mid-epoch array is compared across ranks at set_epoch
+
+    # ----------------------------------------------------------------------------------------- epochs
+    @property
+    def collecting(self) -> bool:
+        """True while collect() feeds the queues (GRIT enabled, concurrent mode, epoch in progress)."""
+        return self.in_progress and self.grit["enabled"] and self.grit["mode"] == "concurrent"
+
+    def set_epoch(self, epoch: int, naive_pass: NaivePass | None = None) -> None:
+        """Start epoch `epoch` (no-op if it is already in progress, e.g. after a mid-epoch resume).
+
+        naive_pass (grit.mode 'naive' only): fn(indices LongTensor (T*N,)) -> iterable of local
+        (image_feat (N,d), text_feat (N,d), index (N,)[, valid (N,)]) batches from a no-grad forward pass.
+        """
+        epoch = int(epoch)
+        if self.in_progress:
+            if epoch == self.epoch:
+                if self._check_pending:
+                    gdist.assert_same_on_all_ranks(self._epoch_array, f"resumed index array of epoch {epoch}",
+                                                   self._comm_device())
+                    self._check_pending = False
+                return
+            warnings.warn(f"GritSampler: set_epoch({epoch}) before end_epoch() of epoch {self.epoch}; "
+                          "ending it now", stacklevel=2)
+            self.end_epoch()
+        cfg = self.grit
+        array = None
+        if cfg["enabled"]:
+            if self._next_array is not None:
+                array, self._next_array = self._next_array, None
+                if array.numel() != self.batches_per_epoch * self.global_batch:  # e.g. world size changed
+                    array = self._compose(array, epoch)
+            elif self.warmstart is not None and self._epochs_started == 0:
+                array = self._compose(self.warmstart, epoch)
+            elif cfg["mode"] == "naive":
+                if naive_pass is None:
+                    raise ValueError(
+                        "grit.mode 'naive' needs set_epoch(epoch, naive_pass=fn), see grit/__init__.py")
+                array = self._compose(self._run_naive_pass(epoch, naive_pass), epoch)
+        if array is None:
+            array = self._plain(epoch)
+        gdist.assert_same_on_all_ranks(array, f"index array of epoch {epoch}", self._comm_device())
+        self.epoch = epoch
+        self._epochs_started += 1
+        self.position = self.start_batch = 0
+        self._check_pending = False
+        self._epoch_array = array
+        if self.collecting_mode:
+            self.collector.reset(_mix(self.seed, epoch, _STREAM_COLLECT))
+        self.in_progress = True
+
+    @property
+    def collecting_mode(self) -> bool:
+        """True when training steps feed the collector (GRIT enabled and mode 'concurrent')."""
+        return self.grit["enabled"] and self.grit["mode"] == "concurrent"
+
+    def end_epoch(self) -> None:
+        """Finish the epoch: group the partial queue into G, check ranks agree, compose the next epoch."""
+        if not self.in_progress:
+            return
+        if self.collecting_mode:
+            G = self.collector.finalize()
+            gdist.assert_same_on_all_ranks(G, f"GRIT index array G built in epoch {self.epoch}",
+                                           self._comm_device())
+            self._next_array = self._compose(G, self.epoch + 1)
+        self.in_progress = False
+
+    def _run_naive_pass(self, epoch: int, naive_pass: NaivePass) -> torch.Tensor:
+        """Naive GRIT (paper Remark 2): group a fresh random permutation seen through a no-grad pass."""
+        gen = torch.Generator().manual_seed(_mix(self.seed, epoch, _STREAM_NAIVE))
+        T, W, N = self.batches_per_epoch, self.num_replicas, self.batch_size
+        perm = torch.randperm(self.dataset_len, generator=gen)[:T * W * N]
+        share = perm.view(T, W, N)[:, self.rank].reshape(-1)
+        self.collector.reset(_mix(self.seed, epoch, _STREAM_COLLECT))
+        for batch in naive_pass(share.clone()):
+            if len(batch) not in (3, 4):
+                raise ValueError("naive_pass must yield (image_feat, text_feat, index[, valid]) tuples")
+            self._collect(*batch, gathered=False)
+        return self.collector.finalize()
+
+    def _plain(self, epoch: int) -> torch.Tensor:
+        """DistributedSampler's order (randperm seeded by seed + epoch) cut to whole global batches."""
+        if self.shuffle:
+            g = torch.Generator().manual_seed(self.seed + epoch)
+            order = torch.randperm(self.dataset_len, generator=g)
+        else:
+            order = torch.arange(self.dataset_len)
+        return order[:self.batches_per_epoch * self.global_batch].clone()
+
+    def _compose(self, G: torch.Tensor, epoch: int) -> torch.Tensor:
+        """Epoch array from G: unseen indices first, cut into chunks of N, drop/shuffle chunks -> (T*B,)."""
+        gen = torch.Generator().manual_seed(_mix(self.seed, epoch, _STREAM_COMPOSE))
+        D, N, W = self.dataset_len, self.batch_size, self.num_replicas
+        G = G.cpu().long()
+        seen = torch.zeros(D, dtype=torch.bool)
+        seen[G] = True
+        unseen = torch.nonzero(~seen).flatten()
+        unseen = unseen[torch.randperm(unseen.numel(), generator=gen)]
+        # Unseen indices go first, so the D % N tail left over after cutting chunks comes from G and
+        # the dropped chunks can be drawn among chunks made of G only: whenever fewer than B indices
+        # were unseen, all of them are used this epoch and the left-out ones were seen last epoch.
+        # The last k indices of G fill up the unseen ones' last chunk, so that G's chunks keep starting at
+        # multiples of N from G's start and line up with its sub-queues (when N divides M and L).
+        k = min((-unseen.numel()) % N, G.numel())
+        head = torch.cat([unseen, G[G.numel() - k:]])
+        full = torch.cat([head, G[:G.numel() - k]])  # every dataset index exactly once
+        C = D // N
+        chunks = full[:C * N].view(C, N)
+        n_drop = C - self.batches_per_epoch * W
+        first_pure = -(-head.numel() // N)  # first chunk holding no unseen index
+        drop_from = first_pure if C - first_pure >= n_drop else 0
+        drop = drop_from + torch.randperm(C - drop_from, generator=gen)[:n_drop]
+        kept = torch.ones(C, dtype=torch.bool)
+        kept[drop] = False
+        kept = torch.nonzero(kept).flatten()
+        if self.grit["batch_shuffle"]:
+            kept = kept[torch.randperm(kept.numel(), generator=gen)]
+        return chunks[kept].reshape(-1)
+
+    def _comm_device(self) -> torch.device:
+        if gdist.is_distributed() and dist.get_backend() == "nccl":
+            return torch.device("cuda", torch.cuda.current_device())
+        return torch.device("cpu")
+
+    # ------------------------------------------------------------------------------------ iteration
+    def _ensure_started(self) -> None:
+        if not self.in_progress:
+            self.set_epoch(0 if self.epoch is None else self.epoch + 1)
+
+    def __iter__(self) -> Iterator[int]:
+        self._ensure_started()
+        T, W, N = self.batches_per_epoch, self.num_replicas, self.batch_size
+        mine = self._epoch_array.view(T, W, N)[self.start_batch:, self.rank].reshape(-1)
+        return iter(mine.tolist())
+
+    def __len__(self) -> int:
+        return (self.batches_per_epoch - self.start_batch) * self.batch_size
+
+    def epoch_indices(self) -> torch.Tensor:
+        """The current (or just ended) epoch's global array (T*B,): step s, rank r gets chunk s*W + r."""
+        if self.epoch is None:
+            self._ensure_started()
+        return self._epoch_array.clone()
+
+    # ----------------------------------------------------------------------------------- collection
+    def collect(self, image_feat: torch.Tensor, text_feat: torch.Tensor, index: torch.Tensor,
+                valid: torch.Tensor | None = None) -> None:
+        """After each step, on every rank: local feats (N, d), index (N,), valid (N,) bool | None."""
+        self._collect(image_feat, text_feat, index, valid, gathered=False, count=True)
+
+    def collect_global(self, image_feat: torch.Tensor, text_feat: torch.Tensor, index: torch.Tensor,
+                       valid: torch.Tensor | None = None) -> None:
+        """Like collect() with a batch already gathered from all ranks in rank order: feats (N*W, d)."""
+        self._collect(image_feat, text_feat, index, valid, gathered=True, count=True)
+
+    def _collect(self, image_feat: torch.Tensor, text_feat: torch.Tensor, index: torch.Tensor,
+                 valid: torch.Tensor | None = None, gathered: bool = False, count: bool = False) -> None:
+        if count:
+            self._ensure_started()
+            self.position += 1
+            if not self.collecting:  # disabled or naive: steps only advance the position
+                return
+        rows = self.global_batch if gathered else self.batch_size
+        what = "collect_global" if gathered else "collect"
+        for name, x in (("image_feat", image_feat), ("text_feat", text_feat)):
+            if not isinstance(x, torch.Tensor) or x.shape != (rows, self.dim):
+                shape = tuple(x.shape) if isinstance(x, torch.Tensor) else type(x).__name__
+                raise ValueError(
+                    f"GritSampler.{what}: {name} must have shape ({rows}, {self.dim}), got {shape}")
+        if not isinstance(index, torch.Tensor) or index.shape != (rows,) or index.dtype.is_floating_point:
+            raise ValueError(f"GritSampler.{what}: index must be an integer tensor of shape ({rows},)")
+        if valid is not None and (not isinstance(valid, torch.Tensor) or valid.shape != (rows,)
+                                  or valid.dtype != torch.bool):
+            raise ValueError(f"GritSampler.{what}: valid must be a bool tensor of shape ({rows},) or None")
+        with torch.no_grad():
+            if not gathered and self.num_replicas > 1:
+                if gdist.world_info()[0] != self.num_replicas:
+                    raise ValueError(
+                        f"GritSampler.collect: num_replicas={self.num_replicas} but torch.distributed world "
+                        f"size is {gdist.world_info()[0]}; in a single process use collect_global()")
+                dev = image_feat.device
+                # Two collectives per step: features packed (N, 2d), integers packed (N, 2).
+                both = torch.cat([image_feat.detach().float(), text_feat.detach().float()], 1)
+                feats = gdist.all_gather_cat(both)
+                index = index.to(dev, torch.long)
+                ok = torch.ones_like(index) if valid is None else valid.to(dev, torch.long)
+                ints = gdist.all_gather_cat(torch.stack([index, ok], 1))
+                image_feat, text_feat = feats[:, :self.dim], feats[:, self.dim:]
+                index, valid = ints[:, 0], (None if valid is None else ints[:, 1].bool())
+            self.collector.add(image_feat, text_feat, index, valid)
+
+    # ---------------------------------------------------------------------------------------- state
+    def state_dict(self) -> dict:
+        """Everything needed for an exact resume; loadable with torch.load(weights_only=True)."""
+        in_progress = self.in_progress
+        if in_progress and self.collecting_mode:
+            indices = self.collector.partial_groups()
+            collector = self.collector.state_dict()
+        else:
+            indices = self._next_array if self._next_array is not None else torch.empty(0, dtype=torch.long)
+            collector = {}
+        return {
+            "version": 1,
+            "epoch": -1 if self.epoch is None else self.epoch,
+            "in_progress": int(in_progress),
+            "position": self.position,
+            "has_next": int(self._next_array is not None),
+            "epochs_started": self._epochs_started,
+            "dataset_len": self.dataset_len,
+            "batch_size": self.batch_size,
+            "num_replicas": self.num_replicas,
+            "seed": self.seed,
+            "mode": self.grit["mode"] if self.grit["enabled"] else "disabled",
+            "epoch_indices": self._epoch_array.clone() if in_progress else torch.empty(0, dtype=torch.long),
+            "indices": indices.cpu().clone(),
+            "collector": collector,
+        }
+
+    def load_state_dict(self, state: dict) -> None:
+        """Restore `state_dict()`; a following set_epoch(same epoch) resumes at the saved position."""
+        def bad(msg: str) -> ValueError:
+            return ValueError(f"GritSampler.load_state_dict: {msg}")
+
+        if not isinstance(state, dict) or state.get("version") != 1:
+            raise bad("not a GritSampler state (missing version 1)")
+        if int(state["dataset_len"]) != self.dataset_len:
+            raise bad(f"saved for a dataset of {state['dataset_len']} examples, this one has "
+                      f"{self.dataset_len}")
+        in_progress = bool(state["in_progress"])
+        mode = self.grit["mode"] if self.grit["enabled"] else "disabled"
+        if in_progress:
+            same = (int(state["batch_size"]), int(state["num_replicas"]), state["mode"])
+            if same != (self.batch_size, self.num_replicas, mode):
+                raise bad(f"mid-epoch state saved with (batch_size, num_replicas, mode) = {same}, now "
+                          f"{(self.batch_size, self.num_replicas, mode)}; resume from an end-of-epoch "
+                          "checkpoint")
+        self.seed = int(state["seed"])  # the saved seed keeps the resumed run identical
+        self.epoch = None if int(state["epoch"]) < 0 else int(state["epoch"])
+        self._epochs_started = int(state["epochs_started"])
+        self.position = int(state["position"])
+        indices = state["indices"].cpu().long()
+        self._next_array = None
+        if indices.numel() and (int(indices.min()) < 0 or int(indices.max()) >= self.dataset_len):
+            raise bad(f"'indices' has values outside [0, {self.dataset_len})")
+        if in_progress:
+            epoch_array = state["epoch_indices"].cpu().long()
+            if epoch_array.shape != (self.batches_per_epoch * self.global_batch,):
+                raise bad(f"'epoch_indices' has shape {tuple(epoch_array.shape)}, expected "
+                          f"({self.batches_per_epoch * self.global_batch},)")
+            self._epoch_array = epoch_array
+            self.start_batch = self.position
+            self._check_pending = True
+            if self.collecting_mode:
+                self.collector.load_state_dict(state["collector"], indices)
+        else:
+            self.start_batch = 0
+            if bool(state["has_next"]) and self.grit["enabled"]:
+                self._next_array = indices
+        self.in_progress = in_progress

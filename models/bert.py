@@ -1,0 +1,539 @@
+"""Compact BERT split at `fusion_layer` into a text encoder and a fusion (multi-modal) encoder.
+
+Parameter names follow transformers' BertForMaskedLM (without the pooler) so that BERT checkpoints
+and ALBEF / GRIT-VLP checkpoints load without key surgery. Attention runs through
+torch.nn.functional.scaled_dot_product_attention; the attention masks are built once per forward.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import re
+from collections.abc import Sequence
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+from transformers import BertConfig
+
+logger = logging.getLogger(__name__)
+
+_MODES = ("text", "fusion", "multimodal")
+_WEIGHT_FILES = ("model.safetensors", "pytorch_model.bin")
+
+
+def load_bert_config(path: str) -> BertConfig:
+    """Read a BERT json config that also carries the ALBEF keys fusion_layer and encoder_width."""
+    if not path or not os.path.isfile(path):
+        raise FileNotFoundError(f"bert_config: no such file: {path!r}")
+    try:
+        with open(path) as f:
+            values = json.load(f)
+    except json.JSONDecodeError as err:
+        raise ValueError(f"bert_config {path!r} is not valid json: {err}") from err
+    missing = [k for k in ("fusion_layer", "encoder_width") if k not in values]
+    if missing:
+        raise ValueError(f"bert_config {path!r} lacks the key(s) {missing} (needed to split BERT for fusion)")
+    config = BertConfig(**values)
+    if not 0 <= config.fusion_layer <= config.num_hidden_layers:
+        raise ValueError(
+            f"bert_config {path!r}: fusion_layer={config.fusion_layer} must lie in "
+            f"[0, num_hidden_layers={config.num_hidden_layers}]"
+        )
+    return config
+
+
+class BertEmbeddings(nn.Module):
+    """Word + position + token-type embeddings, LayerNorm, dropout."""
+
+    def __init__(self, config: BertConfig):
+        super().__init__()
+        self.word_embeddings = nn.Embedding(
+            config.vocab_size, config.hidden_size, padding_idx=config.pad_token_id
+        )
+        self.position_embeddings = nn.Embedding(config.max_position_embeddings, config.hidden_size)
+        self.token_type_embeddings = nn.Embedding(config.type_vocab_size, config.hidden_size)
+        self.LayerNorm = nn.LayerNorm(config.hidden_size, eps=config.layer_norm_eps)
+        self.dropout = nn.Dropout(config.hidden_dropout_prob)
+
+    def forward(self, input_ids: Tensor) -> Tensor:
+        """input_ids (B,L) -> (B,L,H); token type 0 everywhere, positions 0..L-1."""
+        length = input_ids.shape[1]
+        # Slicing the weights avoids building position / token-type id tensors.
+        x = (
+            self.word_embeddings(input_ids)
+            + self.position_embeddings.weight[:length]
+            + self.token_type_embeddings.weight[0]
+        )
+        return self.dropout(self.LayerNorm(x))
+
+
+class BertSelfAttention(nn.Module):
+    """Multi-head attention projections; keys/values may come from another width (cross-attention)."""
+
+    def __init__(self, config: BertConfig, kv_width: int):
+        super().__init__()
+        if config.hidden_size % config.num_attention_heads:
+            raise ValueError(
+                f"bert config: hidden_size={config.hidden_size} is not a multiple of "
+                f"num_attention_heads={config.num_attention_heads}"
+            )
+        self.num_heads = config.num_attention_heads
+        self.head_dim = config.hidden_size // config.num_attention_heads
+        self.dropout_p = config.attention_probs_dropout_prob
+        self.query = nn.Linear(config.hidden_size, config.hidden_size)
+        self.key = nn.Linear(kv_width, config.hidden_size)
+        self.value = nn.Linear(kv_width, config.hidden_size)
+
+    def _heads(self, x: Tensor) -> Tensor:
+        return x.unflatten(-1, (self.num_heads, self.head_dim)).transpose(1, 2)
+
+    def forward(self, x: Tensor, context: Tensor, mask: Tensor | None) -> Tensor:
+        """x (B,L,H), context (B,N,Dk), mask bool broadcastable to (B,heads,L,N) -> (B,L,H)."""
+        out = F.scaled_dot_product_attention(
+            self._heads(self.query(x)),
+            self._heads(self.key(context)),
+            self._heads(self.value(context)),
+            attn_mask=mask,
+            dropout_p=self.dropout_p if self.training else 0.0,
+        )
+        return out.transpose(1, 2).flatten(2)
+
+
+class BertSelfOutput(nn.Module):
+    """Output projection + dropout + residual LayerNorm (also used after the feed-forward)."""
+
+    def __init__(self, config: BertConfig, in_width: int):
+        super().__init__()
+        self.dense = nn.Linear(in_width, config.hidden_size)
+        self.LayerNorm = nn.LayerNorm(config.hidden_size, eps=config.layer_norm_eps)
+        self.dropout = nn.Dropout(config.hidden_dropout_prob)
+
+    def forward(self, x: Tensor, residual: Tensor) -> Tensor:
+        """x (B,L,in_width), residual (B,L,H) -> (B,L,H)."""
+        return self.LayerNorm(self.dropout(self.dense(x)) + residual)
+
+
+class BertAttention(nn.Module):
+    """Attention block: `.self` (q, k, v) and `.output` (dense, LayerNorm), as named by transformers."""
+
+    def __init__(self, config: BertConfig, kv_width: int):
+        super().__init__()
+        self.self = BertSelfAttention(config, kv_width)
+        self.output = BertSelfOutput(config, config.hidden_size)
+
+    def forward(self, x: Tensor, context: Tensor, mask: Tensor | None) -> Tensor:
+        """x (B,L,H), context (B,N,Dk) -> (B,L,H)."""
+        return self.output(self.self(x, context, mask), x)
+
+
+class BertIntermediate(nn.Module):
+    """Feed-forward expansion with the activation named in the config."""
+
+    def __init__(self, config: BertConfig):
+        super().__init__()
+        self.dense = nn.Linear(config.hidden_size, config.intermediate_size)
+        self.act = _activation(config.hidden_act)
+
+    def forward(self, x: Tensor) -> Tensor:
+        """(B,L,H) -> (B,L,I)."""
+        return self.act(self.dense(x))
+
+
+def _activation(name: str) -> nn.Module:
+    # transformers' 'gelu' is the exact (erf) GELU; 'gelu_new' is the tanh approximation.
+    table = {
+        "gelu": lambda: nn.GELU(),
+        "gelu_new": lambda: nn.GELU(approximate="tanh"),
+        "gelu_pytorch_tanh": lambda: nn.GELU(approximate="tanh"),
+        "relu": lambda: nn.ReLU(),
+        "silu": lambda: nn.SiLU(),
+    }
+    if name not in table:
+        raise ValueError(f"bert config: unsupported hidden_act {name!r} (one of {sorted(table)})")
+    return table[name]()
+
+
+class BertLayer(nn.Module):
+    """Self-attention, optional cross-attention to the image tokens, feed-forward."""
+
+    def __init__(self, config: BertConfig, has_cross: bool):
+        super().__init__()
+        self.attention = BertAttention(config, config.hidden_size)
+        if has_cross:
+            self.crossattention = BertAttention(config, config.encoder_width)
+        self.intermediate = BertIntermediate(config)
+        self.output = BertSelfOutput(config, config.intermediate_size)
+
+    def forward(
+        self,
+        x: Tensor,
+        mask: Tensor | None,
+        context: Tensor | None = None,
+        context_mask: Tensor | None = None,
+    ) -> Tensor:
+        """x (B,L,H), context (B,N,Dv) or None -> (B,L,H)."""
+        x = self.attention(x, x, mask)
+        if context is not None:
+            x = self.crossattention(x, context, context_mask)
+        return self.output(self.intermediate(x), x)
+
+
+class BertEncoderLayers(nn.Module):
+    """Holds `layer` so that parameter names read `bert.encoder.layer.N...`."""
+
+    def __init__(self, config: BertConfig, cross_from: int):
+        super().__init__()
+        self.layer = nn.ModuleList(
+            BertLayer(config, has_cross=i >= cross_from) for i in range(config.num_hidden_layers)
+        )
+
+
+class BertBackbone(nn.Module):
+    """`bert`: embeddings and encoder layers (no pooler)."""
+
+    def __init__(self, config: BertConfig, cross_from: int):
+        super().__init__()
+        self.embeddings = BertEmbeddings(config)
+        self.encoder = BertEncoderLayers(config, cross_from)
+
+
+class BertPredictionHeadTransform(nn.Module):
+    def __init__(self, config: BertConfig):
+        super().__init__()
+        self.dense = nn.Linear(config.hidden_size, config.hidden_size)
+        self.act = _activation(config.hidden_act)
+        self.LayerNorm = nn.LayerNorm(config.hidden_size, eps=config.layer_norm_eps)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.LayerNorm(self.act(self.dense(x)))
+
+
+class BertLMPredictionHead(nn.Module):
+    def __init__(self, config: BertConfig):
+        super().__init__()
+        self.transform = BertPredictionHeadTransform(config)
+        self.decoder = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.bias = nn.Parameter(torch.zeros(config.vocab_size))
+        # Shared as in transformers / ALBEF: the state dict holds both decoder.bias and bias.
+        self.decoder.bias = self.bias
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.decoder(self.transform(x))
+
+
+class BertOnlyMLMHead(nn.Module):
+    def __init__(self, config: BertConfig):
+        super().__init__()
+        self.predictions = BertLMPredictionHead(config)
+
+
+def _attention_mask(
+    attention_mask: Tensor | None, causal_len: int | None = None, device: torch.device | None = None
+) -> Tensor | None:
+    """attention_mask (B,N) 1=keep -> bool (B,1,1,N), or with causal_len L (B|1,1,L,L); True = may attend."""
+    mask = None if attention_mask is None else attention_mask[:, None, None, :].bool()
+    if causal_len is not None:
+        causal = torch.ones(causal_len, causal_len, dtype=torch.bool, device=device).tril()
+        mask = causal if mask is None else mask & causal
+    return mask
+
+
+class BertEncoder(nn.Module):
+    """BERT text encoder (layers < fusion_layer) + fusion encoder (layers >= fusion_layer) + MLM head.
+
+    Layers i >= cross_from (default fusion_layer) cross-attend to `encoder_hidden_states`
+    (width config.encoder_width). is_decoder=True makes self-attention causal (VQA answer decoder,
+    built with fusion_layer=0 so that every layer cross-attends).
+    """
+
+    def __init__(
+        self,
+        config: BertConfig,
+        mlm_head: bool = True,
+        is_decoder: bool = False,
+        cross_from: int | None = None,
+    ):
+        super().__init__()
+        for key in ("fusion_layer", "encoder_width"):
+            if not hasattr(config, key):
+                raise ValueError(f"bert config lacks {key!r} (needed to split BERT for fusion)")
+        self.config = config
+        self.fusion_layer = config.fusion_layer
+        self.cross_from = config.fusion_layer if cross_from is None else cross_from
+        self.is_decoder = is_decoder
+        self.bert = BertBackbone(config, self.cross_from)
+        if mlm_head:
+            self.cls = BertOnlyMLMHead(config)
+        self.apply(self._init_weights)
+        if mlm_head:
+            self.tie_weights()
+
+    def _init_weights(self, module: nn.Module) -> None:
+        # BERT's initialisation: N(0, initializer_range) weights, zero biases, unit LayerNorm.
+        std = self.config.initializer_range
+        if isinstance(module, nn.Linear):
+            nn.init.normal_(module.weight, std=std)
+            if module.bias is not None:
+                nn.init.zeros_(module.bias)
+        elif isinstance(module, nn.Embedding):
+            nn.init.normal_(module.weight, std=std)
+            if module.padding_idx is not None:
+                with torch.no_grad():
+                    module.weight[module.padding_idx].zero_()
+        elif isinstance(module, nn.LayerNorm):
+            nn.init.ones_(module.weight)
+            nn.init.zeros_(module.bias)
+        elif isinstance(module, BertLMPredictionHead):
+            nn.init.zeros_(module.bias)
+
+    def tie_weights(self) -> None:
+        """Share the MLM decoder weight with the word embeddings (as transformers does)."""
+        self.cls.predictions.decoder.weight = self.bert.embeddings.word_embeddings.weight
+
+    @property
+    def layers(self) -> nn.ModuleList:
+        return self.bert.encoder.layer
+
+    def forward(
+        self,
+        input_ids: Tensor | None = None,
+        attention_mask: Tensor | None = None,
+        mode: str = "multimodal",
+        hidden_states: Tensor | None = None,
+        encoder_hidden_states: Tensor | Sequence[Tensor] | None = None,
+        encoder_attention_mask: Tensor | Sequence[Tensor] | None = None,
+    ) -> Tensor:
+        """Run the text part, the fusion part or both; returns hidden states (B,L,H).
+
+        input_ids (B,L) for 'text'/'multimodal'; hidden_states (B,L,H) (text-mode output) for 'fusion';
+        attention_mask (B,L) 1 = token, 0 = padding; encoder_hidden_states (B,N,Dv) or a list of them
+        (fusion layer j attends to list[(j - fusion_layer) % len(list)]), encoder_attention_mask (B,N)
+        or a matching list (None = attend to every image token).
+        """
+        if mode not in _MODES:
+            raise ValueError(f"BertEncoder mode must be one of {_MODES}, got {mode!r}")
+        n_layers = len(self.layers)
+        if mode == "fusion":
+            if hidden_states is None:
+                raise ValueError("BertEncoder mode 'fusion' needs hidden_states (the text-mode output)")
+            start, x = self.fusion_layer, hidden_states
+        else:
+            if input_ids is None:
+                raise ValueError(f"BertEncoder mode {mode!r} needs input_ids")
+            start, x = 0, self.bert.embeddings(input_ids)
+        stop = self.fusion_layer if mode == "text" else n_layers
+        self_mask = _attention_mask(attention_mask, x.shape[1] if self.is_decoder else None, x.device)
+
+        runs_cross = any(i >= self.cross_from for i in range(start, stop))
+        contexts, context_masks = None, None
+        if runs_cross:
+            if encoder_hidden_states is None:
+                raise ValueError(f"BertEncoder mode {mode!r} needs encoder_hidden_states (image tokens)")
+            contexts = (
+                [encoder_hidden_states]
+                if isinstance(encoder_hidden_states, Tensor)
+                else list(encoder_hidden_states)
+            )
+            if encoder_attention_mask is None or isinstance(encoder_attention_mask, Tensor):
+                masks = [encoder_attention_mask] * len(contexts)
+            else:
+                masks = list(encoder_attention_mask)
+            if len(masks) != len(contexts):
+                raise ValueError("encoder_attention_mask list must match encoder_hidden_states list")
+            context_masks = [_attention_mask(m) for m in masks]
+
+        for i in range(start, stop):
+            layer = self.layers[i]
+            if i >= self.cross_from:
+                k = (i - self.fusion_layer) % len(contexts)
+                x = layer(x, self_mask, contexts[k], context_masks[k])
+            else:
+                x = layer(x, self_mask)
+        return x
+
+    def mlm_logits(self, hidden: Tensor) -> Tensor:
+        """hidden (..., H) -> vocabulary logits (..., V)."""
+        if not hasattr(self, "cls"):
+            raise ValueError("this BertEncoder was built with mlm_head=False")
+        return self.cls.predictions(hidden)
+
+    @classmethod
+    def from_pretrained(
+        cls, name_or_dir: str, config: BertConfig, mlm_head: bool = True, **kwargs
+    ) -> BertEncoder:
+        """Build from `config` and load transformers BERT weights (BertModel / BertForMaskedLM layout)."""
+        path = _resolve_weights_file(name_or_dir)  # before building: fail fast on a bad path
+        model = cls(config, mlm_head=mlm_head, **kwargs)
+        state = _normalise_bert_keys(_read_state_dict(path))
+        own = model.state_dict()
+        word_key = "bert.embeddings.word_embeddings.weight"
+        if word_key in state and state[word_key].shape[0] != config.vocab_size:
+            raise ValueError(
+                f"text_encoder {name_or_dir!r} has a vocabulary of {state[word_key].shape[0]} tokens but the "
+                f"model expects vocab_size={config.vocab_size} (the tokenizer's length); use the tokenizer "
+                "that belongs to these weights"
+            )
+        mismatched = [
+            f"{k}: checkpoint {tuple(v.shape)} vs model {tuple(own[k].shape)}"
+            for k, v in state.items()
+            if k in own and v.shape != own[k].shape
+        ]
+        if mismatched:
+            raise ValueError(
+                f"text_encoder {name_or_dir!r} does not fit bert_config (hidden size / widths differ): "
+                + "; ".join(mismatched[:5])
+            )
+        unused = sorted(k for k in state if k not in own)
+        loaded = {k: v for k, v in state.items() if k in own}
+        model.load_state_dict(loaded, strict=False)
+        fresh = _missing_after_tying(model, set(loaded))
+        logger.info(
+            "BERT weights from %s: freshly initialised: %s; unused from checkpoint: %s",
+            name_or_dir,
+            summarise_keys(fresh) or "none",
+            summarise_keys(unused) or "none",
+        )
+        return model
+
+
+def _missing_after_tying(model: nn.Module, loaded: set[str]) -> list[str]:
+    """Model keys not loaded, counting a tied tensor as loaded when any of its names was."""
+    by_storage: dict[int, list[str]] = {}
+    state = model.state_dict(keep_vars=True)
+    for name, tensor in state.items():
+        by_storage.setdefault(id(tensor), []).append(name)
+    missing = []
+    for names in by_storage.values():
+        if not any(n in loaded for n in names):
+            missing.extend(names)
+    order = {name: i for i, name in enumerate(state)}
+    return sorted(missing, key=order.__getitem__)
+
+
+def summarise_keys(keys: Sequence[str]) -> str:
+    """Group parameter names for one log line: 'bert.encoder.layer.{6-11}.crossattention, cls.predictions'."""
+    layered: dict[str, list[int]] = {}
+    modules: list[str] = []
+    for key in keys:
+        match = re.match(r"(.*?\b(?:layer|blocks))\.(\d+)\.([^.]+)", key)
+        if match:
+            layered.setdefault(f"{match[1]}.{{}}.{match[3]}", []).append(int(match[2]))
+        else:
+            # Module path without the parameter name (unless that would hide it), at most 3 levels deep.
+            parts = key.split(".")
+            if len(parts) > 2 or parts[-1] in ("weight", "bias"):
+                parts = parts[:-1] or parts
+            module = ".".join(parts[:3])
+            if module not in modules:
+                modules.append(module)
+    # A module whose parent is listed too is folded into the parent.
+    out = [m for m in modules if not any(m.startswith(p + ".") for p in modules)]
+    for pattern, layers in layered.items():
+        layers = sorted(set(layers))
+        out.append(pattern.format(str(layers[0]) if len(layers) == 1 else "{" + _ranges(layers) + "}"))
+    return ", ".join(out)
+
+
+def _ranges(values: list[int]) -> str:
+    spans, start, prev = [], values[0], values[0]
+    for v in values[1:] + [None]:
+        if v is not None and v == prev + 1:
+            prev = v
+            continue
+        spans.append(f"{start}" if start == prev else f"{start}-{prev}")
+        if v is not None:
+            start = prev = v
+    return ",".join(spans)
+
+
+def _resolve_weights_file(name_or_dir: str) -> str:
+    """Local dir / file -> its weights file; otherwise treat as a hub id and let transformers fetch it."""
+    if os.path.isdir(name_or_dir):
+        for fname in _WEIGHT_FILES:
+            path = os.path.join(name_or_dir, fname)
+            if os.path.isfile(path):
+                return path
+        raise FileNotFoundError(f"text_encoder directory {name_or_dir!r} has none of {list(_WEIGHT_FILES)}")
+    if os.path.isfile(name_or_dir):
+        return name_or_dir
+    # Hub ids are 'name' or 'org/name'; anything else that does not exist is a missing local path.
+    looks_local = name_or_dir.startswith((".", "/", "~")) or name_or_dir.count("/") > 1
+    if looks_local or name_or_dir.endswith((".bin", ".safetensors", ".pth", ".pt")):
+        raise FileNotFoundError(f"text_encoder: no such directory or file: {name_or_dir!r}")
+    from transformers.utils import cached_file
+
+    errors = []
+    for fname in _WEIGHT_FILES:
+        try:
+            path = cached_file(name_or_dir, fname)
+        except (OSError, ValueError) as err:
+            errors.append(str(err).splitlines()[0] if str(err) else type(err).__name__)
+            continue
+        if path:
+            return path
+    raise FileNotFoundError(
+        f"text_encoder {name_or_dir!r} is not a local directory and its weights could not be fetched from "
+        f"the Hugging Face hub ({'; '.join(errors)}); download it and pass the local directory"
+    )
+
+
+def _read_state_dict(path: str) -> dict[str, Tensor]:
+    if path.endswith(".safetensors"):
+        from safetensors.torch import load_file
+
+        return load_file(path)
+    try:
+        state = torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as err:  # not a weights pickle: name the file, keep the cause
+        raise ValueError(f"text_encoder weights {path!r} could not be read: {err}") from err
+    if isinstance(state, dict) and isinstance(state.get("model"), dict):
+        state = state["model"]
+    if not isinstance(state, dict):
+        raise ValueError(f"{path!r} does not hold a state dict")
+    return state
+
+
+def _normalise_bert_keys(state: dict[str, Tensor]) -> dict[str, Tensor]:
+    """transformers BERT keys (any of BertModel / BertFor* layouts, old gamma/beta) -> our names."""
+    out = {}
+    for key, value in state.items():
+        if key.startswith(("cls.seq_relationship", "pooler.", "bert.pooler.")) or key.endswith(
+            "position_ids"
+        ):
+            continue
+        key = re.sub(r"LayerNorm\.gamma$", "LayerNorm.weight", key)
+        key = re.sub(r"LayerNorm\.beta$", "LayerNorm.bias", key)
+        if not key.startswith(("bert.", "cls.")):
+            key = "bert." + key
+        out[key] = value
+    return out
+
+
+def build_text_encoder(
+    config: dict, text_encoder: str | None, tokenizer, mlm_head: bool = True, **kwargs
+) -> BertEncoder:
+    """BertEncoder from config['bert_config'], random or loaded from `text_encoder`; vocab = tokenizer's."""
+    if "bert_config" not in config:
+        raise ValueError("config key 'bert_config' (path to a BERT json) is missing")
+    bert_config = load_bert_config(config["bert_config"])
+    vocab = len(tokenizer)
+    if vocab != bert_config.vocab_size:
+        # Random init: the tokenizer decides the vocabulary; pretrained weights must already match it
+        # (from_pretrained raises a clear error if they do not).
+        if text_encoder is None:
+            logger.info(
+                "bert_config vocab_size %d != tokenizer length %d: using %d",
+                bert_config.vocab_size,
+                vocab,
+                vocab,
+            )
+        bert_config.vocab_size = vocab
+    if text_encoder is None:
+        return BertEncoder(bert_config, mlm_head=mlm_head, **kwargs)
+    return BertEncoder.from_pretrained(text_encoder, bert_config, mlm_head=mlm_head, **kwargs)
+
+
+__all__ = ["BertEncoder", "build_text_encoder", "load_bert_config", "summarise_keys"]

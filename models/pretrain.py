@@ -1,0 +1,158 @@
+"""ALBEF_Base: ALBEF without the momentum model; ITC(+consistency) + ITM_hard + MLM (paper Eq. 7)."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from models.bert import build_text_encoder
+from models.objectives import hardest_negative_similarity, itc_loss, mask_tokens, mine_negatives
+from models.vit import build_vision_encoder, check_vision_text_widths
+
+_NEGATIVES = ("hard", "random")
+_SAMPLINGS = ("argmax", "multinomial")
+
+
+class ALBEF_Base(nn.Module):  # noqa: N801 (the paper's name)
+    """ViT image encoder, split BERT (text + fusion encoder, MLM head), ITC projections, ITM head."""
+
+    def __init__(self, config: dict, text_encoder: str | None = None, tokenizer=None):
+        super().__init__()
+        if tokenizer is None:
+            raise ValueError(
+                "ALBEF_Base needs the tokenizer (for the vocabulary size and MLM special tokens)"
+            )
+        self.use_itc = bool(config.get("itc", True))
+        self.itm_negatives = config.get("itm_negatives", "hard")
+        self.hard_sampling = config.get("hard_sampling", "argmax")
+        if self.itm_negatives not in _NEGATIVES:
+            raise ValueError(
+                f"config key 'itm_negatives' must be one of {_NEGATIVES}, got {self.itm_negatives!r}"
+            )
+        if self.hard_sampling not in _SAMPLINGS:
+            raise ValueError(
+                f"config key 'hard_sampling' must be one of {_SAMPLINGS}, got {self.hard_sampling!r}"
+            )
+        if not self.use_itc and self.itm_negatives == "hard":
+            raise ValueError(
+                "config: 'itc: false' with 'itm_negatives: hard' is not supported: hard ITM negatives are "
+                "mined from ITC similarities; set itm_negatives: random or enable itc"
+            )
+        for key in ("embed_dim", "temp"):
+            if key not in config:
+                raise ValueError(f"config key {key!r} is missing")
+        self.lambda_cons = float(config.get("lambda_cons", 0.0))
+        self.itc_gather = bool(config.get("itc_gather", False))
+        self.mlm_probability = float(config.get("mlm_probability", 0.15))
+
+        self.visual_encoder = build_vision_encoder(config)
+        self.text_encoder = build_text_encoder(config, text_encoder, tokenizer, mlm_head=True)
+        bert_config = self.text_encoder.config
+        check_vision_text_widths(config, bert_config.encoder_width)
+        hidden = bert_config.hidden_size
+        self.vision_proj = nn.Linear(int(config["vision_width"]), int(config["embed_dim"]))
+        self.text_proj = nn.Linear(hidden, int(config["embed_dim"]))
+        self.temp = nn.Parameter(torch.tensor(float(config["temp"])))
+        self.itm_head = nn.Linear(hidden, 2)
+
+        self.vocab_size = bert_config.vocab_size
+        self.mask_token_id = tokenizer.mask_token_id
+        # ALBEF never masks [PAD] or [CLS]; [SEP] stays maskable.
+        self.special_ids = [tokenizer.pad_token_id, tokenizer.cls_token_id]
+
+    def encode_image(self, image: Tensor) -> Tensor:
+        """image (B,3,H,W), already normalised -> tokens (B,1+P,Dv) (final LayerNorm applied)."""
+        return self.visual_encoder.forward_features(image)
+
+    def encode_text(self, input_ids: Tensor, attention_mask: Tensor) -> Tensor:
+        """input_ids, attention_mask (B,L) -> text-encoder hidden states (B,L,H)."""
+        return self.text_encoder(input_ids, attention_mask, mode="text")
+
+    def project(self, image_embeds: Tensor, text_embeds: Tensor) -> tuple[Tensor, Tensor]:
+        """Uni-modal hidden states (B,1+P,Dv), (B,L,H) -> L2-normalised ITC projections of the CLS (B,d) each."""
+        image_feat = F.normalize(self.vision_proj(image_embeds[:, 0]), dim=-1)
+        text_feat = F.normalize(self.text_proj(text_embeds[:, 0]), dim=-1)
+        return image_feat, text_feat
+
+    @torch.no_grad()
+    def unimodal_features(self, image: Tensor, text) -> tuple[Tensor, Tensor]:
+        """image (B,3,H,W), text (B,L) -> detached ITC projections (B,d) each, fp32 (GRIT's naive pass)."""
+        image_feat, text_feat = self.project(self.encode_image(image),
+                                             self.encode_text(text.input_ids, text.attention_mask))
+        return image_feat.float(), text_feat.float()
+
+    def forward(self, image: Tensor, text) -> dict[str, Tensor]:
+        """image (B,3,H,W), text (tokenizer output, (B,L)) -> losses (0-dim) and detached feats (B,d)."""
+        with torch.no_grad():
+            self.temp.clamp_(0.001, 0.5)
+        # Item access works for a BatchEncoding and for a plain dict.
+        input_ids, attention_mask = text["input_ids"], text["attention_mask"]
+        batch = input_ids.shape[0]
+
+        image_embeds = self.encode_image(image)
+        text_embeds = self.encode_text(input_ids, attention_mask)
+        image_feat, text_feat = self.project(image_embeds, text_embeds)
+
+        zero = image_feat.new_zeros(())
+        if self.use_itc:
+            itc = itc_loss(image_feat, text_feat, self.temp, self.lambda_cons, gather=self.itc_gather)
+            loss_itc, loss_cons = itc["loss_itc"], itc["loss_cons"]
+        else:
+            loss_itc, loss_cons = zero, zero
+
+        # Mining happens in the local batch (GRIT puts similar pairs there); the local block of the
+        # (possibly gathered) ITC similarities is just the local cosine matrix over the temperature.
+        with torch.no_grad():
+            cosine = image_feat.detach() @ text_feat.detach().t()
+            hardness = hardest_negative_similarity(cosine)
+            logits_i2t = cosine / self.temp
+            neg_text_idx, neg_image_idx = mine_negatives(
+                logits_i2t, logits_i2t.t(), mode=self.itm_negatives, sampling=self.hard_sampling
+            )
+
+        # One fusion pass over [positives, (image, negative text), (negative image, text)].
+        fused = self.text_encoder(
+            mode="fusion",
+            hidden_states=torch.cat([text_embeds, text_embeds[neg_text_idx], text_embeds]),
+            attention_mask=torch.cat([attention_mask, attention_mask[neg_text_idx], attention_mask]),
+            encoder_hidden_states=torch.cat([image_embeds, image_embeds, image_embeds[neg_image_idx]]),
+        )
+        itm_logits = self.itm_head(fused[:, 0])
+        itm_labels = torch.cat(
+            [
+                torch.ones(batch, dtype=torch.long, device=itm_logits.device),
+                torch.zeros(2 * batch, dtype=torch.long, device=itm_logits.device),
+            ]
+        )
+        loss_itm = F.cross_entropy(itm_logits, itm_labels)
+
+        masked_ids, labels = mask_tokens(
+            input_ids.clone(), self.vocab_size, self.mask_token_id, self.special_ids, self.mlm_probability
+        )
+        hidden = self.text_encoder(
+            masked_ids, attention_mask, mode="multimodal", encoder_hidden_states=image_embeds
+        )
+        # Logits at every position instead of only the masked ones: selecting hidden[labels != -100]
+        # has a data-dependent shape (a host sync per step). With the paper's 50 % masking at most
+        # ~2x of the head's work is wasted, which is cheaper than stalling the pipeline. Summing and
+        # dividing by a clamped count keeps the loss finite when nothing was masked.
+        mlm_logits = self.text_encoder.mlm_logits(hidden)
+        loss_sum = F.cross_entropy(
+            mlm_logits.flatten(0, 1), labels.flatten(), ignore_index=-100, reduction="sum"
+        )
+        loss_mlm = loss_sum / (labels != -100).sum().clamp(min=1)
+
+        return {
+            "loss_itc": loss_itc,
+            "loss_cons": loss_cons,
+            "loss_itm": loss_itm,
+            "loss_mlm": loss_mlm,
+            # fp32 even under autocast: these feed GRIT's queues.
+            "image_feat": image_feat.detach().float(),
+            "text_feat": text_feat.detach().float(),
+            "hardness": hardness,
+        }
+
+
+__all__ = ["ALBEF_Base"]

@@ -1,0 +1,182 @@
+"""Vision encoder: a timm VisionTransformer built from the config, pretrained weights adapted at load time."""
+
+from __future__ import annotations
+
+import logging
+import math
+import os
+from functools import partial
+
+import timm
+import torch
+from timm.layers import resample_abs_pos_embed
+from timm.models.vision_transformer import VisionTransformer
+from torch import Tensor, nn
+
+logger = logging.getLogger(__name__)
+
+_WEIGHT_EXTS = (".pth", ".pt", ".bin", ".safetensors", ".ckpt")
+# Classifier / distillation parts of ImageNet checkpoints that the feature extractor does not have.
+_DROPPED_PREFIXES = ("head.", "head_dist.", "fc_norm.", "dist_token")
+
+
+def build_vision_encoder(config: dict) -> VisionTransformer:
+    """ViT from image_res/patch_size/vision_width/vision_depth/vision_heads; forward_features -> (B,1+P,D)."""
+    missing = [k for k in ("image_res", "vision_width") if k not in config]
+    if missing:
+        raise ValueError(f"config lacks the vision key(s) {missing}")
+    image_res, patch = int(config["image_res"]), int(config.get("patch_size", 16))
+    if image_res % patch:
+        raise ValueError(f"config: image_res={image_res} is not a multiple of patch_size={patch}")
+    model = VisionTransformer(
+        img_size=image_res,
+        patch_size=patch,
+        embed_dim=int(config["vision_width"]),
+        depth=int(config.get("vision_depth", 12)),
+        num_heads=int(config.get("vision_heads", 12)),
+        mlp_ratio=4.0,
+        qkv_bias=True,
+        norm_layer=partial(nn.LayerNorm, eps=1e-6),
+        num_classes=0,
+        global_pool="",
+        class_token=True,
+        drop_path_rate=float(config.get("vision_drop_path", 0.0)),
+    )
+    init = config.get("vision_init")
+    if init:
+        load_vision_init(model, str(init))
+    return model
+
+
+def load_vision_init(model: VisionTransformer, init: str) -> list[str]:
+    """Load `init` (local weights file or timm pretrained tag) into model; returns the dropped keys."""
+    if os.path.isfile(init):
+        state, source = read_vit_state_dict(init), init
+    elif init.endswith(_WEIGHT_EXTS) or init.startswith((".", "/", "~")):
+        raise FileNotFoundError(f"config key 'vision_init': no such file: {init!r}")
+    else:
+        state, source = _timm_pretrained_state_dict(init, model), f"timm:{init}"
+    state, dropped = _strip_classifier(state)
+    state = resample_pos_embed(state, model, prefix="")
+    own = model.state_dict()
+    mismatched = [
+        f"{k}: {tuple(v.shape)} vs {tuple(own[k].shape)}"
+        for k, v in state.items()
+        if k in own and v.shape != own[k].shape
+    ]
+    if mismatched:
+        raise ValueError(
+            f"vision_init {init!r} does not fit the configured ViT (vision_width/heads/patch_size): "
+            + "; ".join(mismatched[:4])
+        )
+    result = model.load_state_dict(state, strict=False)
+    if result.missing_keys or result.unexpected_keys:
+        raise ValueError(
+            f"vision_init {init!r} does not fit the configured ViT (vision_width/depth/heads/patch_size): "
+            f"missing {result.missing_keys[:6]}, unexpected {result.unexpected_keys[:6]}"
+        )
+    logger.info("ViT weights from %s; dropped: %s", source, ", ".join(sorted(dropped)) or "none")
+    return dropped
+
+
+def read_vit_state_dict(path: str) -> dict[str, Tensor]:
+    """A ViT state dict from a .pth/.bin/.safetensors file (unwraps 'model'/'state_dict', ALBEF prefixes)."""
+    if path.endswith(".safetensors"):
+        from safetensors.torch import load_file
+
+        state = load_file(path)
+    else:
+        try:
+            state = torch.load(path, map_location="cpu", weights_only=True)
+        except Exception as err:  # corrupt / non-tensor pickles: name the file, keep the cause
+            raise ValueError(f"vision_init {path!r} could not be read as a weights file: {err}") from err
+    for key in ("model", "state_dict"):
+        if isinstance(state, dict) and isinstance(state.get(key), dict):
+            state = state[key]
+    if not isinstance(state, dict) or not all(isinstance(v, Tensor) for v in state.values()):
+        raise ValueError(f"vision_init {path!r} does not hold a state dict of tensors")
+    state = {k.removeprefix("module."): v for k, v in state.items()}
+    # An ALBEF / GRIT-VLP checkpoint: take the (online) vision tower only.
+    if any(k.startswith("visual_encoder.") for k in state):
+        state = {k[len("visual_encoder.") :]: v for k, v in state.items() if k.startswith("visual_encoder.")}
+    return state
+
+
+def _timm_pretrained_state_dict(tag: str, model: VisionTransformer) -> dict[str, Tensor]:
+    if not timm.is_model(tag):
+        raise ValueError(
+            f"config key 'vision_init': {tag!r} is neither an existing file nor a timm model name"
+        )
+    try:
+        pretrained = timm.create_model(
+            tag, pretrained=True, num_classes=0, global_pool="", img_size=model.patch_embed.img_size
+        )
+    except Exception as err:  # network / hub errors come in many types; all mean "no weights here"
+        raise RuntimeError(
+            f"vision_init {tag!r}: the timm pretrained weights could not be fetched ({type(err).__name__}: "
+            f"{err}); download them elsewhere and set vision_init to the local .pth/.safetensors file"
+        ) from err
+    return pretrained.state_dict()
+
+
+def _strip_classifier(state: dict[str, Tensor]) -> tuple[dict[str, Tensor], list[str]]:
+    """Drop classifier heads and DeiT's distillation token (and its position embedding)."""
+    out = {k: v for k, v in state.items() if not k.startswith(_DROPPED_PREFIXES)}
+    dropped = [k for k in state if k not in out]
+    if "dist_token" in state and "pos_embed" in out:
+        # Distilled DeiT: positions are [cls, dist, patches...]; keep cls + patches.
+        pos = out["pos_embed"]
+        out["pos_embed"] = torch.cat([pos[:, :1], pos[:, 2:]], dim=1)
+    return out, dropped
+
+
+def resample_pos_embed(state_dict: dict, model: nn.Module, prefix: str = "visual_encoder.") -> dict:
+    """Resample every `{prefix}...pos_embed` (1,1+P',D) in state_dict to the model's grid (1,1+P,D)."""
+    return resample_pos_embed_report(state_dict, model, prefix)[0]
+
+
+def resample_pos_embed_report(
+    state_dict: dict, model: nn.Module, prefix: str = "visual_encoder."
+) -> tuple[dict, list[str]]:
+    """Like resample_pos_embed, also returning the keys that were resampled."""
+    own = model.state_dict()
+    out, resampled = dict(state_dict), []
+    for key, value in state_dict.items():
+        if not (key.startswith(prefix) and key.endswith("pos_embed")) or key not in own:
+            continue
+        target = own[key]
+        # Different widths cannot be resampled: left as is for the caller's shape check to report.
+        if value.shape == target.shape or value.dim() != 3 or value.shape[-1] != target.shape[-1]:
+            continue
+        old_grid, new_grid = _square_grid(key, value.shape[1] - 1), _square_grid(key, target.shape[1] - 1)
+        out[key] = resample_abs_pos_embed(
+            value.float(), new_size=[new_grid, new_grid], old_size=[old_grid, old_grid], num_prefix_tokens=1
+        ).to(value.dtype)
+        resampled.append(key)
+    return out, resampled
+
+
+def _square_grid(key: str, n_patches: int) -> int:
+    side = math.isqrt(n_patches)
+    if side * side != n_patches:
+        raise ValueError(f"{key}: {n_patches} patch positions do not form a square grid")
+    return side
+
+
+def check_vision_text_widths(config: dict, encoder_width: int) -> None:
+    """The fusion layers' cross-attention reads image tokens: vision_width must equal encoder_width."""
+    if int(config["vision_width"]) != int(encoder_width):
+        raise ValueError(
+            f"config key 'vision_width' ({config['vision_width']}) must equal 'encoder_width' "
+            f"({encoder_width}) in bert_config {config.get('bert_config')!r}"
+        )
+
+
+__all__ = [
+    "build_vision_encoder",
+    "check_vision_text_widths",
+    "load_vision_init",
+    "read_vit_state_dict",
+    "resample_pos_embed",
+    "resample_pos_embed_report",
+]

@@ -1,0 +1,110 @@
+"""greedy_chain against a plain Python transcription of the definition (DESIGN.md, GRIT phase 3)."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from grit import greedy_chain
+
+
+def reference_chain(v: torch.Tensor, t: torch.Tensor, start: int) -> list[int]:
+    """p_i = argmax over unvisited j of v[p_{i-1}].t[j] (i odd) or t[p_{i-1}].v[j] (i even); lowest j wins."""
+    vl, tl = v.double().tolist(), t.double().tolist()
+    dot = lambda a, b: sum(x * y for x, y in zip(a, b))
+    chain, visited = [start], {start}
+    for i in range(1, len(vl)):
+        prev = chain[-1]
+        best, best_j = None, None
+        for j in range(len(vl)):
+            if j in visited:
+                continue
+            score = dot(vl[prev], tl[j]) if i % 2 == 1 else dot(tl[prev], vl[j])
+            if best is None or score > best:  # strict: the first (lowest) index wins ties
+                best, best_j = score, j
+        chain.append(best_j)
+        visited.add(best_j)
+    return chain
+
+
+def check_against_reference(v, t, start):
+    out = greedy_chain(v, t, start)
+    assert out.shape == v.shape[:2] and out.dtype == torch.long
+    for s in range(v.shape[0]):
+        assert sorted(out[s].tolist()) == list(range(v.shape[1]))
+        assert out[s].tolist() == reference_chain(v[s], t[s], int(start[s])), f"sub-queue {s}"
+
+
+@pytest.mark.parametrize("S,M", [(1, 1), (3, 1), (2, 2), (1, 7), (4, 8), (5, 17), (3, 32)])
+def test_matches_reference_random(S, M):
+    g = torch.Generator().manual_seed(S * 100 + M)
+    v = F.normalize(torch.randn(S, M, 16, generator=g), dim=-1)
+    t = F.normalize(v + 0.7 * torch.randn(S, M, 16, generator=g), dim=-1)
+    start = torch.randint(0, M, (S,), generator=g)
+    check_against_reference(v, t, start)
+
+
+@pytest.mark.parametrize("S,M", [(4, 2), (3, 9), (2, 16), (2, 31)])
+def test_matches_reference_exact_ties(S, M):
+    # Integer features make every dot product exact in float32, and {-1, 0, 1}^3 gives many equal scores.
+    g = torch.Generator().manual_seed(M)
+    v = torch.randint(-1, 2, (S, M, 3), generator=g).float()
+    t = torch.randint(-1, 2, (S, M, 3), generator=g).float()
+    start = torch.randint(0, M, (S,), generator=g)
+    check_against_reference(v, t, start)
+
+
+def test_duplicated_vectors_tie_to_lowest_index():
+    g = torch.Generator().manual_seed(0)
+    base = F.normalize(torch.randn(4, 8, generator=g), dim=-1)
+    v = base.repeat(3, 1)  # rows k, k+4, k+8 identical
+    t = v.clone()
+    out = greedy_chain(v, t, torch.tensor(0))
+    assert out.shape == (12,)
+    assert out.tolist() == reference_chain(v, t, 0)
+    # From 0, the best text is its copy with the lowest unvisited index: 4, then 8.
+    assert out[:3].tolist() == [0, 4, 8]
+
+
+def test_torch_argmax_returns_first_maximum():
+    # greedy_chain relies on this documented behaviour for its tie rule, also for wide rows.
+    row = torch.zeros(3, 5000)
+    row[1, 17] = row[1, 4000] = 1.0
+    row[2] = float("-inf")
+    assert torch.argmax(row, dim=1).tolist() == [0, 17, 0]
+
+
+def test_two_dimensional_input_and_int_start():
+    g = torch.Generator().manual_seed(1)
+    v = F.normalize(torch.randn(6, 4, generator=g), dim=-1)
+    t = F.normalize(torch.randn(6, 4, generator=g), dim=-1)
+    out = greedy_chain(v, t, 5)
+    assert out.shape == (6,) and out.tolist() == reference_chain(v, t, 5)
+    assert greedy_chain(v, t, torch.tensor([5])).tolist() == out.tolist()
+
+
+def test_invalid_entries_are_chained_last():
+    g = torch.Generator().manual_seed(2)
+    S, M = 3, 12
+    v = F.normalize(torch.randn(S, M, 8, generator=g), dim=-1)
+    t = F.normalize(v + 0.3 * torch.randn(S, M, 8, generator=g), dim=-1)
+    valid = torch.rand(S, M, generator=g) > 0.35
+    valid[:, 0] = True
+    out = greedy_chain(v, t, torch.zeros(S, dtype=torch.long), valid=valid)
+    for s in range(S):
+        keep = torch.nonzero(valid[s]).flatten()
+        n = keep.numel()
+        assert sorted(out[s].tolist()) == list(range(M))
+        assert valid[s, out[s, :n]].all() and not valid[s, out[s, n:]].any()
+        # The valid prefix is the chain of the valid entries alone (position 0 is valid and first).
+        sub = reference_chain(v[s, keep], t[s, keep], 0)
+        assert out[s, :n].tolist() == keep[sub].tolist()
+
+
+def test_bad_shapes():
+    v = torch.randn(2, 5, 4)
+    with pytest.raises(ValueError, match="same shape"):
+        greedy_chain(v, torch.randn(2, 5, 3), torch.zeros(2, dtype=torch.long))
+    with pytest.raises(ValueError, match="start"):
+        greedy_chain(v, v, torch.zeros(3, dtype=torch.long))
+    with pytest.raises(ValueError, match="valid"):
+        greedy_chain(v, v, torch.zeros(2, dtype=torch.long), valid=torch.ones(5, dtype=torch.bool))

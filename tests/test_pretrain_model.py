@@ -1,0 +1,263 @@
+"""ALBEF_Base: ALBEF parameter names, losses and training signal, config checks, pretrained text weights."""
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from transformers import BertConfig, BertForMaskedLM, BertModel, BertTokenizerFast
+
+from models.loading import load_weights
+from models.pretrain import ALBEF_Base
+
+REPO = Path(__file__).parents[1]
+TINY_BERT = str(REPO / "configs" / "tiny" / "config_bert.json")
+WORDS = [
+    "a",
+    "dog",
+    "cat",
+    "red",
+    "blue",
+    "ball",
+    "on",
+    "the",
+    "grass",
+    "left",
+    "right",
+    "of",
+    "big",
+    "small",
+]
+SPECIALS = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"]
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():
+    # Tiny matrices: a second OpenMP thread buys nothing and, on a shared 2-core machine, its
+    # spin-waiting made these steps ~20x slower. Restored afterwards for the rest of the session.
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+@pytest.fixture(scope="module")
+def tokenizer(tmp_path_factory):
+    path = tmp_path_factory.mktemp("vocab") / "vocab.txt"
+    path.write_text("\n".join(SPECIALS + WORDS) + "\n")
+    return BertTokenizerFast(vocab_file=str(path), do_lower_case=True)
+
+
+def config(**overrides) -> dict:
+    values = dict(
+        bert_config=TINY_BERT,
+        image_res=32,
+        patch_size=8,
+        vision_width=64,
+        vision_depth=2,
+        vision_heads=4,
+        vision_init=None,
+        embed_dim=32,
+        temp=0.07,
+        mlm_probability=0.5,
+        itc=True,
+        lambda_cons=0.2,
+        itm_negatives="hard",
+        hard_sampling="argmax",
+        itc_gather=False,
+    )
+    values.update(overrides)
+    return values
+
+
+def synthetic_batch(tokenizer, n=6):
+    gen = torch.Generator().manual_seed(0)
+    images = torch.randn(n, 3, 32, 32, generator=gen) * 0.5 + 2 * torch.randn(n, 3, 1, 1, generator=gen)
+    captions = [
+        " ".join(WORDS[j] for j in torch.randint(len(WORDS), (int(k),), generator=gen))
+        for k in torch.randint(3, 9, (n,), generator=gen)
+    ]
+    return images, tokenizer(captions, padding="longest", return_tensors="pt")
+
+
+def albef_reference_shapes(vocab: int) -> dict[str, tuple]:
+    """ALBEF / GRIT-VLP checkpoint names for this tiny config (D=64, 2 ViT blocks, 4 BERT layers)."""
+    d, p, h, inter = 64, 16, 64, 256
+    shapes = {
+        "temp": (),
+        "visual_encoder.cls_token": (1, 1, d),
+        "visual_encoder.pos_embed": (1, 1 + p, d),
+        "visual_encoder.patch_embed.proj.weight": (d, 3, 8, 8),
+        "visual_encoder.patch_embed.proj.bias": (d,),
+        "visual_encoder.norm.weight": (d,),
+        "visual_encoder.norm.bias": (d,),
+        "vision_proj.weight": (32, d),
+        "vision_proj.bias": (32,),
+        "text_proj.weight": (32, h),
+        "text_proj.bias": (32,),
+        "itm_head.weight": (2, h),
+        "itm_head.bias": (2,),
+        "text_encoder.bert.embeddings.word_embeddings.weight": (vocab, h),
+        "text_encoder.bert.embeddings.position_embeddings.weight": (128, h),
+        "text_encoder.bert.embeddings.token_type_embeddings.weight": (2, h),
+        "text_encoder.bert.embeddings.LayerNorm.weight": (h,),
+        "text_encoder.bert.embeddings.LayerNorm.bias": (h,),
+        "text_encoder.cls.predictions.bias": (vocab,),
+        "text_encoder.cls.predictions.transform.dense.weight": (h, h),
+        "text_encoder.cls.predictions.transform.dense.bias": (h,),
+        "text_encoder.cls.predictions.transform.LayerNorm.weight": (h,),
+        "text_encoder.cls.predictions.transform.LayerNorm.bias": (h,),
+        "text_encoder.cls.predictions.decoder.weight": (vocab, h),
+        "text_encoder.cls.predictions.decoder.bias": (vocab,),
+    }
+    for i in range(2):
+        b = f"visual_encoder.blocks.{i}."
+        for norm in ("norm1", "norm2"):
+            shapes[b + norm + ".weight"] = shapes[b + norm + ".bias"] = (d,)
+        shapes.update(
+            {
+                b + "attn.qkv.weight": (3 * d, d),
+                b + "attn.qkv.bias": (3 * d,),
+                b + "attn.proj.weight": (d, d),
+                b + "attn.proj.bias": (d,),
+                b + "mlp.fc1.weight": (4 * d, d),
+                b + "mlp.fc1.bias": (4 * d,),
+                b + "mlp.fc2.weight": (d, 4 * d),
+                b + "mlp.fc2.bias": (d,),
+            }
+        )
+    for i in range(4):
+        b = f"text_encoder.bert.encoder.layer.{i}."
+        blocks = ["attention"] + (["crossattention"] if i >= 2 else [])
+        for att in blocks:
+            for name in ("query", "key", "value"):
+                shapes[f"{b}{att}.self.{name}.weight"], shapes[f"{b}{att}.self.{name}.bias"] = (h, h), (h,)
+            shapes[f"{b}{att}.output.dense.weight"], shapes[f"{b}{att}.output.dense.bias"] = (h, h), (h,)
+            shapes[f"{b}{att}.output.LayerNorm.weight"] = shapes[f"{b}{att}.output.LayerNorm.bias"] = (h,)
+        shapes.update(
+            {
+                b + "intermediate.dense.weight": (inter, h),
+                b + "intermediate.dense.bias": (inter,),
+                b + "output.dense.weight": (h, inter),
+                b + "output.dense.bias": (h,),
+                b + "output.LayerNorm.weight": (h,),
+                b + "output.LayerNorm.bias": (h,),
+            }
+        )
+    return shapes
+
+
+def test_albef_checkpoint_names_load_strictly(tokenizer):
+    torch.manual_seed(0)
+    model = ALBEF_Base(config(), tokenizer=tokenizer)
+    shapes = albef_reference_shapes(len(tokenizer))
+    state = {k: torch.randn(s) for k, s in shapes.items()}
+    state["text_encoder.cls.predictions.decoder.weight"] = state[
+        "text_encoder.bert.embeddings.word_embeddings.weight"
+    ]
+    state["text_encoder.cls.predictions.decoder.bias"] = state["text_encoder.cls.predictions.bias"]
+    assert {k: tuple(v.shape) for k, v in model.state_dict().items()} == shapes
+    model.load_state_dict(state, strict=True)
+    assert torch.equal(
+        model.visual_encoder.blocks[1].mlp.fc2.weight, state["visual_encoder.blocks.1.mlp.fc2.weight"]
+    )
+    # Real ALBEF checkpoints also carry the position_ids buffer: load_weights drops it, nothing missing.
+    state["text_encoder.bert.embeddings.position_ids"] = torch.arange(128)[None]
+    report = load_weights(model, {"model": state}, strict=True)
+    assert report.ignored == ["text_encoder.bert.embeddings.position_ids"]
+
+
+def test_losses_outputs_and_training_signal(tokenizer):
+    torch.manual_seed(0)
+    model = ALBEF_Base(config(), tokenizer=tokenizer)
+    images, text = synthetic_batch(tokenizer)
+    out = model(images, text)
+    for key in ("loss_itc", "loss_cons", "loss_itm", "loss_mlm", "hardness"):
+        assert out[key].dim() == 0 and torch.isfinite(out[key]), key
+    for key in ("image_feat", "text_feat"):
+        assert out[key].shape == (6, 32) and not out[key].requires_grad
+        assert torch.allclose(out[key].norm(dim=-1), torch.ones(6), atol=1e-5)
+    assert not out["hardness"].requires_grad and -1 <= out["hardness"] <= 1
+    assert out["loss_cons"] > 0 and out["loss_itc"] > 0
+
+    optimizer = torch.optim.AdamW(model.parameters(), lr=2e-3)
+    totals = []
+    for _ in range(20):
+        out = model(images, text)
+        total = out["loss_itc"] + out["loss_cons"] + out["loss_itm"] + out["loss_mlm"]
+        optimizer.zero_grad()
+        total.backward()
+        optimizer.step()
+        totals.append(total.item())
+    assert sum(totals[-3:]) / 3 < 0.75 * sum(totals[:3]) / 3, totals
+    with torch.no_grad():
+        model.temp.fill_(5.0)
+        model(images, text)
+    assert model.temp.item() == pytest.approx(0.5)
+
+
+def test_every_parameter_gets_a_gradient(tokenizer):
+    torch.manual_seed(0)
+    model = ALBEF_Base(config(hard_sampling="multinomial"), tokenizer=tokenizer)
+    images, text = synthetic_batch(tokenizer)
+    out = model(images, text)
+    (out["loss_itc"] + out["loss_cons"] + out["loss_itm"] + out["loss_mlm"]).backward()
+    no_grad = [n for n, p in model.named_parameters() if p.grad is None]
+    assert no_grad == []
+
+
+def test_itc_off(tokenizer):
+    with pytest.raises(ValueError, match="itc.*hard"):
+        ALBEF_Base(config(itc=False, itm_negatives="hard"), tokenizer=tokenizer)
+    torch.manual_seed(0)
+    model = ALBEF_Base(config(itc=False, itm_negatives="random"), tokenizer=tokenizer)
+    out = model(*synthetic_batch(tokenizer))
+    assert out["loss_itc"] == 0 and out["loss_cons"] == 0
+    assert torch.isfinite(out["loss_itm"]) and torch.isfinite(out["loss_mlm"])
+
+
+def test_pretrained_text_encoder_matches_transformers(tmp_path, tokenizer, caplog):
+    torch.manual_seed(0)
+    hf_config = BertConfig(
+        vocab_size=len(tokenizer),
+        hidden_size=64,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        intermediate_size=256,
+        max_position_embeddings=128,
+    )
+    BertForMaskedLM(hf_config).save_pretrained(tmp_path / "bert")
+    model = ALBEF_Base(config(), text_encoder=str(tmp_path / "bert"), tokenizer=tokenizer).eval()
+    _, text = synthetic_batch(tokenizer)
+    ref = BertModel.from_pretrained(tmp_path / "bert").eval()
+    with torch.no_grad():
+        got = model.encode_text(text.input_ids, text.attention_mask)
+        expected = ref(**text, output_hidden_states=True).hidden_states[2]
+    assert (got - expected).abs().max() <= 1e-5
+
+    # Weights with another vocabulary than the tokenizer's: a clear error.
+    hf_config.vocab_size = len(tokenizer) + 5
+    BertForMaskedLM(hf_config).save_pretrained(tmp_path / "bert_big")
+    with pytest.raises(ValueError, match="vocab"):
+        ALBEF_Base(config(), text_encoder=str(tmp_path / "bert_big"), tokenizer=tokenizer)
+
+
+def test_config_errors(tmp_path, tokenizer):
+    with pytest.raises(FileNotFoundError, match="no_such_bert"):
+        ALBEF_Base(config(), text_encoder=str(tmp_path / "no_such_bert"), tokenizer=tokenizer)
+    with pytest.raises(FileNotFoundError, match="missing_config.json"):
+        ALBEF_Base(config(bert_config=str(tmp_path / "missing_config.json")), tokenizer=tokenizer)
+    with pytest.raises(ValueError, match="vision_width.*encoder_width"):
+        ALBEF_Base(config(vision_width=32), tokenizer=tokenizer)
+    with pytest.raises(ValueError, match="tokenizer"):
+        ALBEF_Base(config())
+    partial = tmp_path / "partial.json"
+    partial.write_text(json.dumps({"hidden_size": 64}))
+    with pytest.raises(ValueError, match="fusion_layer"):
+        ALBEF_Base(config(bert_config=str(partial)), tokenizer=tokenizer)
+
+
+def test_random_init_takes_the_tokenizer_vocabulary(tokenizer):
+    model = ALBEF_Base(config(), tokenizer=tokenizer)
+    assert model.text_encoder.bert.embeddings.word_embeddings.weight.shape[0] == len(tokenizer)
+    assert model.text_encoder.config.vocab_size == len(tokenizer)
