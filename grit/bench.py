@@ -22,17 +22,25 @@ from .collector import GritCollector
 
 
 def reference_grouping(image_feats: torch.Tensor, text_feats: torch.Tensor, start: int) -> list[int]:
-    """Algorithm 2 as a plain per-step loop (host sync per step): feats (M, d) -> chain of M positions."""
-    sim = image_feats.float() @ text_feats.float().T  # v2t; softmax would not change any argmax
-    sim_t = sim.T.contiguous()  # t2v
-    M = sim.shape[0]
-    chain, prev = [start], start
-    for i in range(1, M):
-        sim[:, prev] = float("-inf")  # exclude the visited example in both directions
-        sim_t[:, prev] = float("-inf")
-        cur = int(torch.argmax(sim[prev] if i % 2 == 1 else sim_t[prev]))
+    """Algorithm 2 of the S.M. as written, one sub-queue, one step at a time: feats (M, d) -> M positions.
+
+    Softmax both ways, then per step exclude_index, which zeroes the visited example's row and column in
+    both probability matrices (done before the argmax, so that the chain never revisits an example: the
+    rule p_i = argmax over unvisited j), and the argmax of the current row (host sync per step via int()).
+    """
+    similarity = image_feats.float() @ text_feats.float().T
+    p_v2t = similarity.softmax(dim=1)
+    p_t2v = similarity.T.softmax(dim=1)
+    M = similarity.shape[0]
+    chain, prev, use_v2t = [start], start, True
+    for _ in range(M - 1):
+        for p in (p_v2t, p_t2v):  # exclude_index(matrix, pre_index), column first: never revisit
+            p[:, prev] = 0
+        cur = int(torch.argmax(p_v2t[prev] if use_v2t else p_t2v[prev]))
+        for p in (p_v2t, p_t2v):
+            p[prev, :] = 0
         chain.append(cur)
-        prev = cur
+        prev, use_v2t = cur, not use_v2t
     return chain
 
 
@@ -96,8 +104,12 @@ def main(argv: list[str] | None = None) -> dict:
     def reference():
         return [reference_grouping(v[s], t[s], int(start[s])) for s in range(K)]
 
-    def reference_similarity():  # the reference's own matmul + transpose, to isolate its step loop
-        return [(v[s].float() @ t[s].float().T).T.contiguous() for s in range(K)]
+    def reference_similarity():  # the reference's own matmul + softmaxes, to isolate its step loop
+        out = []
+        for s in range(K):
+            sim = v[s].float() @ t[s].float().T
+            out.append((sim.softmax(dim=1), sim.T.softmax(dim=1)))
+        return out
 
     def similarity():
         with torch.inference_mode():

@@ -1,0 +1,161 @@
+"""GRIT-VLP pre-training (paper Sec. 4): ALBEF_Base trained with ITC_cons + ITM_hard + MLM_50 on GRIT batches.
+
+    python Pretrain.py --config configs/tiny/Pretrain.yaml --output_dir output/pretrain_tiny
+    python -m torch.distributed.launch --nproc_per_node=4 --use_env Pretrain.py \
+        --config configs/Pretrain.yaml --output_dir output/Pretrain
+    torchrun --nproc_per_node=4 Pretrain.py --config configs/Pretrain.yaml --output_dir output/Pretrain
+"""
+
+from __future__ import annotations
+
+import time
+
+import torch
+from torch.utils.data import DataLoader, Subset
+
+import utils
+from dataset import PretrainDataset, create_dataset, ensure_synthetic
+from grit import GritSampler
+from models.loading import load_weights
+from models.pretrain import ALBEF_Base
+from models.tokenization import build_tokenizer
+
+LOSSES = ('loss_itc', 'loss_cons', 'loss_itm', 'loss_mlm')
+
+
+class TextCollate:
+    """Batch (image, caption, index) items and tokenize the captions in the loader's workers."""
+
+    def __init__(self, tokenizer, max_tokens: int) -> None:
+        self.tokenizer = tokenizer
+        self.max_tokens = max_tokens
+
+    def __call__(self, items: list[tuple]) -> tuple[torch.Tensor, dict, torch.Tensor]:
+        """items -> images (B,3,H,W), tokenized captions (B,L) padded to the longest, indices (B,)."""
+        images, captions, indices = zip(*items)
+        text = self.tokenizer(list(captions), padding='longest', truncation=True, max_length=self.max_tokens,
+                              return_tensors='pt')
+        return torch.stack(images), text, torch.as_tensor(indices, dtype=torch.long)
+
+
+def build_dataset(config: dict) -> PretrainDataset:
+    """The pre-training dataset over config['train_file'] with ALBEF's pre-training augmentation."""
+    if config.get('synthetic_root'):
+        ensure_synthetic(config['synthetic_root'])
+    return create_dataset('pretrain', config)
+
+
+def naive_pass_fn(model: torch.nn.Module, dataset: PretrainDataset, collate: TextCollate, config: dict,
+                  device: torch.device):
+    """The extra no-grad pass of the uni-modal encoders that GRIT's naive mode runs per epoch (Remark 2)."""
+
+    def run(indices: torch.Tensor):
+        loader = DataLoader(Subset(dataset, indices.tolist()), batch_size=int(config['batch_size']),
+                            num_workers=int(config.get('num_workers', 0)), collate_fn=collate)
+        net = utils.unwrap(model)
+        was_training = net.training
+        net.eval()
+        with torch.no_grad():
+            for image, text, idx in loader:
+                image_feat, text_feat = net.unimodal_features(image.to(device), text.to(device))
+                yield image_feat, text_feat, idx.to(device)
+        net.train(was_training)
+
+    return run
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = utils.parse_args(argv, description=__doc__.splitlines()[0])
+    config = utils.config_from_args(args)
+    info = utils.init_distributed(args)
+    seed = int(config.get('seed', 42))
+    utils.seed_everything(seed, info.rank)
+    output_dir = utils.setup_output_dir(args, config)
+    device = info.device
+
+    tokenizer = build_tokenizer(config)
+    dataset = build_dataset(config)
+    batch_size = int(config['batch_size'])
+    sampler = GritSampler(dataset, num_replicas=info.world_size, rank=info.rank, seed=seed,
+                          batch_size=batch_size, grit=utils.to_plain(config.get('grit')),
+                          dim=int(config['embed_dim']), device=device)
+    collate = TextCollate(tokenizer, int(config.get('max_tokens', 40)))
+    loader = utils.create_loader(dataset, sampler, batch_size, int(config.get('num_workers', 0)),
+                                 collate_fn=collate, drop_last=True)
+
+    model = ALBEF_Base(config, text_encoder=config.get('text_encoder'), tokenizer=tokenizer).to(device)
+    if args.checkpoint and not args.resume:
+        print(load_weights(model, args.checkpoint).summary())
+    model_ddp = utils.wrap_ddp(model, info)
+    optimizer = utils.build_optimizer(model, config['optimizer'])
+    scheduler = utils.build_scheduler(optimizer, config, steps_per_epoch=sampler.batches_per_epoch)
+    scaler = utils.build_scaler(config, device)
+
+    start_epoch, global_step = 0, 0
+    resume = utils.resolve_resume(args.resume, output_dir)
+    if resume:
+        state = utils.load_checkpoint(resume)
+        model.load_state_dict(state['model'])
+        optimizer.load_state_dict(state['optimizer'])
+        scheduler.load_state_dict(state['lr_scheduler'])
+        scaler.load_state_dict(state['scaler'])
+        sampler.load_state_dict(state['sampler'])
+        global_step = int(state['step'])
+        start_epoch = int(state['epoch']) + (1 if state.get('epoch_complete', True) else 0)
+        utils.reseed(seed, info.rank, global_step)
+        utils.print_main(f'resumed from {resume}: epoch {start_epoch}, step {global_step}')
+
+    def checkpoint_state(epoch: int, step: int, complete: bool = False) -> dict:
+        # Every rank reseeds at the same steps, so a resumed run continues the same random streams.
+        utils.reseed(seed, info.rank, step)
+        return {'model': model.state_dict(), 'optimizer': optimizer.state_dict(),
+                'lr_scheduler': scheduler.state_dict(), 'scaler': scaler.state_dict(),
+                'sampler': sampler.state_dict(), 'config': config, 'epoch': epoch, 'step': step,
+                'epoch_complete': complete}
+
+    grit_seconds = [0.0]
+    feats: dict[str, torch.Tensor] = {}
+
+    def step_fn(net, batch):
+        image, text, _ = batch
+        out = net(image.to(device, non_blocking=True), text.to(device))
+        loss = out['loss_itc'] + out['loss_cons'] + out['loss_itm'] + out['loss_mlm']
+        metrics = {k: out[k].detach() for k in LOSSES}
+        metrics['grit_hardness'] = out['hardness']
+        feats.update(image=out['image_feat'], text=out['text_feat'])
+        return loss, metrics
+
+    def after_step(metrics, batch):
+        # Phase 1 (and, when the queue is full, phases 2-3) on the step's detached CLS projections.
+        t0 = time.perf_counter()
+        sampler.collect(feats['image'], feats['text'], batch[2].to(device, non_blocking=True))
+        grit_seconds[0] += time.perf_counter() - t0
+
+    max_epoch = utils.get_max_epoch(config)
+    naive = naive_pass_fn(model, dataset, collate, config, device)
+    for epoch in range(start_epoch, max_epoch):
+        grit_seconds[0] = 0.0
+        t0 = time.perf_counter()
+        sampler.set_epoch(epoch, naive_pass=naive if sampler.grit['mode'] == 'naive' else None)
+        grit_seconds[0] += time.perf_counter() - t0
+        stats, global_step = utils.train_one_epoch(
+            model_ddp, loader, optimizer, scheduler, epoch=epoch, global_step=global_step, step_fn=step_fn,
+            config=config, device=device, output_dir=output_dir, scaler=scaler, after_step=after_step,
+            checkpoint_state=checkpoint_state, start_batch=sampler.start_batch,
+            total_batches=sampler.batches_per_epoch - sampler.start_batch,
+            desc='Pretrain')
+        t0 = time.perf_counter()
+        sampler.end_epoch()
+        grit_seconds[0] += time.perf_counter() - t0
+        stats['grit_seconds'] = round(grit_seconds[0], 3)
+        utils.save_checkpoint(utils.checkpoint_path(output_dir, epoch=epoch),
+                              **checkpoint_state(epoch, global_step, complete=True))
+        keys = ('epoch', 'step', 'lr', *LOSSES, 'seconds', 'samples_per_s', 'grit_hardness', 'grit_seconds')
+        utils.append_log(output_dir, {k: stats[k] for k in keys})
+        utils.print_main(f'epoch {epoch}: ' + '  '.join(f'{k} {stats[k]:.4f}' for k in keys[3:8]))
+        utils.barrier()
+    utils.cleanup()
+
+
+if __name__ == '__main__':
+    main()
