@@ -70,7 +70,7 @@ class ALBEF_Base(nn.Module):  # noqa: N801 (the paper's name)
         return self.text_encoder(input_ids, attention_mask, mode="text")
 
     def project(self, image_embeds: Tensor, text_embeds: Tensor) -> tuple[Tensor, Tensor]:
-        """Uni-modal hidden states (B,1+P,Dv), (B,L,H) -> L2-normalised ITC projections of the CLS (B,d) each."""
+        """Uni-modal states (B,1+P,Dv), (B,L,H) -> L2-normalised ITC projections of the CLS, (B,d) each."""
         image_feat = F.normalize(self.vision_proj(image_embeds[:, 0]), dim=-1)
         text_feat = F.normalize(self.text_proj(text_embeds[:, 0]), dim=-1)
         return image_feat, text_feat
