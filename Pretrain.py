@@ -80,8 +80,11 @@ def main(argv: list[str] | None = None) -> None:
                           batch_size=batch_size, grit=utils.to_plain(config.get('grit')),
                           dim=int(config['embed_dim']), device=device)
     collate = TextCollate(tokenizer, int(config.get('max_tokens', 40)))
+    # The loader draws its workers' base seed from its own generator, not the global stream, so that
+    # creating the iterator on resume does not shift the random numbers the model draws.
     loader = utils.create_loader(dataset, sampler, batch_size, int(config.get('num_workers', 0)),
-                                 collate_fn=collate, drop_last=True)
+                                 collate_fn=collate, drop_last=True,
+                                 generator=utils.make_generator(seed + info.rank))
 
     model = ALBEF_Base(config, text_encoder=config.get('text_encoder'), tokenizer=tokenizer).to(device)
     if args.checkpoint and not args.resume:
@@ -158,4 +161,4 @@ def main(argv: list[str] | None = None) -> None:
 
 
 if __name__ == '__main__':
-    main()
+    utils.run_main(main)

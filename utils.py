@@ -807,6 +807,15 @@ def create_loader(dataset: Dataset, sampler: Sampler | None, batch_size: int, nu
 # ----------------------------------------------------------------------------------------------
 
 
+def run_main(main: Any, argv: Sequence[str] | None = None) -> None:
+    """Run a script's main(argv); a config or file error ends with its one-line message, not a traceback."""
+    try:
+        main(argv)
+    except (ConfigError, FileNotFoundError) as e:
+        print(f'error: {e}', file=sys.stderr)
+        sys.exit(2)
+
+
 def autocast_dtype(config: Mapping, device: torch.device) -> torch.dtype | None:
     """Mixed-precision dtype for `amp: true` on CUDA (bf16 where supported, else fp16); None = fp32."""
     if not config.get('amp', False) or device.type != 'cuda':
