@@ -13,8 +13,8 @@ import pytest
 import torch
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-LOG_KEYS = {'epoch', 'step', 'lr', 'loss_itc', 'loss_cons', 'loss_itm', 'loss_mlm', 'seconds', 'samples_per_s',
-            'grit_hardness', 'grit_seconds'}
+LOG_KEYS = {'epoch', 'step', 'lr', 'loss_itc', 'loss_cons', 'loss_itm', 'loss_mlm', 'seconds',
+            'samples_per_s', 'grit_hardness', 'grit_seconds'}
 CKPT_KEYS = {'model', 'optimizer', 'lr_scheduler', 'scaler', 'sampler', 'config', 'epoch', 'step'}
 
 
@@ -78,7 +78,8 @@ def test_one_process_two_epochs(data_dir, tmp_path):
     assert_valid_next_epoch(state['sampler']['indices'], 96, 8)
     with open(os.path.join(out, 'config.yaml')) as f:
         written = f.read()
-    assert '# Tiny GRIT-VLP pre-training' in written and 'batch_size: 8' in written  # comments kept, --set applied
+    # comments kept, --set applied
+    assert '# Tiny GRIT-VLP pre-training' in written and 'batch_size: 8' in written
 
 
 @pytest.mark.parametrize('launcher', ['launch', 'torchrun'])
