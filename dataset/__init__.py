@@ -8,15 +8,10 @@ test_file, answer_list (VQA), and optionally hflip / randaugment (default true, 
 from __future__ import annotations
 
 import importlib
-from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING
-
-if TYPE_CHECKING:
-    from torch.utils.data import DataLoader, Dataset, Sampler
 
 __all__ = [
     "ImageReadError", "NLVRDataset", "PretrainDataset", "RetrievalEvalDataset", "RetrievalTrainDataset",
-    "VQADataset", "create_dataset", "create_loader", "ensure_synthetic", "load_json_list", "pre_caption",
+    "VQADataset", "create_dataset", "ensure_synthetic", "load_json_list", "pre_caption",
     "pre_question", "read_image", "resolve_image", "test_transform",
     "train_transform", "vqa_collate",
 ]
@@ -81,20 +76,3 @@ def create_dataset(task: str, config: dict):
     return (VQADataset(train_file, train_tf, root, "train", max_words=max_words),
             VQADataset(_require(config, "test_file", task), test_tf, root, "test",
                        answer_list=_require(config, "answer_list", task), max_words=max_words))
-
-
-def create_loader(datasets: Sequence[Dataset], samplers: Sequence[Sampler | None], batch_size: Sequence[int],
-                  num_workers: Sequence[int], is_trains: Sequence[bool],
-                  collate_fns: Sequence[Callable | None]) -> list[DataLoader]:
-    """One DataLoader per dataset (ALBEF's helper): training loaders shuffle (unless a sampler is
-    given) and drop the last partial batch; evaluation loaders keep order and every item."""
-    import torch
-    from torch.utils.data import DataLoader
-
-    loaders = []
-    for ds, sampler, bs, nw, is_train, collate in zip(datasets, samplers, batch_size, num_workers, is_trains,
-                                                      collate_fns):
-        loaders.append(DataLoader(ds, batch_size=bs, num_workers=nw, pin_memory=torch.cuda.is_available(),
-                                  sampler=sampler, shuffle=is_train and sampler is None, collate_fn=collate,
-                                  drop_last=is_train))
-    return loaders

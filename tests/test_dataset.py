@@ -26,7 +26,6 @@ from dataset import (
     RetrievalTrainDataset,
     VQADataset,
     create_dataset,
-    create_loader,
     ensure_synthetic,
     load_json_list,
     pre_caption,
@@ -377,22 +376,6 @@ def test_create_dataset_from_config(data_root):
     assert len(val) == len(test) == synthetic.split_sizes(N)["val_images"]
     with pytest.raises(ValueError, match="answer_list"):
         create_dataset("vqa", dict(config, train_file=os.path.join(data_root, "vqa_train.json")))
-
-
-def test_create_loader_train_and_eval(data_root):
-    config = {"image_res": RES, "image_root": data_root, "hflip": False,
-              "train_file": [os.path.join(data_root, "vqa_train.json")],
-              "test_file": os.path.join(data_root, "vqa_test.json"),
-              "answer_list": os.path.join(data_root, "answer_list.json")}
-    train, test = create_dataset("vqa", config)
-    train_loader, test_loader = create_loader([train, test], [None, None], batch_size=[5, 7],
-                                              num_workers=[0, 0], is_trains=[True, False],
-                                              collate_fns=[vqa_collate, None])
-    assert len(train_loader) == len(train) // 5 and len(test_loader) == -(-len(test) // 7)
-    images, questions, answers, weights, n = next(iter(train_loader))
-    assert images.shape == (5, 3, RES, RES) and len(n) == 5 and weights.shape == (len(answers),)
-    images, questions, qids = next(iter(test_loader))
-    assert qids.tolist() == [e["question_id"] for e in test.ann[:7]]
 
 
 def test_generator_cli_does_not_import_torch():
