@@ -468,6 +468,12 @@ def ensure_synthetic(root: str = "data/synthetic", n: int = 600, seed: int = 0) 
     if os.path.isfile(marker):
         with open(marker, encoding="utf-8") as f:
             meta = json.load(f)
+        if meta.get("format_version") != FORMAT_VERSION:
+            # written by an older generator: its files may differ from what the configs expect
+            logger.info("synthetic dataset at %s has format %s, regenerating as format %s", root,
+                        meta.get("format_version"), FORMAT_VERSION)
+            generate(root, n, seed)
+            return root
         if (meta.get("n"), meta.get("seed")) != (n, seed):
             warnings.warn(f"{root} holds a synthetic dataset with n={meta.get('n')}, "
                           f"seed={meta.get('seed')}; requested n={n}, seed={seed} (delete it to regenerate)",

@@ -381,3 +381,17 @@ def test_create_dataset_from_config(data_root):
 def test_generator_cli_does_not_import_torch():
     code = "import sys, dataset.synthetic, dataset.utils; assert 'torch' not in sys.modules"
     subprocess.run([sys.executable, "-c", code], check=True, cwd=os.path.dirname(os.path.dirname(__file__)))
+
+
+def test_ensure_synthetic_regenerates_an_older_format(tmp_path):
+    root = str(tmp_path / "old")
+    synthetic.ensure_synthetic(root, n=12, seed=0)
+    marker = os.path.join(root, synthetic.MARKER)
+    meta = _load(root, synthetic.MARKER)
+    meta["format_version"] = synthetic.FORMAT_VERSION - 1
+    with open(marker, "w") as f:
+        json.dump(meta, f)
+    os.remove(os.path.join(root, "vocab.txt"))
+    synthetic.ensure_synthetic(root, n=12, seed=0)
+    assert _load(root, synthetic.MARKER)["format_version"] == synthetic.FORMAT_VERSION
+    assert os.path.isfile(os.path.join(root, "vocab.txt"))
