@@ -833,12 +833,13 @@ def unwrap(model: nn.Module) -> nn.Module:
     return model.module if isinstance(model, nn.parallel.DistributedDataParallel) else model
 
 
-def wrap_ddp(model: nn.Module, info: DistInfo, find_unused_parameters: bool = False) -> nn.Module:
+def wrap_ddp(model: nn.Module, info: DistInfo, find_unused_parameters: bool = False,
+             broadcast_buffers: bool = True) -> nn.Module:
     """DistributedDataParallel when running distributed, else the model unchanged."""
     if not info.distributed:
         return model
     ids = [info.device.index] if info.device.type == 'cuda' else None
-    return nn.parallel.DistributedDataParallel(model, device_ids=ids,
+    return nn.parallel.DistributedDataParallel(model, device_ids=ids, broadcast_buffers=broadcast_buffers,
                                                find_unused_parameters=find_unused_parameters)
 
 

@@ -1,0 +1,266 @@
+"""Image-text retrieval (paper S.M. D, IRTR): fine-tuning with queue ITC + ITM_hard, and evaluation.
+
+    python -m torch.distributed.launch --nproc_per_node=4 --use_env Retrieval.py \
+        --config configs/Retrieval_coco.yaml --output_dir output/Retrieval_coco \
+        --checkpoint output/Pretrain/checkpoint_19.pth
+    # evaluation only (a pre-training checkpoint gives zero-shot numbers)
+    python Retrieval.py --config configs/Retrieval_flickr.yaml --output_dir output/Retrieval_eval \
+        --checkpoint output/Retrieval_flickr/checkpoint_best.pth --evaluate
+    # tiny CPU run on the synthetic data; --bench times the ITM re-ranking and prints JSON
+    python Retrieval.py --config configs/tiny/Retrieval.yaml --output_dir output/retrieval_tiny [--bench]
+
+log.txt gets one JSON line per epoch (train losses, val_* and test_* metrics: txt_r1/5/10, img_r1/5/10,
+txt_r_mean, img_r_mean, r_mean) and one for --evaluate; checkpoint_best.pth is the best val r_mean;
+rankings_{val,test}.json hold every image's top-k texts and every text's top-k images with scores.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from collections.abc import Mapping
+
+import torch
+from torch import Tensor, nn
+from torch.utils.data import DistributedSampler
+
+import utils
+from dataset import RetrievalEvalDataset, create_dataset, ensure_synthetic
+from models.loading import load_weights, read_checkpoint
+from models.retrieval import (
+    MOMENTUM_PREFIXES,
+    QUEUE_KEYS,
+    RETRIEVAL_IGNORED_PREFIXES,
+    ALBEF_Retrieval,
+    compute_itr_scores,
+    dense_scores,
+    itr_metrics,
+    topk_rankings,
+)
+from models.tokenization import build_tokenizer
+
+LOSSES = ("loss_itc", "loss_cons", "loss_itm")
+
+
+class CaptionCollate:
+    """(image, caption, image id) items -> images (B,3,H,W), tokenized captions (B,L), image ids (B,)."""
+
+    def __init__(self, tokenizer, max_tokens: int) -> None:
+        self.tokenizer = tokenizer
+        self.max_tokens = max_tokens
+
+    def __call__(self, items: list[tuple]) -> tuple[Tensor, dict, Tensor]:
+        images, captions, img_ids = zip(*items)
+        text = self.tokenizer(list(captions), padding="longest", truncation=True, max_length=self.max_tokens,
+                              return_tensors="pt")
+        return torch.stack(images), text, torch.as_tensor(img_ids, dtype=torch.long)
+
+
+class ResumableSampler(DistributedSampler):
+    """torch's DistributedSampler that can start an epoch after `start_batch` batches (mid-epoch resume)."""
+
+    def __init__(self, *args, batch_size: int, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.batch_size = batch_size
+        self.start_batch = 0
+
+    def __iter__(self):
+        return iter(list(super().__iter__())[self.start_batch * self.batch_size:])
+
+    def __len__(self) -> int:
+        return super().__len__() - self.start_batch * self.batch_size
+
+
+def build_model(config: Mapping, tokenizer, checkpoint: str | None) -> ALBEF_Retrieval:
+    """ALBEF_Retrieval (momentum copies of the initial weights), then --checkpoint into the online model.
+
+    momentum_init 'initial': the momentum model keeps the initial weights and a checkpoint's own
+    momentum weights are skipped; 'checkpoint': momentum weights come from the checkpoint (its
+    momentum copies if it has them, else its online weights). The feature queues always start fresh
+    (random columns, as ALBEF); --resume, not --checkpoint, restores a run's queues.
+    """
+    mode = config.get("momentum_init", "initial")
+    if mode not in ("initial", "checkpoint"):
+        raise ValueError(f"config key 'momentum_init' must be 'initial' or 'checkpoint', got {mode!r}")
+    model = ALBEF_Retrieval(dict(config), text_encoder=config.get("text_encoder"), tokenizer=tokenizer)
+    if not checkpoint:
+        utils.print_main("no --checkpoint: the model starts from its initial weights")
+        return model
+    state = {k: v for k, v in read_checkpoint(checkpoint).items() if k not in QUEUE_KEYS}
+    has_momentum = any(k.startswith(MOMENTUM_PREFIXES) for k in state)
+    if mode == "initial" and has_momentum:
+        state = {k: v for k, v in state.items() if not k.startswith(MOMENTUM_PREFIXES)}
+        utils.print_main("momentum_init initial: the checkpoint's momentum weights are not used")
+    report = load_weights(model, state, ignore=RETRIEVAL_IGNORED_PREFIXES)
+    if mode == "checkpoint" and not has_momentum:
+        model.copy_momentum()
+    fresh = (*MOMENTUM_PREFIXES, *QUEUE_KEYS)  # initialised here by design, not "missing"
+    report.missing = [k for k in report.missing if not k.startswith(fresh)]
+    utils.print_main(f"loaded {checkpoint} (momentum_init {mode}): {report.summary()}")
+    return model
+
+
+def evaluate_split(model: ALBEF_Retrieval, dataset: RetrievalEvalDataset, split: str, tokenizer,
+                   config: Mapping, device: torch.device, output_dir: str | None = None) -> tuple[dict, dict]:
+    """Metrics of one split (prefixed `split_`) and timing stats; writes rankings_{split}.json if asked."""
+    loader = utils.create_loader(dataset, None, int(config.get("batch_size_test", 64)),
+                                 int(config.get("num_workers", 0)), drop_last=False)
+    result = compute_itr_scores(
+        model, loader, dataset.text, tokenizer, device, int(config["k_test"]),
+        text_batch_size=int(config.get("text_batch_size", 256)),
+        rerank_pairs=int(config.get("rerank_pairs", 256)), max_tokens=int(config.get("max_tokens", 40)),
+        amp=bool(config.get("amp", False)),
+    )
+    metrics = itr_metrics(dense_scores(result["i2t_idx"], result["i2t_score"], len(dataset.text)),
+                          dense_scores(result["t2i_idx"], result["t2i_score"], len(dataset)), dataset.txt2img)
+    if output_dir and config.get("save_rankings", True) and utils.is_main_process():
+        rankings = topk_rankings(result, dataset.image, dataset.text, dataset.txt2img)
+        with open(os.path.join(output_dir, f"rankings_{split}.json"), "w", encoding="utf-8") as f:
+            json.dump({"split": split, "k_test": int(config["k_test"]), "metrics": metrics, **rankings}, f)
+    stats = {k: result[k] for k in ("itm_pairs", "encode_seconds", "rerank_seconds")}
+    return {f"{split}_{k}": v for k, v in metrics.items()}, stats
+
+
+def bench(model: ALBEF_Retrieval, dataset: RetrievalEvalDataset, tokenizer, config: Mapping,
+          info: utils.DistInfo) -> dict:
+    """Time the evaluation of the test split: ITM pairs re-scored per second (all ranks together)."""
+    _, stats = evaluate_split(model, dataset, "test", tokenizer, config, info.device)
+    return {"images": len(dataset), "texts": len(dataset.text), "k_test": int(config["k_test"]),
+            "rerank_pairs": int(config.get("rerank_pairs", 256)), "world_size": info.world_size,
+            "device": str(info.device), "threads": torch.get_num_threads(), "itm_pairs": stats["itm_pairs"],
+            "rerank_seconds": round(stats["rerank_seconds"], 3),
+            "encode_seconds": round(stats["encode_seconds"], 3),
+            "itm_pairs_per_s": round(stats["itm_pairs"] / max(stats["rerank_seconds"], 1e-9), 1)}
+
+
+def main(argv: list[str] | None = None) -> dict:
+    """Fine-tune and/or evaluate from the command line; returns the last log record (bench: its JSON)."""
+    parser = utils.build_parser(__doc__.splitlines()[0], default_output_dir="output/Retrieval")
+    parser.add_argument("--bench", action="store_true",
+                        help="time the ITM re-ranking on the test split, print one JSON line, exit")
+    args = utils.parse_args(argv, parser=parser)
+    config = utils.config_from_args(args)
+    utils.require_keys(config, ("train_file", "val_file", "test_file", "k_test", "queue_size", "momentum"),
+                       args.config)
+    info = utils.init_distributed(args)
+    device = info.device
+    seed = int(config.get("seed", 42))
+    if config.get("synthetic_root"):
+        if utils.is_main_process():
+            ensure_synthetic(config["synthetic_root"])
+        utils.barrier()
+
+    tokenizer = build_tokenizer(config)
+    # The same seed on every rank while building, so that an un-loaded model is identical everywhere.
+    utils.seed_everything(seed, 0)
+    model = build_model(config, tokenizer, args.checkpoint).to(device)
+    utils.seed_everything(seed, info.rank)
+    train_set, val_set, test_set = create_dataset("retrieval", config)
+
+    if args.bench:
+        record = bench(model, test_set, tokenizer, config, info)
+        utils.print_main(json.dumps(record))
+        utils.cleanup()
+        return record
+
+    output_dir = utils.setup_output_dir(args, config)
+
+    def evaluate(epoch_record: dict) -> None:
+        start = time.time()
+        for split, dataset in (("val", val_set), ("test", test_set)):
+            metrics, _ = evaluate_split(model, dataset, split, tokenizer, config, device, output_dir)
+            epoch_record.update(metrics)
+        epoch_record["eval_seconds"] = round(time.time() - start, 3)
+
+    if args.evaluate:
+        record = {"mode": "evaluate", "checkpoint": args.checkpoint}
+        evaluate(record)
+        utils.print_main(json.dumps(record))
+        utils.append_log(output_dir, record)
+        utils.cleanup()
+        return record
+
+    batch_size = int(config["batch_size_train"])
+    # A seeded sampler even on one process: epoch e's order is reproducible, so a mid-epoch resume
+    # skips exactly the batches already trained on. No GRIT in fine-tuning (paper).
+    sampler = ResumableSampler(train_set, num_replicas=info.world_size, rank=info.rank, shuffle=True,
+                               seed=seed, drop_last=True, batch_size=batch_size)
+    collate = CaptionCollate(tokenizer, int(config.get("max_tokens", 40)))
+    loader = utils.create_loader(train_set, sampler, batch_size, int(config.get("num_workers", 0)),
+                                 collate_fn=collate, drop_last=True)
+    steps_per_epoch = len(sampler) // batch_size
+    if steps_per_epoch == 0:
+        raise ValueError(f"train_file has {len(train_set)} entries: fewer than one batch of {batch_size} "
+                         "per rank")
+    # broadcast_buffers=False: every rank enqueues the same gathered features, so the queues
+    # agree without re-sending 2 x (embed_dim x queue_size) floats every step.
+    model_ddp = utils.wrap_ddp(model, info, broadcast_buffers=False)
+    optimizer = utils.build_optimizer(model, config["optimizer"])
+    scheduler = utils.build_scheduler(optimizer, config, steps_per_epoch)
+    scaler = utils.build_scaler(config, device)
+
+    start_epoch, global_step = 0, 0
+    best = {"val_r_mean": -1.0, "epoch": -1}
+    resume = utils.resolve_resume(args.resume, output_dir)
+    if resume:
+        state = utils.load_checkpoint(resume)
+        model.load_state_dict(state["model"])
+        optimizer.load_state_dict(state["optimizer"])
+        scheduler.load_state_dict(state["lr_scheduler"])
+        if state.get("scaler"):
+            scaler.load_state_dict(state["scaler"])
+        global_step = int(state["step"])
+        best = dict(state.get("best", best))
+        start_epoch = int(state["epoch"]) + (1 if state.get("epoch_complete", True) else 0)
+        sampler.start_batch = global_step - start_epoch * steps_per_epoch
+        utils.reseed(seed, info.rank, global_step)
+        utils.print_main(f"resumed from {resume}: epoch {start_epoch}, step {global_step}")
+
+    def checkpoint_state(epoch: int, step: int, complete: bool = False) -> dict:
+        # Every rank reseeds at the same steps, so a resumed run continues the same random streams.
+        utils.reseed(seed, info.rank, step)
+        return {"model": model.state_dict(), "optimizer": optimizer.state_dict(),
+                "lr_scheduler": scheduler.state_dict(), "scaler": scaler.state_dict(),
+                "sampler": {"seed": seed, "epoch": epoch}, "config": config, "epoch": epoch, "step": step,
+                "epoch_complete": complete, "best": best}
+
+    def step_fn(net: nn.Module, batch) -> tuple[Tensor, dict[str, Tensor]]:
+        image, text, img_id = batch
+        out = net(image.to(device, non_blocking=True), text.to(device), img_id.to(device, non_blocking=True))
+        loss = out["loss_itc"] + out["loss_cons"] + out["loss_itm"]
+        return loss, {k: out[k].detach() for k in LOSSES}
+
+    record: dict = {}
+    for epoch in range(start_epoch, utils.get_max_epoch(config)):
+        sampler.set_epoch(epoch)
+        stats, global_step = utils.train_one_epoch(
+            model_ddp, loader, optimizer, scheduler, epoch=epoch, global_step=global_step, step_fn=step_fn,
+            config=config, device=device, output_dir=output_dir, scaler=scaler,
+            checkpoint_state=checkpoint_state, start_batch=sampler.start_batch,
+            total_batches=steps_per_epoch - sampler.start_batch, desc="Retrieval")
+        sampler.start_batch = 0
+        record = {"epoch": epoch, "step": global_step, "lr": stats["lr"], **{k: stats[k] for k in LOSSES},
+                  "train_seconds": stats["seconds"], "samples_per_s": stats["samples_per_s"]}
+        evaluate(record)
+        if record["val_r_mean"] > best["val_r_mean"]:
+            best = {"val_r_mean": record["val_r_mean"], "test_r_mean": record["test_r_mean"], "epoch": epoch}
+            metrics = {k: v for k, v in record.items() if k.startswith(("val_", "test_"))}
+            utils.save_checkpoint(os.path.join(output_dir, "checkpoint_best.pth"), model=model.state_dict(),
+                                  config=config, epoch=epoch, step=global_step, metrics=metrics)
+        record["best_epoch"] = best["epoch"]
+        utils.save_checkpoint(utils.checkpoint_path(output_dir, epoch=epoch),
+                              **checkpoint_state(epoch, global_step, complete=True))
+        utils.append_log(output_dir, record)
+        utils.print_main(json.dumps(record))
+        utils.barrier()
+    if best["epoch"] >= 0:
+        path = os.path.join(output_dir, "checkpoint_best.pth")
+        utils.print_main(f"best val r_mean {best['val_r_mean']:.2f} at epoch {best['epoch']} "
+                         f"(test r_mean {best['test_r_mean']:.2f}): {path}")
+    utils.cleanup()
+    return record
+
+
+if __name__ == "__main__":
+    main()
