@@ -14,28 +14,13 @@ import torch
 from torch.utils.data import DataLoader, Subset
 
 import utils
-from dataset import PretrainDataset, create_dataset, ensure_synthetic
+from dataset import ImageTextCollate, PretrainDataset, create_dataset, ensure_synthetic
 from grit import GritSampler
 from models.loading import load_weights
 from models.pretrain import ALBEF_Base
 from models.tokenization import build_tokenizer
 
 LOSSES = ('loss_itc', 'loss_cons', 'loss_itm', 'loss_mlm')
-
-
-class TextCollate:
-    """Batch (image, caption, index) items and tokenize the captions in the loader's workers."""
-
-    def __init__(self, tokenizer, max_tokens: int) -> None:
-        self.tokenizer = tokenizer
-        self.max_tokens = max_tokens
-
-    def __call__(self, items: list[tuple]) -> tuple[torch.Tensor, dict, torch.Tensor]:
-        """items -> images (B,3,H,W), tokenized captions (B,L) padded to the longest, indices (B,)."""
-        images, captions, indices = zip(*items)
-        text = self.tokenizer(list(captions), padding='longest', truncation=True, max_length=self.max_tokens,
-                              return_tensors='pt')
-        return torch.stack(images), text, torch.as_tensor(indices, dtype=torch.long)
 
 
 def build_dataset(config: dict) -> PretrainDataset:
@@ -45,8 +30,8 @@ def build_dataset(config: dict) -> PretrainDataset:
     return create_dataset('pretrain', config)
 
 
-def naive_pass_fn(model: torch.nn.Module, dataset: PretrainDataset, collate: TextCollate, config: dict,
-                  device: torch.device):
+def naive_pass_fn(model: torch.nn.Module, dataset: PretrainDataset, collate: ImageTextCollate,
+                  config: dict, device: torch.device):
     """The extra no-grad pass of the uni-modal encoders that GRIT's naive mode runs per epoch (Remark 2)."""
 
     def run(indices: torch.Tensor):
@@ -79,7 +64,7 @@ def main(argv: list[str] | None = None) -> None:
     sampler = GritSampler(dataset, num_replicas=info.world_size, rank=info.rank, seed=seed,
                           batch_size=batch_size, grit=utils.to_plain(config.get('grit')),
                           dim=int(config['embed_dim']), device=device)
-    collate = TextCollate(tokenizer, int(config.get('max_tokens', 40)))
+    collate = ImageTextCollate(tokenizer, int(config.get('max_tokens', 40)))
     # The loader draws its workers' base seed from its own generator, not the global stream, so that
     # creating the iterator on resume does not shift the random numbers the model draws.
     loader = utils.create_loader(dataset, sampler, batch_size, int(config.get('num_workers', 0)),

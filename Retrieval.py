@@ -26,7 +26,7 @@ from torch import Tensor, nn
 from torch.utils.data import DistributedSampler
 
 import utils
-from dataset import RetrievalEvalDataset, create_dataset, ensure_synthetic
+from dataset import ImageTextCollate, RetrievalEvalDataset, create_dataset, ensure_synthetic
 from models.loading import load_weights, read_checkpoint
 from models.retrieval import (
     MOMENTUM_PREFIXES,
@@ -41,20 +41,6 @@ from models.retrieval import (
 from models.tokenization import build_tokenizer
 
 LOSSES = ("loss_itc", "loss_cons", "loss_itm")
-
-
-class CaptionCollate:
-    """(image, caption, image id) items -> images (B,3,H,W), tokenized captions (B,L), image ids (B,)."""
-
-    def __init__(self, tokenizer, max_tokens: int) -> None:
-        self.tokenizer = tokenizer
-        self.max_tokens = max_tokens
-
-    def __call__(self, items: list[tuple]) -> tuple[Tensor, dict, Tensor]:
-        images, captions, img_ids = zip(*items)
-        text = self.tokenizer(list(captions), padding="longest", truncation=True, max_length=self.max_tokens,
-                              return_tensors="pt")
-        return torch.stack(images), text, torch.as_tensor(img_ids, dtype=torch.long)
 
 
 class ResumableSampler(DistributedSampler):
@@ -186,7 +172,7 @@ def main(argv: list[str] | None = None) -> dict:
     # skips exactly the batches already trained on. No GRIT in fine-tuning (paper).
     sampler = ResumableSampler(train_set, num_replicas=info.world_size, rank=info.rank, shuffle=True,
                                seed=seed, drop_last=True, batch_size=batch_size)
-    collate = CaptionCollate(tokenizer, int(config.get("max_tokens", 40)))
+    collate = ImageTextCollate(tokenizer, int(config.get("max_tokens", 40)))
     loader = utils.create_loader(train_set, sampler, batch_size, int(config.get("num_workers", 0)),
                                  collate_fn=collate, drop_last=True)
     steps_per_epoch = len(sampler) // batch_size

@@ -10,7 +10,8 @@ from __future__ import annotations
 import importlib
 
 __all__ = [
-    "ImageReadError", "NLVRDataset", "PretrainDataset", "RetrievalEvalDataset", "RetrievalTrainDataset",
+    "ImageReadError", "ImageTextCollate", "NLVRDataset", "PretrainDataset", "RetrievalEvalDataset",
+    "RetrievalTrainDataset",
     "VQADataset", "create_dataset", "ensure_synthetic", "load_json_list", "pre_caption",
     "pre_question", "read_image", "resolve_image", "test_transform",
     "train_transform", "vqa_collate",
@@ -21,7 +22,8 @@ __all__ = [
 _LAZY = {
     "NLVRDataset": "nlvr", "PretrainDataset": "pretrain", "RetrievalEvalDataset": "retrieval",
     "RetrievalTrainDataset": "retrieval", "VQADataset": "vqa", "vqa_collate": "vqa",
-    "ensure_synthetic": "synthetic", "test_transform": "transforms", "train_transform": "transforms",
+    "ensure_synthetic": "synthetic", "ImageTextCollate": "collate", "test_transform": "transforms",
+    "train_transform": "transforms",
     "ImageReadError": "utils", "load_json_list": "utils", "pre_caption": "utils", "pre_question": "utils",
     "read_image": "utils", "resolve_image": "utils",
 }
