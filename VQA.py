@@ -1,0 +1,276 @@
+"""VQA v2 fine-tuning with an answer decoder (paper S.M. D, as ALBEF).
+
+    python -m torch.distributed.launch --nproc_per_node=4 --use_env VQA.py \
+        --config configs/VQA.yaml --output_dir output/VQA --checkpoint output/Pretrain/checkpoint_19.pth
+    # inference only (writes output_dir/vqa_result.json)
+    python VQA.py --config configs/VQA.yaml --output_dir output/VQA_eval \
+        --checkpoint output/VQA/checkpoint_07.pth --evaluate
+
+Training: answer LM loss weighted by the VQA soft scores. Inference on test_file ranks the answer list
+(first-token scores pick k_test candidates, the full answer likelihood decides) and writes
+output_dir/vqa_result.json ([{"question_id", "answer"}], the official submission format). When the
+test json carries ground-truth answers (lists of annotator answers) the VQA accuracy is logged as
+test_acc; an optional val_file is evaluated after every epoch (val_acc).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from collections.abc import Mapping
+
+import torch
+from torch import Tensor, nn
+from torch.utils.data import DataLoader, DistributedSampler, Subset
+
+import utils
+from dataset import VQADataset, create_dataset, ensure_synthetic, load_json_list, test_transform, vqa_collate
+from models.loading import load_weights
+from models.tokenization import build_tokenizer
+from models.vqa import ALBEF_VQA, vqa_accuracy
+
+
+class ResumableSampler(DistributedSampler):
+    """torch's DistributedSampler that can start an epoch after `start_batch` batches (mid-epoch resume)."""
+
+    def __init__(self, *args, batch_size: int, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.batch_size = batch_size
+        self.start_batch = 0
+
+    def __iter__(self):
+        return iter(list(super().__iter__())[self.start_batch * self.batch_size:])
+
+    def __len__(self) -> int:
+        return super().__len__() - self.start_batch * self.batch_size
+
+
+class QACollate:
+    """Train items -> images (B,3,H,W), questions (B,Lq), answers (A,La), weights (A,), counts (B,).
+
+    counts[b] is the number of answers of question b (answers are grouped by question, in order).
+
+    Answers are tokenized as [CLS] answer [SEP]: [CLS] is the decoder's start token, [SEP] its end token.
+    """
+
+    def __init__(self, tokenizer, max_tokens: int) -> None:
+        self.tokenizer = tokenizer
+        self.max_tokens = max_tokens
+
+    def __call__(self, items: list[tuple]) -> tuple[Tensor, dict, dict, Tensor, Tensor]:
+        images, questions, answers, weights, counts = vqa_collate(items)
+        question = self.tokenizer(questions, padding="longest", truncation=True, max_length=self.max_tokens,
+                                  return_tensors="pt")
+        answer = self.tokenizer(answers, padding="longest", return_tensors="pt")
+        return images, question, answer, weights, torch.as_tensor(counts, dtype=torch.long)
+
+
+class QuestionCollate:
+    """Test items -> images (B,3,H,W), tokenized questions (B,Lq), question ids (list)."""
+
+    def __init__(self, tokenizer, max_tokens: int) -> None:
+        self.tokenizer = tokenizer
+        self.max_tokens = max_tokens
+
+    def __call__(self, items: list[tuple]) -> tuple[Tensor, dict, list]:
+        images, questions, question_ids = zip(*items)
+        question = self.tokenizer(list(questions), padding="longest", truncation=True,
+                                  max_length=self.max_tokens, return_tensors="pt")
+        return torch.stack(images), question, list(question_ids)
+
+
+def build_model(config: Mapping, tokenizer, checkpoint: str | None) -> ALBEF_VQA:
+    """ALBEF_VQA with --checkpoint loaded (a pre-training checkpoint initialises the decoder)."""
+    model = ALBEF_VQA(dict(config), tokenizer)
+    if checkpoint:
+        report = load_weights(model, checkpoint, key_map=model.key_map(), ignore=model.ignored_keys())
+        utils.print_main(f"loaded {checkpoint}: {report.summary()}")
+    else:
+        utils.print_main("no --checkpoint: the model starts from random weights")
+    return model
+
+
+def ground_truth(files) -> dict:
+    """question_id -> annotator answers, for the entries of the json `files` that have answers."""
+    gts = {}
+    for entry in load_json_list(files, required=("question_id",)):
+        answer = entry.get("answer")
+        if answer:
+            gts[entry["question_id"]] = [answer] if isinstance(answer, str) else list(answer)
+    return gts
+
+
+@torch.no_grad()
+def predict(model: ALBEF_VQA, loader: DataLoader, answer_list: list[str], answers: dict, k: int,
+            device: torch.device) -> list[dict]:
+    """[{"question_id", "answer"}] of the loader's questions: top-k by first token, then by likelihood."""
+    model.eval()
+    results = []
+    for image, question, question_ids in loader:
+        question = question.to(device)
+        states = model.encode_question(image.to(device), question.input_ids, question.attention_mask)
+        ranked, _ = model.rank_answers(states, question.attention_mask, answers["input_ids"],
+                                       answers["attention_mask"], k)
+        for qid, best in zip(question_ids, ranked[:, 0].tolist()):
+            results.append({"question_id": qid, "answer": answer_list[best]})
+    return results
+
+
+def evaluate(model: ALBEF_VQA, dataset: VQADataset, tokenizer, config: Mapping, info: utils.DistInfo,
+             gts: dict, result_path: str | None) -> float | None:
+    """Answer every question of dataset (ranks take disjoint strides); write result_path on the main
+    process; return the VQA accuracy when gts (ground-truth answers) are given, else None."""
+    if dataset.answer_list is None:
+        raise ValueError("VQA evaluation needs config key 'answer_list'")
+    part = Subset(dataset, range(info.rank, len(dataset), info.world_size))
+    loader = utils.create_loader(part, None, int(config.get("batch_size_test", 16)),
+                                 int(config.get("num_workers", 0)),
+                                 collate_fn=QuestionCollate(tokenizer, int(config.get("max_tokens", 40))),
+                                 drop_last=False)
+    answers = tokenizer(dataset.answer_list, padding="longest", return_tensors="pt").to(info.device)
+    k = int(config.get("k_test", 128))
+    results = predict(model, loader, dataset.answer_list, answers, k, info.device)
+    if utils.is_dist():
+        parts: list = [None] * utils.get_world_size()
+        torch.distributed.all_gather_object(parts, results)
+        results = [r for part_results in parts for r in part_results]
+    order = {entry["question_id"]: i for i, entry in enumerate(dataset.ann)}
+    results.sort(key=lambda r: order[r["question_id"]])
+    if result_path and utils.is_main_process():
+        tmp = f"{result_path}.tmp"
+        with open(tmp, "w", encoding="utf-8") as f:
+            json.dump(results, f)
+        os.replace(tmp, result_path)
+        utils.print_main(f"wrote {len(results)} answers to {result_path}")
+    if not gts:
+        return None
+    return vqa_accuracy({r["question_id"]: r["answer"] for r in results}, gts)
+
+
+def main(argv: list[str] | None = None) -> dict:
+    """Fine-tune (or with --evaluate only answer) from the command line; returns the last log record."""
+    parser = utils.build_parser(__doc__.splitlines()[0], default_output_dir="output/VQA")
+    args = utils.parse_args(argv, parser=parser)
+    config = utils.config_from_args(args)
+    utils.require_keys(config, ("train_file", "test_file", "answer_list"), args.config)
+    info = utils.init_distributed(args)
+    device = info.device
+    seed = int(config.get("seed", 42))
+    if config.get("synthetic_root"):
+        if utils.is_main_process():
+            ensure_synthetic(config["synthetic_root"])
+        utils.barrier()
+
+    tokenizer = build_tokenizer(config)
+    # The same seed on every rank while building, so that an un-loaded model is identical everywhere.
+    utils.seed_everything(seed, 0)
+    model = build_model(config, tokenizer, args.checkpoint).to(device)
+    utils.seed_everything(seed, info.rank)
+    output_dir = utils.setup_output_dir(args, config)
+    max_tokens = int(config.get("max_tokens", 40))
+
+    train_set, test_set = create_dataset("vqa", config)
+    test_gts = ground_truth(config["test_file"])
+    val_set, val_gts = None, {}
+    if config.get("val_file"):
+        val_set = VQADataset(config["val_file"], test_transform(int(config["image_res"])),
+                             config.get("image_root", "") or "", "test", answer_list=config["answer_list"],
+                             max_words=int(config.get("max_words", 30)))
+        val_gts = ground_truth(config["val_file"])
+    result_path = os.path.join(output_dir, "vqa_result.json")
+
+    def evaluate_test(record: dict) -> None:
+        start = time.time()
+        acc = evaluate(model, test_set, tokenizer, config, info, test_gts, result_path)
+        if acc is not None:
+            record["test_acc"] = acc
+        record["eval_seconds"] = round(time.time() - start, 3)
+
+    if args.evaluate:
+        record = {"mode": "evaluate", "checkpoint": args.checkpoint}
+        evaluate_test(record)
+        utils.print_main(json.dumps(record))
+        utils.append_log(output_dir, record)
+        utils.cleanup()
+        return record
+
+    batch_size = int(config["batch_size_train"])
+    # A seeded sampler even on one process: epoch e's order is reproducible, so a mid-epoch resume
+    # skips exactly the batches already trained on.
+    sampler = ResumableSampler(train_set, num_replicas=info.world_size, rank=info.rank, shuffle=True,
+                               seed=seed, drop_last=True, batch_size=batch_size)
+    # Its own generator: starting an epoch's iterator then draws no number from the global RNG, so a
+    # run resumed mid-epoch (global RNG reseeded at the checkpoint step) sees the same augmentations.
+    loader_rng = torch.Generator()
+    loader = utils.create_loader(train_set, sampler, batch_size, int(config.get("num_workers", 0)),
+                                 collate_fn=QACollate(tokenizer, max_tokens), drop_last=True,
+                                 generator=loader_rng)
+    steps_per_epoch = len(sampler) // batch_size
+    if steps_per_epoch == 0:
+        raise ValueError(f"train_file has {len(train_set)} questions: fewer than one batch of {batch_size} "
+                         "per rank")
+    model_ddp = utils.wrap_ddp(model, info)
+    optimizer = utils.build_optimizer(model, config["optimizer"])
+    scheduler = utils.build_scheduler(optimizer, config, steps_per_epoch)
+    scaler = utils.build_scaler(config, device)
+
+    start_epoch, global_step = 0, 0
+    resume = utils.resolve_resume(args.resume, output_dir)
+    if resume:
+        state = utils.load_checkpoint(resume)
+        model.load_state_dict(state["model"])
+        optimizer.load_state_dict(state["optimizer"])
+        scheduler.load_state_dict(state["lr_scheduler"])
+        if state.get("scaler"):
+            scaler.load_state_dict(state["scaler"])
+        global_step = int(state["step"])
+        start_epoch = int(state["epoch"]) + (1 if state.get("epoch_complete", True) else 0)
+        sampler.start_batch = global_step - start_epoch * steps_per_epoch
+        utils.reseed(seed, info.rank, global_step)
+        utils.print_main(f"resumed from {resume}: epoch {start_epoch}, step {global_step}")
+
+    def checkpoint_state(epoch: int, step: int, complete: bool = False) -> dict:
+        # Every rank reseeds at the same steps, so a resumed run continues the same random streams.
+        utils.reseed(seed, info.rank, step)
+        return {"model": model.state_dict(), "optimizer": optimizer.state_dict(),
+                "lr_scheduler": scheduler.state_dict(), "scaler": scaler.state_dict(),
+                "sampler": {"seed": seed, "epoch": epoch}, "config": config, "epoch": epoch, "step": step,
+                "epoch_complete": complete}
+
+    def step_fn(net: nn.Module, batch) -> tuple[Tensor, dict[str, Tensor]]:
+        image, question, answer, weights, counts = batch
+        question, answer = question.to(device), answer.to(device)
+        loss = net(image.to(device, non_blocking=True), question.input_ids, question.attention_mask,
+                   answer.input_ids, answer.attention_mask, weights.to(device, non_blocking=True),
+                   counts.to(device, non_blocking=True))
+        return loss, {"loss_vqa": loss.detach()}
+
+    record: dict = {}
+    max_epoch = utils.get_max_epoch(config)
+    for epoch in range(start_epoch, max_epoch):
+        sampler.set_epoch(epoch)
+        loader_rng.manual_seed(seed * 1_000_003 + epoch * 10_007 + info.rank)  # per (epoch, rank)
+        stats, global_step = utils.train_one_epoch(
+            model_ddp, loader, optimizer, scheduler, epoch=epoch, global_step=global_step, step_fn=step_fn,
+            config=config, device=device, output_dir=output_dir, scaler=scaler,
+            checkpoint_state=checkpoint_state, start_batch=sampler.start_batch,
+            total_batches=steps_per_epoch - sampler.start_batch, desc="VQA")
+        sampler.start_batch = 0
+        record = {"epoch": epoch, "step": global_step, "lr": stats["lr"], "train_loss_vqa": stats["loss_vqa"],
+                  "train_seconds": stats["seconds"], "samples_per_s": stats["samples_per_s"]}
+        if val_set is not None:
+            record["val_acc"] = evaluate(model, val_set, tokenizer, config, info, val_gts, None)
+        if epoch == max_epoch - 1:  # the test answers (vqa_result.json) come from the final model
+            evaluate_test(record)
+        utils.save_checkpoint(utils.checkpoint_path(output_dir, epoch=epoch),
+                              **checkpoint_state(epoch, global_step, complete=True))
+        utils.append_log(output_dir, record)
+        utils.print_main(json.dumps(record))
+        utils.barrier()
+    utils.cleanup()
+    return record
+
+
+if __name__ == "__main__":
+    main()

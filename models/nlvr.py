@@ -1,0 +1,213 @@
+"""NLVR2 model: the fusion layers duplicated consecutively, one copy per image (paper S.M. D, as ALBEF).
+
+Of each pair of fusion layers, the first cross-attends to image 0 and the second to image 1; the pair
+shares the cross-attention key and value projections (layer 2k+1's modules ARE layer 2k's), so the
+image tokens are projected the same way for both images. Stage 1 (text assignment) classifies a caption
+into first image / second image / neither with `ta_head`; stage 2 (NLVR2) predicts true/false with
+`cls_head`. A pre-training checkpoint loads through `nlvr_key_map`, which copies every pre-trained
+fusion layer onto both of its copies.
+"""
+
+from __future__ import annotations
+
+import copy
+import re
+from collections.abc import Callable
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+from transformers import BertConfig
+
+from models.bert import BertEncoder, load_bert_config
+from models.vit import build_vision_encoder, check_vision_text_widths
+
+__all__ = [
+    "ALBEF_NLVR",
+    "NLVR_PRETRAIN_ONLY_KEYS",
+    "assign_texts",
+    "duplicate_fusion_layers",
+    "nlvr_bert_config",
+    "nlvr_key_map",
+    "share_cross_attention_kv",
+]
+
+# Pre-training keys the NLVR models have no use for: reported by load_weights as ignored.
+NLVR_PRETRAIN_ONLY_KEYS = ("text_proj.", "temp", "itm_head.", "text_encoder.cls.", "vision_proj.",
+                           "visual_encoder_m.", "text_encoder_m.", "vision_proj_m.", "text_proj_m.",
+                           "image_queue", "text_queue", "idx_queue", "queue_ptr", "ta_head.")
+
+_LAYER_KEY = re.compile(r"^(text_encoder\.(?:bert\.)?encoder\.layer\.)(\d+)\.(.+)$")
+
+TA_FIRST, TA_SECOND, TA_NEITHER = 0, 1, 2
+
+
+def nlvr_bert_config(bert_config: BertConfig) -> BertConfig:
+    """Copy of a BERT config with every fusion layer doubled: fusion_layer + 2 * (L - fusion_layer) layers."""
+    config = copy.deepcopy(bert_config)
+    fusion = config.fusion_layer
+    config.num_hidden_layers = fusion + 2 * (bert_config.num_hidden_layers - fusion)
+    return config
+
+
+def share_cross_attention_kv(encoder: BertEncoder) -> None:
+    """Make layer fusion+2k+1's cross-attention key/value the very modules of layer fusion+2k."""
+    fusion, layers = encoder.fusion_layer, encoder.layers
+    if (len(layers) - fusion) % 2:
+        raise ValueError(f"NLVR text encoder: {len(layers) - fusion} fusion layers, expected an even number")
+    for j in range(fusion, len(layers), 2):
+        first, second = layers[j].crossattention.self, layers[j + 1].crossattention.self
+        second.key = first.key
+        second.value = first.value
+
+
+def _layer_count(state_dict: dict[str, Tensor]) -> int:
+    ids = [int(m[2]) for m in map(_LAYER_KEY.match, state_dict) if m]
+    return max(ids) + 1 if ids else 0
+
+
+def duplicate_fusion_layers(
+    state_dict: dict[str, Tensor], fusion_layer: int, num_layers: int
+) -> dict[str, Tensor]:
+    """Map a pre-training state dict (num_layers BERT layers) to the NLVR layout.
+
+    Text layers (< fusion_layer) keep their index; pre-trained fusion layer i goes to both
+    fusion_layer + 2*(i - fusion_layer) and the next index. A state dict already in the NLVR layout
+    (fusion_layer + 2*(num_layers - fusion_layer) layers, e.g. the stage-1 checkpoint) passes unchanged.
+    """
+    found = _layer_count(state_dict)
+    doubled = fusion_layer + 2 * (num_layers - fusion_layer)
+    if found in (0, doubled):
+        return dict(state_dict)
+    if found != num_layers:
+        raise ValueError(
+            f"NLVR checkpoint has {found} text encoder layers; expected {num_layers} (pre-training layout) "
+            f"or {doubled} (NLVR layout) for bert_config num_hidden_layers={num_layers}, "
+            f"fusion_layer={fusion_layer}"
+        )
+    out: dict[str, Tensor] = {}
+    for key, value in state_dict.items():
+        match = _LAYER_KEY.match(key)
+        if match is None or int(match[2]) < fusion_layer:
+            out[key] = value
+            continue
+        j = fusion_layer + 2 * (int(match[2]) - fusion_layer)
+        out[f"{match[1]}{j}.{match[3]}"] = value
+        out[f"{match[1]}{j + 1}.{match[3]}"] = value
+    return out
+
+
+def nlvr_key_map(fusion_layer: int, num_layers: int) -> Callable[[dict[str, Tensor]], dict[str, Tensor]]:
+    """key_map for models.loading.load_weights: see duplicate_fusion_layers."""
+    return lambda state_dict: duplicate_fusion_layers(state_dict, fusion_layer, num_layers)
+
+
+def _mlp_head(width: int, classes: int) -> nn.Sequential:
+    return nn.Sequential(nn.Linear(width, width), nn.ReLU(), nn.Linear(width, classes))
+
+
+@torch.no_grad()
+def assign_texts(
+    image_feat: Tensor, image_ids: Tensor | None = None, generator: torch.Generator | None = None
+) -> tuple[Tensor, Tensor, Tensor]:
+    """Text-assignment pairs: image_feat (B,d) L2-normalised -> (first (B,), second (B,), labels (B,)).
+
+    Each text b is paired with its own image b and the most similar other in-batch images o1, o2
+    (image-image ITC similarity; images with the same image_ids count as the same image):
+    label 0 -> (b, o1), 1 -> (o1, b), 2 -> (o1, o2), drawn uniformly.
+    """
+    batch = image_feat.shape[0]
+    if batch < 3:
+        raise ValueError(f"text assignment needs a batch of at least 3 images, got {batch}")
+    sim = image_feat @ image_feat.t()
+    same = torch.eye(batch, dtype=torch.bool, device=sim.device)
+    if image_ids is not None:
+        same = same | (image_ids[:, None] == image_ids[None, :])
+    others = sim.masked_fill(same, float("-inf")).topk(2, dim=1).indices
+    labels = torch.randint(0, 3, (batch,), device=image_feat.device, generator=generator)
+    own = torch.arange(batch, device=image_feat.device)
+    first = torch.where(labels == TA_FIRST, own, others[:, 0])
+    second = torch.where(
+        labels == TA_FIRST, others[:, 0], torch.where(labels == TA_SECOND, own, others[:, 1])
+    )
+    return first, second, labels
+
+
+class ALBEF_NLVR(nn.Module):
+    """ViT + BERT whose fusion layers attend alternately to two images; MLP head on the fused [CLS]."""
+
+    def __init__(self, config: dict, tokenizer, text_assignment: bool = False):
+        super().__init__()
+        if "bert_config" not in config:
+            raise ValueError("config key 'bert_config' (path to a BERT json) is missing")
+        base = load_bert_config(config["bert_config"])
+        base.vocab_size = len(tokenizer)
+        self.pretrain_layers = base.num_hidden_layers
+        self.fusion_layer = base.fusion_layer
+        self.text_assignment = text_assignment
+        check_vision_text_widths(config, base.encoder_width)
+        self.visual_encoder = build_vision_encoder(config)
+        # Random init: the weights come from a (pre-training or stage-1) checkpoint via load_weights.
+        self.text_encoder = BertEncoder(nlvr_bert_config(base), mlm_head=False)
+        share_cross_attention_kv(self.text_encoder)
+        width = base.hidden_size
+        if text_assignment:
+            # Only picks similar images (no gradient): frozen so DDP sees no unused trainable parameter.
+            self.vision_proj = nn.Linear(int(config["vision_width"]), int(config.get("embed_dim", 256)))
+            self.vision_proj.requires_grad_(False)
+            self.ta_head = _mlp_head(width, 3)
+        else:
+            self.cls_head = _mlp_head(width, 2)
+
+    def key_map(self) -> Callable[[dict[str, Tensor]], dict[str, Tensor]]:
+        """Checkpoint key map for load_weights (pre-training -> duplicated layout)."""
+        return nlvr_key_map(self.fusion_layer, self.pretrain_layers)
+
+    def ignored_keys(self) -> tuple[str, ...]:
+        """Checkpoint key prefixes dropped on purpose (pre-training-only parts, the other stage's head)."""
+        if self.text_assignment:
+            return tuple(k for k in NLVR_PRETRAIN_ONLY_KEYS if k != "vision_proj.") + ("cls_head.",)
+        return NLVR_PRETRAIN_ONLY_KEYS
+
+    def encode_image(self, image: Tensor) -> Tensor:
+        """image (B,3,H,W) -> tokens (B,1+P,Dv)."""
+        return self.visual_encoder.forward_features(image)
+
+    def fuse(self, input_ids: Tensor, attention_mask: Tensor, image0: Tensor, image1: Tensor) -> Tensor:
+        """input_ids/attention_mask (B,L), image tokens (B,N,Dv) x2 -> fused [CLS] state (B,H)."""
+        hidden = self.text_encoder(
+            input_ids, attention_mask, mode="multimodal", encoder_hidden_states=[image0, image1]
+        )
+        return hidden[:, 0]
+
+    def forward(self, *args, **kwargs):
+        """classify(...) for NLVR2, text_assignment_loss(...) for stage 1 (DDP needs one entry point)."""
+        if self.text_assignment:
+            return self.text_assignment_loss(*args, **kwargs)
+        return self.classify(*args, **kwargs)
+
+    def classify(self, image0: Tensor, image1: Tensor, input_ids: Tensor, attention_mask: Tensor) -> Tensor:
+        """NLVR2: images (B,3,H,W) x2, sentence ids/mask (B,L) -> false/true logits (B,2)."""
+        if self.text_assignment:
+            raise ValueError("this ALBEF_NLVR was built for text assignment (no cls_head)")
+        tokens = self.encode_image(torch.cat([image0, image1]))
+        tokens0, tokens1 = tokens.split(image0.shape[0])
+        return self.cls_head(self.fuse(input_ids, attention_mask, tokens0, tokens1))
+
+    def text_assignment_loss(
+        self,
+        image: Tensor,
+        input_ids: Tensor,
+        attention_mask: Tensor,
+        image_ids: Tensor | None = None,
+        generator: torch.Generator | None = None,
+    ) -> tuple[Tensor, Tensor, Tensor]:
+        """Stage 1: image (B,3,H,W), caption ids/mask (B,L) -> (loss, logits (B,3), labels (B,))."""
+        if not self.text_assignment:
+            raise ValueError("this ALBEF_NLVR was built for NLVR2 (text_assignment=False)")
+        tokens = self.encode_image(image)
+        with torch.no_grad():
+            feat = F.normalize(self.vision_proj(tokens[:, 0]), dim=-1)
+        first, second, labels = assign_texts(feat, image_ids, generator)
+        logits = self.ta_head(self.fuse(input_ids, attention_mask, tokens[first], tokens[second]))
+        return F.cross_entropy(logits, labels), logits, labels
