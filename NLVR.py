@@ -27,28 +27,13 @@ from collections.abc import Mapping
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
-from torch.utils.data import DistributedSampler, Subset
+from torch.utils.data import Subset
 
 import utils
-from dataset import create_dataset, ensure_synthetic
+from dataset import ImageTextCollate, create_dataset, ensure_synthetic
 from models.loading import load_weights
 from models.nlvr import ALBEF_NLVR
 from models.tokenization import build_tokenizer
-
-
-class ResumableSampler(DistributedSampler):
-    """torch's DistributedSampler that can start an epoch after `start_batch` batches (mid-epoch resume)."""
-
-    def __init__(self, *args, batch_size: int, **kwargs) -> None:
-        super().__init__(*args, **kwargs)
-        self.batch_size = batch_size
-        self.start_batch = 0
-
-    def __iter__(self):
-        return iter(list(super().__iter__())[self.start_batch * self.batch_size:])
-
-    def __len__(self) -> int:
-        return super().__len__() - self.start_batch * self.batch_size
 
 
 class NLVRCollate:
@@ -63,20 +48,6 @@ class NLVRCollate:
         text = self.tokenizer(list(sentences), padding="longest", truncation=True, max_length=self.max_tokens,
                               return_tensors="pt")
         return torch.stack(image0), torch.stack(image1), text, torch.as_tensor(labels, dtype=torch.long)
-
-
-class CaptionCollate:
-    """(image, caption, index) items -> images (B,3,H,W), tokenized captions (B,L), indices (B,)."""
-
-    def __init__(self, tokenizer, max_tokens: int) -> None:
-        self.tokenizer = tokenizer
-        self.max_tokens = max_tokens
-
-    def __call__(self, items: list[tuple]) -> tuple[Tensor, dict, Tensor]:
-        images, captions, indices = zip(*items)
-        text = self.tokenizer(list(captions), padding="longest", truncation=True, max_length=self.max_tokens,
-                              return_tensors="pt")
-        return torch.stack(images), text, torch.as_tensor(indices, dtype=torch.long)
 
 
 def build_model(config: Mapping, tokenizer, checkpoint: str | None, text_assignment: bool) -> ALBEF_NLVR:
@@ -172,7 +143,7 @@ def main(argv: list[str] | None = None) -> dict:
 
     if text_assignment:
         train_set = create_dataset("pretrain", config)
-        collate = CaptionCollate(tokenizer, max_tokens)
+        collate = ImageTextCollate(tokenizer, max_tokens)
     else:
         train_set, val_set, test_set = create_dataset("nlvr", config)
         collate = NLVRCollate(tokenizer, max_tokens)
@@ -194,7 +165,7 @@ def main(argv: list[str] | None = None) -> dict:
     batch_size = int(config["batch_size_train"])
     # A seeded sampler even on one process: epoch e's order is reproducible, so a mid-epoch resume
     # skips exactly the batches already trained on.
-    sampler = ResumableSampler(train_set, num_replicas=info.world_size, rank=info.rank, shuffle=True,
+    sampler = utils.ResumableSampler(train_set, num_replicas=info.world_size, rank=info.rank, shuffle=True,
                                seed=seed, drop_last=True, batch_size=batch_size)
     # Its own generator: starting an epoch's iterator then draws no number from the global RNG, so a
     # run resumed mid-epoch (global RNG reseeded at the checkpoint step) sees the same augmentations.

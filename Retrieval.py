@@ -23,7 +23,6 @@ from collections.abc import Mapping
 
 import torch
 from torch import Tensor, nn
-from torch.utils.data import DistributedSampler
 
 import utils
 from dataset import ImageTextCollate, RetrievalEvalDataset, create_dataset, ensure_synthetic
@@ -41,21 +40,6 @@ from models.retrieval import (
 from models.tokenization import build_tokenizer
 
 LOSSES = ("loss_itc", "loss_cons", "loss_itm")
-
-
-class ResumableSampler(DistributedSampler):
-    """torch's DistributedSampler that can start an epoch after `start_batch` batches (mid-epoch resume)."""
-
-    def __init__(self, *args, batch_size: int, **kwargs) -> None:
-        super().__init__(*args, **kwargs)
-        self.batch_size = batch_size
-        self.start_batch = 0
-
-    def __iter__(self):
-        return iter(list(super().__iter__())[self.start_batch * self.batch_size:])
-
-    def __len__(self) -> int:
-        return super().__len__() - self.start_batch * self.batch_size
 
 
 def build_model(config: Mapping, tokenizer, checkpoint: str | None) -> ALBEF_Retrieval:
@@ -170,7 +154,7 @@ def main(argv: list[str] | None = None) -> dict:
     batch_size = int(config["batch_size_train"])
     # A seeded sampler even on one process: epoch e's order is reproducible, so a mid-epoch resume
     # skips exactly the batches already trained on. No GRIT in fine-tuning (paper).
-    sampler = ResumableSampler(train_set, num_replicas=info.world_size, rank=info.rank, shuffle=True,
+    sampler = utils.ResumableSampler(train_set, num_replicas=info.world_size, rank=info.rank, shuffle=True,
                                seed=seed, drop_last=True, batch_size=batch_size)
     collate = ImageTextCollate(tokenizer, int(config.get("max_tokens", 40)))
     loader = utils.create_loader(train_set, sampler, batch_size, int(config.get("num_workers", 0)),

@@ -22,28 +22,13 @@ from collections.abc import Mapping
 
 import torch
 from torch import Tensor, nn
-from torch.utils.data import DataLoader, DistributedSampler, Subset
+from torch.utils.data import DataLoader, Subset
 
 import utils
 from dataset import VQADataset, create_dataset, ensure_synthetic, load_json_list, test_transform, vqa_collate
 from models.loading import load_weights
 from models.tokenization import build_tokenizer
 from models.vqa import ALBEF_VQA, vqa_accuracy
-
-
-class ResumableSampler(DistributedSampler):
-    """torch's DistributedSampler that can start an epoch after `start_batch` batches (mid-epoch resume)."""
-
-    def __init__(self, *args, batch_size: int, **kwargs) -> None:
-        super().__init__(*args, **kwargs)
-        self.batch_size = batch_size
-        self.start_batch = 0
-
-    def __iter__(self):
-        return iter(list(super().__iter__())[self.start_batch * self.batch_size:])
-
-    def __len__(self) -> int:
-        return super().__len__() - self.start_batch * self.batch_size
 
 
 class QACollate:
@@ -198,7 +183,7 @@ def main(argv: list[str] | None = None) -> dict:
     batch_size = int(config["batch_size_train"])
     # A seeded sampler even on one process: epoch e's order is reproducible, so a mid-epoch resume
     # skips exactly the batches already trained on.
-    sampler = ResumableSampler(train_set, num_replicas=info.world_size, rank=info.rank, shuffle=True,
+    sampler = utils.ResumableSampler(train_set, num_replicas=info.world_size, rank=info.rank, shuffle=True,
                                seed=seed, drop_last=True, batch_size=batch_size)
     # Its own generator: starting an epoch's iterator then draws no number from the global RNG, so a
     # run resumed mid-epoch (global RNG reseeded at the checkpoint step) sees the same augmentations.

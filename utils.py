@@ -31,7 +31,7 @@ from ruamel.yaml.comments import CommentedMap, CommentedSeq
 from ruamel.yaml.error import YAMLError
 from ruamel.yaml.scalarbool import ScalarBoolean
 from torch import nn
-from torch.utils.data import DataLoader, Dataset, Sampler
+from torch.utils.data import DataLoader, Dataset, DistributedSampler, Sampler
 
 # ----------------------------------------------------------------------------------------------
 # Command line
@@ -781,6 +781,21 @@ def setup_output_dir(args: argparse.Namespace, config: Mapping) -> str:
 # ----------------------------------------------------------------------------------------------
 # Data loading
 # ----------------------------------------------------------------------------------------------
+
+
+class ResumableSampler(DistributedSampler):
+    """DistributedSampler for fine-tuning that can start an epoch after `start_batch` batches (resume)."""
+
+    def __init__(self, *args: Any, batch_size: int, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.batch_size = batch_size
+        self.start_batch = 0
+
+    def __iter__(self) -> Iterator[int]:
+        return iter(list(super().__iter__())[self.start_batch * self.batch_size:])
+
+    def __len__(self) -> int:
+        return super().__len__() - self.start_batch * self.batch_size
 
 
 def create_loader(dataset: Dataset, sampler: Sampler | None, batch_size: int, num_workers: int,
