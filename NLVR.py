@@ -186,26 +186,15 @@ def main(argv: list[str] | None = None) -> dict:
     best = {"val_acc": -1.0, "epoch": -1}
     resume = utils.resolve_resume(args.resume, output_dir)
     if resume:
-        state = utils.load_checkpoint(resume)
-        model.load_state_dict(state["model"])
-        optimizer.load_state_dict(state["optimizer"])
-        scheduler.load_state_dict(state["lr_scheduler"])
-        if state.get("scaler"):
-            scaler.load_state_dict(state["scaler"])
-        global_step = int(state["step"])
+        state, start_epoch, global_step = utils.restore_training(resume, model, optimizer, scheduler, scaler,
+                                                                 seed=seed, rank=info.rank)
         best = dict(state.get("best", best))
-        start_epoch = int(state["epoch"]) + (1 if state.get("epoch_complete", True) else 0)
         sampler.start_batch = global_step - start_epoch * steps_per_epoch
-        utils.reseed(seed, info.rank, global_step)
-        utils.print_main(f"resumed from {resume}: epoch {start_epoch}, step {global_step}")
 
     def checkpoint_state(epoch: int, step: int, complete: bool = False) -> dict:
-        # Every rank reseeds at the same steps, so a resumed run continues the same random streams.
-        utils.reseed(seed, info.rank, step)
-        return {"model": model.state_dict(), "optimizer": optimizer.state_dict(),
-                "lr_scheduler": scheduler.state_dict(), "scaler": scaler.state_dict(),
-                "sampler": {"seed": seed, "epoch": epoch}, "config": config, "epoch": epoch, "step": step,
-                "epoch_complete": complete, "best": best}
+        return utils.training_state(model, optimizer, scheduler, scaler, config=config, epoch=epoch,
+                                    step=step, sampler_state={"seed": seed, "epoch": epoch},
+                                    seed=seed, rank=info.rank, complete=complete, best=best)
 
     record: dict = {}
     for epoch in range(start_epoch, utils.get_max_epoch(config)):

@@ -82,24 +82,14 @@ def main(argv: list[str] | None = None) -> None:
     start_epoch, global_step = 0, 0
     resume = utils.resolve_resume(args.resume, output_dir)
     if resume:
-        state = utils.load_checkpoint(resume)
-        model.load_state_dict(state['model'])
-        optimizer.load_state_dict(state['optimizer'])
-        scheduler.load_state_dict(state['lr_scheduler'])
-        scaler.load_state_dict(state['scaler'])
+        state, start_epoch, global_step = utils.restore_training(resume, model, optimizer, scheduler, scaler,
+                                                                 seed=seed, rank=info.rank)
         sampler.load_state_dict(state['sampler'])
-        global_step = int(state['step'])
-        start_epoch = int(state['epoch']) + (1 if state.get('epoch_complete', True) else 0)
-        utils.reseed(seed, info.rank, global_step)
-        utils.print_main(f'resumed from {resume}: epoch {start_epoch}, step {global_step}')
 
     def checkpoint_state(epoch: int, step: int, complete: bool = False) -> dict:
-        # Every rank reseeds at the same steps, so a resumed run continues the same random streams.
-        utils.reseed(seed, info.rank, step)
-        return {'model': model.state_dict(), 'optimizer': optimizer.state_dict(),
-                'lr_scheduler': scheduler.state_dict(), 'scaler': scaler.state_dict(),
-                'sampler': sampler.state_dict(), 'config': config, 'epoch': epoch, 'step': step,
-                'epoch_complete': complete}
+        return utils.training_state(model, optimizer, scheduler, scaler, config=config, epoch=epoch,
+                                    step=step, sampler_state=sampler.state_dict(),
+                                    seed=seed, rank=info.rank, complete=complete)
 
     grit_seconds = [0.0]
     feats: dict[str, torch.Tensor] = {}

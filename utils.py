@@ -858,6 +858,32 @@ def wrap_ddp(model: nn.Module, info: DistInfo, find_unused_parameters: bool = Fa
                                                find_unused_parameters=find_unused_parameters)
 
 
+def training_state(model: nn.Module, optimizer: torch.optim.Optimizer, scheduler: Any, scaler: Any, *,
+                   config: Mapping, epoch: int, step: int, sampler_state: Any, seed: int, rank: int,
+                   complete: bool = False, **extra: Any) -> dict:
+    """A run's checkpoint dict; every rank reseeds from (seed, rank, step), so a resume continues alike."""
+    reseed(seed, rank, step)
+    return {'model': model.state_dict(), 'optimizer': optimizer.state_dict(),
+            'lr_scheduler': scheduler.state_dict(), 'scaler': scaler.state_dict(), 'sampler': sampler_state,
+            'config': config, 'epoch': epoch, 'step': step, 'epoch_complete': complete, **extra}
+
+
+def restore_training(path: str, model: nn.Module, optimizer: torch.optim.Optimizer, scheduler: Any,
+                     scaler: Any, *, seed: int, rank: int) -> tuple[dict, int, int]:
+    """Load a training_state() checkpoint into the run; returns (state, start_epoch, global_step)."""
+    state = load_checkpoint(path)
+    model.load_state_dict(state['model'])
+    optimizer.load_state_dict(state['optimizer'])
+    scheduler.load_state_dict(state['lr_scheduler'])
+    if state.get('scaler'):
+        scaler.load_state_dict(state['scaler'])
+    global_step = int(state['step'])
+    start_epoch = int(state['epoch']) + (1 if state.get('epoch_complete', True) else 0)
+    reseed(seed, rank, global_step)
+    print_main(f'resumed from {path}: epoch {start_epoch}, step {global_step}')
+    return state, start_epoch, global_step
+
+
 def train_one_epoch(model: nn.Module, loader: Iterable, optimizer: torch.optim.Optimizer,
                     scheduler: torch.optim.lr_scheduler.LRScheduler, *, epoch: int, global_step: int,
                     step_fn: Any, config: Mapping, device: torch.device, output_dir: str,
