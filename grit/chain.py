@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from concurrent.futures import ThreadPoolExecutor
+
 import torch
 
 __all__ = ["greedy_chain"]
@@ -12,10 +14,22 @@ def _transpose_last2(x: torch.Tensor) -> torch.Tensor:
     if x.device.type != "cpu":
         return x.transpose(1, 2).contiguous()
     # On CPU a 2-D copy_ from a transposed matrix takes torch's cache-blocked transpose kernel, several
-    # times faster than one strided copy of the 3-D tensor.
+    # times faster than one strided copy of the 3-D tensor. That kernel runs on one core, so the
+    # sub-queues are shared among as many threads as torch may use (copy_ releases the GIL).
     out = torch.empty_like(x)
-    for s in range(x.shape[0]):
-        out[s].copy_(x[s].t())
+    workers = max(1, min(torch.get_num_threads(), x.shape[0]))
+    inference = torch.is_inference_mode_enabled()  # thread-local: the workers must share the caller's mode
+
+    def copy(first: int) -> None:
+        with torch.inference_mode(inference):
+            for s in range(first, x.shape[0], workers):
+                out[s].copy_(x[s].t())
+
+    if workers == 1:
+        copy(0)
+    else:
+        with ThreadPoolExecutor(workers) as pool:
+            list(pool.map(copy, range(workers)))
     return out
 
 
