@@ -163,15 +163,8 @@ def main(argv: list[str] | None = None) -> dict:
         return record
 
     batch_size = int(config["batch_size_train"])
-    # A seeded sampler even on one process: epoch e's order is reproducible, so a mid-epoch resume
-    # skips exactly the batches already trained on.
-    sampler = utils.ResumableSampler(train_set, num_replicas=info.world_size, rank=info.rank, shuffle=True,
-                               seed=seed, drop_last=True, batch_size=batch_size)
-    # Its own generator: starting an epoch's iterator then draws no number from the global RNG, so a
-    # run resumed mid-epoch (global RNG reseeded at the checkpoint step) sees the same augmentations.
-    loader_rng = torch.Generator()
-    loader = utils.create_loader(train_set, sampler, batch_size, int(config.get("num_workers", 0)),
-                                 collate_fn=collate, drop_last=True, generator=loader_rng)
+    sampler, loader = utils.finetune_loader(train_set, info, seed=seed, batch_size=batch_size,
+                                            num_workers=int(config.get("num_workers", 0)), collate_fn=collate)
     steps_per_epoch = len(sampler) // batch_size
     if steps_per_epoch == 0:
         raise ValueError(f"train_file has {len(train_set)} entries: fewer than one batch of {batch_size} "
@@ -199,7 +192,6 @@ def main(argv: list[str] | None = None) -> dict:
     record: dict = {}
     for epoch in range(start_epoch, utils.get_max_epoch(config)):
         sampler.set_epoch(epoch)
-        loader_rng.manual_seed(seed * 1_000_003 + epoch * 10_007 + info.rank)  # per (epoch, rank)
         stats, global_step = utils.train_one_epoch(
             model_ddp, loader, optimizer, scheduler, epoch=epoch, global_step=global_step, step_fn=step_fn,
             config=config, device=device, output_dir=output_dir, scaler=scaler,
@@ -234,4 +226,4 @@ def main(argv: list[str] | None = None) -> dict:
 
 
 if __name__ == "__main__":
-    main()
+    utils.run_main(main)

@@ -152,13 +152,9 @@ def main(argv: list[str] | None = None) -> dict:
         return record
 
     batch_size = int(config["batch_size_train"])
-    # A seeded sampler even on one process: epoch e's order is reproducible, so a mid-epoch resume
-    # skips exactly the batches already trained on. No GRIT in fine-tuning (paper).
-    sampler = utils.ResumableSampler(train_set, num_replicas=info.world_size, rank=info.rank, shuffle=True,
-                               seed=seed, drop_last=True, batch_size=batch_size)
     collate = ImageTextCollate(tokenizer, int(config.get("max_tokens", 40)))
-    loader = utils.create_loader(train_set, sampler, batch_size, int(config.get("num_workers", 0)),
-                                 collate_fn=collate, drop_last=True)
+    sampler, loader = utils.finetune_loader(train_set, info, seed=seed, batch_size=batch_size,
+                                            num_workers=int(config.get("num_workers", 0)), collate_fn=collate)
     steps_per_epoch = len(sampler) // batch_size
     if steps_per_epoch == 0:
         raise ValueError(f"train_file has {len(train_set)} entries: fewer than one batch of {batch_size} "
@@ -222,4 +218,4 @@ def main(argv: list[str] | None = None) -> dict:
 
 
 if __name__ == "__main__":
-    main()
+    utils.run_main(main)

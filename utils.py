@@ -790,12 +790,29 @@ class ResumableSampler(DistributedSampler):
         super().__init__(*args, **kwargs)
         self.batch_size = batch_size
         self.start_batch = 0
+        self.loader_generator = torch.Generator()  # for the DataLoader, see set_epoch
+
+    def set_epoch(self, epoch: int) -> None:
+        super().set_epoch(epoch)
+        # The loader draws its workers' base seed from this generator, reseeded per (epoch, rank), not
+        # from the global RNG: a run resumed mid-epoch then sees the same random numbers.
+        self.loader_generator.manual_seed(self.seed * 1_000_003 + epoch * 10_007 + self.rank)
 
     def __iter__(self) -> Iterator[int]:
         return iter(list(super().__iter__())[self.start_batch * self.batch_size:])
 
     def __len__(self) -> int:
         return super().__len__() - self.start_batch * self.batch_size
+
+
+def finetune_loader(dataset: Dataset, info: DistInfo, *, seed: int, batch_size: int, num_workers: int,
+                    collate_fn: Any = None) -> tuple[ResumableSampler, DataLoader]:
+    """Seeded, resumable per-rank sampler and its loader for fine-tuning (no GRIT there, as in the paper)."""
+    sampler = ResumableSampler(dataset, num_replicas=info.world_size, rank=info.rank, shuffle=True, seed=seed,
+                               drop_last=True, batch_size=batch_size)
+    loader = create_loader(dataset, sampler, batch_size, num_workers, collate_fn=collate_fn, drop_last=True,
+                           generator=sampler.loader_generator)
+    return sampler, loader
 
 
 def create_loader(dataset: Dataset, sampler: Sampler | None, batch_size: int, num_workers: int,
