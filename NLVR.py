@@ -30,7 +30,7 @@ from torch import Tensor, nn
 from torch.utils.data import Subset
 
 import utils
-from dataset import ImageTextCollate, create_dataset, ensure_synthetic
+from dataset import ImageTextCollate, create_dataset, prepare_data
 from models.loading import load_weights
 from models.nlvr import ALBEF_NLVR
 from models.tokenization import build_tokenizer
@@ -128,10 +128,7 @@ def main(argv: list[str] | None = None) -> dict:
     info = utils.init_distributed(args)
     device = info.device
     seed = int(config.get("seed", 42))
-    if config.get("synthetic_root"):
-        if utils.is_main_process():
-            ensure_synthetic(config["synthetic_root"])
-        utils.barrier()
+    prepare_data(config)
 
     tokenizer = build_tokenizer(config)
     # The same seed on every rank while building, so that the fresh heads are identical everywhere.
@@ -205,12 +202,7 @@ def main(argv: list[str] | None = None) -> dict:
                   "train_seconds": stats["seconds"], "samples_per_s": stats["samples_per_s"]}
         if not text_assignment:
             evaluate_all(record)
-            if record["val_acc"] > best["val_acc"]:
-                best = {"val_acc": record["val_acc"], "test_acc": record["test_acc"], "epoch": epoch}
-                best_path = os.path.join(output_dir, "checkpoint_best.pth")
-                utils.save_checkpoint(best_path, model=model.state_dict(), config=config, epoch=epoch,
-                                      step=global_step,
-                                      metrics={"val_acc": record["val_acc"], "test_acc": record["test_acc"]})
+            best = utils.keep_best(best, record, "val_acc", output_dir, model, config, epoch, global_step)
             record["best_epoch"] = best["epoch"]
         utils.save_checkpoint(utils.checkpoint_path(output_dir, epoch=epoch),
                               **checkpoint_state(epoch, global_step, complete=True))

@@ -14,7 +14,7 @@ import torch
 from torch.utils.data import DataLoader, Subset
 
 import utils
-from dataset import ImageTextCollate, PretrainDataset, create_dataset, ensure_synthetic
+from dataset import ImageTextCollate, PretrainDataset, create_dataset, prepare_data
 from grit import GritSampler
 from models.loading import load_weights
 from models.pretrain import ALBEF_Base
@@ -25,8 +25,6 @@ LOSSES = ('loss_itc', 'loss_cons', 'loss_itm', 'loss_mlm')
 
 def build_dataset(config: dict) -> PretrainDataset:
     """The pre-training dataset over config['train_file'] with ALBEF's pre-training augmentation."""
-    if config.get('synthetic_root'):
-        ensure_synthetic(config['synthetic_root'])
     return create_dataset('pretrain', config)
 
 
@@ -58,6 +56,7 @@ def main(argv: list[str] | None = None) -> None:
     output_dir = utils.setup_output_dir(args, config)
     device = info.device
 
+    prepare_data(config)
     tokenizer = build_tokenizer(config)
     dataset = build_dataset(config)
     batch_size = int(config['batch_size'])

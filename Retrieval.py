@@ -25,7 +25,7 @@ import torch
 from torch import Tensor, nn
 
 import utils
-from dataset import ImageTextCollate, RetrievalEvalDataset, create_dataset, ensure_synthetic
+from dataset import ImageTextCollate, RetrievalEvalDataset, create_dataset, prepare_data
 from models.loading import load_weights, read_checkpoint
 from models.retrieval import (
     MOMENTUM_PREFIXES,
@@ -116,10 +116,7 @@ def main(argv: list[str] | None = None) -> dict:
     info = utils.init_distributed(args)
     device = info.device
     seed = int(config.get("seed", 42))
-    if config.get("synthetic_root"):
-        if utils.is_main_process():
-            ensure_synthetic(config["synthetic_root"])
-        utils.barrier()
+    prepare_data(config)
 
     tokenizer = build_tokenizer(config)
     # The same seed on every rank while building, so that an un-loaded model is identical everywhere.
@@ -198,11 +195,7 @@ def main(argv: list[str] | None = None) -> dict:
         record = {"epoch": epoch, "step": global_step, "lr": stats["lr"], **{k: stats[k] for k in LOSSES},
                   "train_seconds": stats["seconds"], "samples_per_s": stats["samples_per_s"]}
         evaluate(record)
-        if record["val_r_mean"] > best["val_r_mean"]:
-            best = {"val_r_mean": record["val_r_mean"], "test_r_mean": record["test_r_mean"], "epoch": epoch}
-            metrics = {k: v for k, v in record.items() if k.startswith(("val_", "test_"))}
-            utils.save_checkpoint(os.path.join(output_dir, "checkpoint_best.pth"), model=model.state_dict(),
-                                  config=config, epoch=epoch, step=global_step, metrics=metrics)
+        best = utils.keep_best(best, record, "val_r_mean", output_dir, model, config, epoch, global_step)
         record["best_epoch"] = best["epoch"]
         utils.save_checkpoint(utils.checkpoint_path(output_dir, epoch=epoch),
                               **checkpoint_state(epoch, global_step, complete=True))

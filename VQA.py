@@ -25,7 +25,7 @@ from torch import Tensor, nn
 from torch.utils.data import DataLoader, Subset
 
 import utils
-from dataset import VQADataset, create_dataset, ensure_synthetic, load_json_list, test_transform, vqa_collate
+from dataset import VQADataset, create_dataset, load_json_list, prepare_data, test_transform, vqa_collate
 from models.loading import load_weights
 from models.tokenization import build_tokenizer
 from models.vqa import ALBEF_VQA, vqa_accuracy
@@ -142,10 +142,7 @@ def main(argv: list[str] | None = None) -> dict:
     info = utils.init_distributed(args)
     device = info.device
     seed = int(config.get("seed", 42))
-    if config.get("synthetic_root"):
-        if utils.is_main_process():
-            ensure_synthetic(config["synthetic_root"])
-        utils.barrier()
+    prepare_data(config)
 
     tokenizer = build_tokenizer(config)
     # The same seed on every rank while building, so that an un-loaded model is identical everywhere.

@@ -901,6 +901,17 @@ def restore_training(path: str, model: nn.Module, optimizer: torch.optim.Optimiz
     return state, start_epoch, global_step
 
 
+def keep_best(best: dict, record: Mapping, key: str, output_dir: str, model: nn.Module, config: Mapping,
+              epoch: int, step: int) -> dict:
+    """If record[key] beats best[key], save output_dir/checkpoint_best.pth; returns the (new) best dict."""
+    if record[key] <= best[key]:
+        return best
+    metrics = {k: v for k, v in record.items() if k.startswith(('val_', 'test_'))}
+    save_checkpoint(os.path.join(output_dir, 'checkpoint_best.pth'), model=model.state_dict(), config=config,
+                    epoch=epoch, step=step, metrics=metrics)
+    return {**metrics, 'epoch': epoch}
+
+
 def train_one_epoch(model: nn.Module, loader: Iterable, optimizer: torch.optim.Optimizer,
                     scheduler: torch.optim.lr_scheduler.LRScheduler, *, epoch: int, global_step: int,
                     step_fn: Any, config: Mapping, device: torch.device, output_dir: str,

@@ -12,7 +12,7 @@ import importlib
 __all__ = [
     "ImageReadError", "ImageTextCollate", "NLVRDataset", "PretrainDataset", "RetrievalEvalDataset",
     "RetrievalTrainDataset",
-    "VQADataset", "create_dataset", "ensure_synthetic", "load_json_list", "pre_caption",
+    "VQADataset", "create_dataset", "ensure_synthetic", "prepare_data", "load_json_list", "pre_caption",
     "pre_question", "read_image", "resolve_image", "test_transform",
     "train_transform", "vqa_collate",
 ]
@@ -35,6 +35,18 @@ def __getattr__(name: str):
     if name in _LAZY:
         return getattr(importlib.import_module(f".{_LAZY[name]}", __name__), name)
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+def prepare_data(config: dict) -> None:
+    """Generate the built-in synthetic dataset at config['synthetic_root'] if it names one and it is missing.
+
+    Call it before anything reads the data (the tokenizer reads its vocab.txt). Every rank may call it at
+    once: ensure_synthetic builds in a private folder and renames it into place atomically.
+    """
+    if config.get("synthetic_root"):
+        from .synthetic import ensure_synthetic
+
+        ensure_synthetic(str(config["synthetic_root"]))
 
 
 def _require(config: dict, key: str, task: str):
