@@ -1,10 +1,11 @@
 """Benchmark GRIT grouping: `python -m grit.bench [--queue-size 48000 ...]` prints one JSON line.
 
 Times the vectorised `greedy_chain` (all sub-queues of one queue fill at once) against a plain
-per-sub-queue, per-step Python loop of Algorithm 2 on the same inputs, and measures batch hardness
-(mean over anchors of the hardest in-batch negative similarity, both directions) on clustered synthetic
-features: batches of N cut from G, random batches of N, and the hardest negative within the whole
-sub-queue of M (the ceiling a group of N can approach).
+per-sub-queue, per-step Python loop of Algorithm 2 on the same inputs — both for a fill after the first
+(the similarity tables' memory reused, as the collector does every fill) and for a first fill — and
+measures batch hardness (mean over anchors of the hardest in-batch negative similarity, both directions)
+on clustered synthetic features: batches of N cut from G, random batches of N, and the hardest negative
+within the whole sub-queue of M (the ceiling a group of N can approach).
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ import time
 import torch
 import torch.nn.functional as F
 
-from .chain import _transpose_last2, greedy_chain
+from .chain import ChainWorkspace, _transpose_last2, greedy_chain
 from .collector import GritCollector
 
 
@@ -111,28 +112,40 @@ def main(argv: list[str] | None = None) -> dict:
             out.append((sim.softmax(dim=1), sim.T.softmax(dim=1)))
         return out
 
+    workspace = ChainWorkspace()
+    greedy_chain(v, t, start, workspace=workspace)  # warm-up: later fills reuse the tables' memory
+    sim_buf = workspace.get("sim", (S, M, M), device)
+    sim_t_buf = workspace.get("sim_t", (S, M, M), device)
+
     def similarity():
         with torch.inference_mode():
-            return torch.bmm(v, t.transpose(1, 2))
+            return torch.bmm(v, t.transpose(1, 2), out=sim_buf)
+
+    def transpose():
+        with torch.inference_mode():
+            return _transpose_last2(sim_buf, out=sim_t_buf)
 
     # Runs alternate so that both versions see the same machine load; the best of each is kept.
-    best = ref_best = ref_sim_best = sim_best = transpose_best = float("inf")
+    best = first_best = ref_best = ref_sim_best = sim_best = transpose_best = float("inf")
     for _ in range(max(1, args.repeats)):
-        dt, order = timed(lambda: greedy_chain(v, t, start))
+        dt, order = timed(lambda: greedy_chain(v, t, start, workspace=workspace))
         best = min(best, dt)
+        first_best = min(first_best, timed(lambda: greedy_chain(v, t, start))[0])
         dt, ref_chains = timed(reference)
         ref_best = min(ref_best, dt / K * S)
         ref_sim_best = min(ref_sim_best, timed(reference_similarity)[0] / K * S)
-        dt, sim = timed(similarity)
-        sim_best = min(sim_best, dt)
-        transpose_best = min(transpose_best, timed(lambda sim=sim: _transpose_last2(sim))[0])
-        del sim
+        sim_best = min(sim_best, timed(similarity)[0])
+        transpose_best = min(transpose_best, timed(transpose)[0])
+    sim_buf = sim_t_buf = None  # release the tables before the collector allocates its own
+    workspace.clear()
     agree = sum(int(ref_chains[s] == order[s].tolist()) for s in range(K))
 
-    # The whole phase 2-3 path of the collector (shuffle, checks, chain) for one fill.
-    collector = GritCollector(L, M, d, dataset_len=L, device=device)
+    # The whole phase 2-3 path of the collector (shuffle, checks, chain): its first fill and the next.
+    collector = GritCollector(L, M, d, dataset_len=2 * L, device=device)
     collector.reset(args.seed)
-    collector_s = timed(lambda: collector.add(image, text, torch.arange(L, device=device)))[0]
+    collector_first_s = timed(lambda: collector.add(image, text, torch.arange(L, device=device)))[0]
+    collector_s = timed(lambda: collector.add(image, text, torch.arange(L, 2 * L, device=device)))[0]
+    collector = None  # its tables are freed before the hardness section allocates
     ref_s, ref_sim_s, sim_s, transpose_s = ref_best, ref_sim_best, sim_best, transpose_best
 
     # Hardness: G = chains mapped to queue positions, cut into chunks of N.
@@ -150,13 +163,16 @@ def main(argv: list[str] | None = None) -> dict:
         "queue_size": L, "search_space": M, "dim": d, "batch_size": N, "subqueues_per_fill": S,
         "grouping_s_per_fill": round(best, 4),
         "grouping_us_per_sample": round(best / L * 1e6, 3),
+        "grouping_first_fill_s": round(first_best, 4),
         "collector_fill_s": round(collector_s, 4),
+        "collector_first_fill_s": round(collector_first_s, 4),
         "reference_s_per_fill": round(ref_s, 4),
         "reference_us_per_sample": round(ref_s / L * 1e6, 3),
         "reference_subqueues_timed": K,
         "reference_extrapolated": K < S,
         "timing": f"best of {max(1, args.repeats)} alternating runs",
         "speedup_vs_reference": round(ref_s / best, 2),
+        "speedup_vs_reference_first_fill": round(ref_s / first_best, 2),
         "breakdown_s": {
             "similarity_bmm": round(sim_s, 4), "transpose_copy": round(transpose_s, 4),
             "step_loop": round(max(best - sim_s - transpose_s, 0.0), 4),

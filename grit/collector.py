@@ -11,7 +11,7 @@ import math
 
 import torch
 
-from .chain import greedy_chain
+from .chain import ChainWorkspace, greedy_chain
 
 __all__ = ["GritCollector"]
 
@@ -38,6 +38,9 @@ class GritCollector:
         self._valid: torch.Tensor | None = None  # (L,) bool
         self.ptr = 0
         self._groups: list[torch.Tensor] = []  # grouped dataset indices, -1 marks an invalid sample
+        # The similarity tables are kept between fills on CPU, where freeing them means page-faulting them
+        # in again next fill; on a GPU the caching allocator reuses the memory and training may use it.
+        self._workspace = ChainWorkspace() if self.device.type == "cpu" else None
 
     def reset(self, seed: int) -> None:
         """Empty the queues and G and re-seed the generator (start of an epoch)."""
@@ -125,7 +128,8 @@ class GritCollector:
         # Uniform random start among the valid entries of each sub-queue (invalid keys are -1).
         keys = torch.rand(S, M, generator=self.generator).to(self.device, non_blocking=True)
         start = torch.where(valid, keys, -1.0).argmax(dim=1)
-        order = greedy_chain(image.view(S, M, self.dim), text.view(S, M, self.dim), start, valid=valid)
+        order = greedy_chain(image.view(S, M, self.dim), text.view(S, M, self.dim), start, valid=valid,
+                             workspace=self._workspace)
         grouped = torch.where(valid, index.view(S, M), -1).gather(1, order).reshape(-1)
         # Invalid and padding entries are chained last, so the `pad` trailing ones are all padding/invalid.
         self._groups.append(grouped[:n])

@@ -5,6 +5,7 @@ import torch
 import torch.nn.functional as F
 
 from grit import greedy_chain
+from grit.chain import ChainWorkspace
 
 
 def reference_chain(v: torch.Tensor, t: torch.Tensor, start: int) -> list[int]:
@@ -34,7 +35,10 @@ def check_against_reference(v, t, start):
         assert out[s].tolist() == reference_chain(v[s], t[s], int(start[s])), f"sub-queue {s}"
 
 
-@pytest.mark.parametrize("S,M", [(1, 1), (3, 1), (2, 2), (1, 7), (4, 8), (5, 17), (3, 32)])
+# M above 64 spans several blocks of the step loop's two-level argmax, with (130, 200) and without (128)
+# padding of the last block.
+@pytest.mark.parametrize("S,M", [(1, 1), (3, 1), (2, 2), (1, 7), (4, 8), (5, 17), (3, 32), (2, 128),
+                                 (1, 200)])
 def test_matches_reference_random(S, M):
     g = torch.Generator().manual_seed(S * 100 + M)
     v = F.normalize(torch.randn(S, M, 16, generator=g), dim=-1)
@@ -43,7 +47,7 @@ def test_matches_reference_random(S, M):
     check_against_reference(v, t, start)
 
 
-@pytest.mark.parametrize("S,M", [(4, 2), (3, 9), (2, 16), (2, 31)])
+@pytest.mark.parametrize("S,M", [(4, 2), (3, 9), (2, 16), (2, 31), (2, 128), (2, 130)])
 def test_matches_reference_exact_ties(S, M):
     # Integer features make every dot product exact in float32, and {-1, 0, 1}^3 gives many equal scores.
     g = torch.Generator().manual_seed(M)
@@ -108,3 +112,26 @@ def test_bad_shapes():
         greedy_chain(v, v, torch.zeros(3, dtype=torch.long))
     with pytest.raises(ValueError, match="valid"):
         greedy_chain(v, v, torch.zeros(2, dtype=torch.long), valid=torch.ones(5, dtype=torch.bool))
+
+
+def test_workspace_reuse_gives_the_same_chains():
+    # The collector keeps one workspace for every fill, whose last fill of an epoch is smaller.
+    g = torch.Generator().manual_seed(3)
+    workspace = ChainWorkspace()
+    for S, M in [(3, 70), (2, 33), (3, 70), (4, 90)]:
+        v = F.normalize(torch.randn(S, M, 8, generator=g), dim=-1)
+        t = F.normalize(v + 0.5 * torch.randn(S, M, 8, generator=g), dim=-1)
+        start = torch.randint(0, M, (S,), generator=g)
+        assert torch.equal(greedy_chain(v, t, start, workspace=workspace), greedy_chain(v, t, start))
+    assert workspace.get("sim", (2, 3, 3), torch.device("cpu")).shape == (2, 3, 3)
+
+
+def test_bench_runs_small_and_agrees_with_the_reference(capsys):
+    from grit import bench
+    result = bench.main(["--queue-size", "512", "--search-space", "128", "--dim", "16", "--batch-size", "16",
+                         "--repeats", "1", "--ref-subqueues", "0", "--clusters", "20"])
+    assert capsys.readouterr().out.strip().startswith("{")
+    assert result["reference_chains_identical"] == "4/4" and not result["reference_extrapolated"]
+    assert result["grouping_s_per_fill"] > 0 and result["speedup_vs_reference"] > 0
+    hard = result["hardness"]
+    assert hard["random_batches"] < hard["grouped_batches"] <= hard["search_space_ceiling"] + 1e-6
