@@ -11,8 +11,11 @@ vocabulary that tokenises every text without [UNK].
 Files written under the output directory (image paths inside the json files are relative to it,
 so configs use ``image_root: data/synthetic``):
 
-    images/{train,val,test}/NNNNN.png
+    images/{train,val,test,pretrain}/NNNNN.png
     pretrain.json                          [{"image", "caption": [str, ...]}]          (n images)
+    pretrain_extra.json                    same, 3n further pre-training-only images (as a real
+                                           pre-training corpus holds far more than the downstream
+                                           train split; tiny pre-training reads both files)
     retrieval_train.json                   [{"image", "caption", "image_id": int}]     (train images)
     retrieval_val.json, retrieval_test.json [{"image", "caption": [str, ...]}]         (val / test images)
     nlvr_train.json, nlvr_dev.json, nlvr_test.json [{"images": [p0, p1], "sentence", "label": bool}]
@@ -46,7 +49,7 @@ __all__ = ["MARKER", "SPECIAL_TOKENS", "ensure_synthetic", "generate", "main"]
 
 logger = logging.getLogger(__name__)
 
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2  # 2: pretrain_extra.json
 MARKER = "synthetic.json"
 SPECIAL_TOKENS = ("[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]")
 
@@ -378,7 +381,8 @@ def _dump(path: str, obj) -> None:
 def split_sizes(n: int) -> dict[str, int]:
     """Number of images / pairs / questions per split for n pre-training images."""
     n_eval = max(4, n // 6)
-    return {"train_images": n, "val_images": n_eval, "test_images": n_eval, "nlvr_train": n,
+    return {"train_images": n, "val_images": n_eval, "test_images": n_eval, "pretrain_extra_images": 3 * n,
+            "nlvr_train": n,
             "nlvr_dev": n_eval, "nlvr_test": n_eval, "vqa_train": 2 * n, "vqa_test": max(8, n // 3)}
 
 
@@ -416,7 +420,18 @@ def _build(out: str, n: int, seed: int, image_size: int = 64) -> dict:
     answers = sorted({a for f in ("vqa_train.json", "vqa_test.json") for e in files[f] for a in e["answer"]})
     files["answer_list.json"] = answers
 
+    # Pre-training-only images come from a separate random stream, so the other files do not depend on it.
+    extra_rng = np.random.default_rng([seed, 1])
+    os.makedirs(os.path.join(out, "images", "pretrain"))
+    extra = []
+    for i, sc in enumerate(_sample_scenes(extra_rng, sizes["pretrain_extra_images"], eval_split=False)):
+        rel_path = f"images/pretrain/{i:05d}.png"
+        _render(sc, extra_rng, image_size).save(os.path.join(out, rel_path), optimize=False)
+        extra.append({"image": rel_path, "caption": _captions(sc, extra_rng)})
+    files["pretrain_extra.json"] = extra
+
     texts = [c for split_caps in captions.values() for caps in split_caps for c in caps]
+    texts += [c for e in extra for c in e["caption"]]
     texts += [e["sentence"] for f in ("nlvr_train.json", "nlvr_dev.json", "nlvr_test.json") for e in files[f]]
     texts += [e["question"] for f in ("vqa_train.json", "vqa_test.json") for e in files[f]]
     texts += answers
