@@ -19,8 +19,6 @@ log.txt gets one JSON line per epoch (train metrics, val_acc, test_acc) and one 
 
 from __future__ import annotations
 
-import json
-import os
 import time
 from collections.abc import Mapping
 
@@ -145,76 +143,24 @@ def main(argv: list[str] | None = None) -> dict:
         train_set, val_set, test_set = create_dataset("nlvr", config)
         collate = NLVRCollate(tokenizer, max_tokens)
 
-    def evaluate_all(record: dict) -> None:
+    def evaluate_all(record: dict, epoch: int | None = None) -> None:
         start = time.time()
         record["val_acc"] = evaluate(model, val_set, collate, config, info)
         record["test_acc"] = evaluate(model, test_set, collate, config, info)
         record["eval_seconds"] = round(time.time() - start, 3)
 
     if args.evaluate:
-        record = {"mode": "evaluate", "checkpoint": args.checkpoint}
-        evaluate_all(record)
-        utils.print_main(json.dumps(record))
-        utils.append_log(output_dir, record)
-        utils.cleanup()
-        return record
+        return utils.evaluate_only(output_dir, args.checkpoint, evaluate_all)
 
-    batch_size = int(config["batch_size_train"])
-    sampler, loader = utils.finetune_loader(train_set, info, seed=seed, batch_size=batch_size,
-                                            num_workers=int(config.get("num_workers", 0)), collate_fn=collate)
-    steps_per_epoch = len(sampler) // batch_size
-    if steps_per_epoch == 0:
-        raise ValueError(f"train_file has {len(train_set)} entries: fewer than one batch of {batch_size} "
-                         "per rank")
-    model_ddp = utils.wrap_ddp(model, info)
-    optimizer = utils.build_optimizer(model, config["optimizer"])
-    scheduler = utils.build_scheduler(optimizer, config, steps_per_epoch)
-    scaler = utils.build_scaler(config, device)
-    step_fn = make_step_fn(device, text_assignment, image_id_table(train_set) if text_assignment else None)
-
-    start_epoch, global_step = 0, 0
-    best = {"val_acc": -1.0, "epoch": -1}
-    resume = utils.resolve_resume(args.resume, output_dir)
-    if resume:
-        state, start_epoch, global_step = utils.restore_training(resume, model, optimizer, scheduler, scaler,
-                                                                 seed=seed, rank=info.rank)
-        best = dict(state.get("best", best))
-        sampler.start_batch = global_step - start_epoch * steps_per_epoch
-
-    def checkpoint_state(epoch: int, step: int, complete: bool = False) -> dict:
-        return utils.training_state(model, optimizer, scheduler, scaler, config=config, epoch=epoch,
-                                    step=step, sampler_state={"seed": seed, "epoch": epoch},
-                                    seed=seed, rank=info.rank, complete=complete, best=best)
-
-    record: dict = {}
-    for epoch in range(start_epoch, utils.get_max_epoch(config)):
-        sampler.set_epoch(epoch)
-        stats, global_step = utils.train_one_epoch(
-            model_ddp, loader, optimizer, scheduler, epoch=epoch, global_step=global_step, step_fn=step_fn,
-            config=config, device=device, output_dir=output_dir, scaler=scaler,
-            checkpoint_state=checkpoint_state, start_batch=sampler.start_batch,
-            total_batches=steps_per_epoch - sampler.start_batch,
-            desc="NLVR text assignment" if text_assignment else "NLVR")
-        sampler.start_batch = 0
-        metrics = ("loss_ta", "ta_acc") if text_assignment else ("loss_nlvr", "acc")
-        record = {"epoch": epoch, "step": global_step, "lr": stats["lr"],
-                  **{f"train_{k}": stats[k] for k in metrics},
-                  "train_seconds": stats["seconds"], "samples_per_s": stats["samples_per_s"]}
-        if not text_assignment:
-            evaluate_all(record)
-            best = utils.keep_best(best, record, "val_acc", output_dir, model, config, epoch, global_step)
-            record["best_epoch"] = best["epoch"]
-        utils.save_checkpoint(utils.checkpoint_path(output_dir, epoch=epoch),
-                              **checkpoint_state(epoch, global_step, complete=True))
-        utils.append_log(output_dir, record)
-        utils.print_main(json.dumps(record))
-        utils.barrier()
-    if best["epoch"] >= 0:
-        path = os.path.join(output_dir, "checkpoint_best.pth")
-        utils.print_main(f"best dev accuracy {best['val_acc']:.4f} at epoch {best['epoch']} "
-                         f"(test-P {best['test_acc']:.4f}): {path}")
-    utils.cleanup()
-    return record
+    metrics = ("loss_ta", "ta_acc") if text_assignment else ("loss_nlvr", "acc")
+    return utils.run_finetune(
+        model, train_set, info=info, config=config, output_dir=output_dir,
+        resume=utils.resolve_resume(args.resume, output_dir),
+        step_fn=make_step_fn(device, text_assignment, image_id_table(train_set) if text_assignment else None),
+        collate_fn=collate, log_stats={f"train_{k}": k for k in metrics},
+        desc="NLVR text assignment" if text_assignment else "NLVR",
+        evaluate=None if text_assignment else evaluate_all, best_key=None if text_assignment else "val_acc",
+        best_summary="best dev accuracy {val_acc:.4f} at epoch {epoch} (test-P {test_acc:.4f})")
 
 
 if __name__ == "__main__":

@@ -133,7 +133,7 @@ def main(argv: list[str] | None = None) -> dict:
 
     output_dir = utils.setup_output_dir(args, config)
 
-    def evaluate(epoch_record: dict) -> None:
+    def evaluate(epoch_record: dict, epoch: int | None = None) -> None:
         start = time.time()
         for split, dataset in (("val", val_set), ("test", test_set)):
             metrics, _ = evaluate_split(model, dataset, split, tokenizer, config, device, output_dir)
@@ -141,41 +141,7 @@ def main(argv: list[str] | None = None) -> dict:
         epoch_record["eval_seconds"] = round(time.time() - start, 3)
 
     if args.evaluate:
-        record = {"mode": "evaluate", "checkpoint": args.checkpoint}
-        evaluate(record)
-        utils.print_main(json.dumps(record))
-        utils.append_log(output_dir, record)
-        utils.cleanup()
-        return record
-
-    batch_size = int(config["batch_size_train"])
-    collate = ImageTextCollate(tokenizer, int(config.get("max_tokens", 40)))
-    sampler, loader = utils.finetune_loader(train_set, info, seed=seed, batch_size=batch_size,
-                                            num_workers=int(config.get("num_workers", 0)), collate_fn=collate)
-    steps_per_epoch = len(sampler) // batch_size
-    if steps_per_epoch == 0:
-        raise ValueError(f"train_file has {len(train_set)} entries: fewer than one batch of {batch_size} "
-                         "per rank")
-    # broadcast_buffers=False: every rank enqueues the same gathered features, so the queues
-    # agree without re-sending 2 x (embed_dim x queue_size) floats every step.
-    model_ddp = utils.wrap_ddp(model, info, broadcast_buffers=False)
-    optimizer = utils.build_optimizer(model, config["optimizer"])
-    scheduler = utils.build_scheduler(optimizer, config, steps_per_epoch)
-    scaler = utils.build_scaler(config, device)
-
-    start_epoch, global_step = 0, 0
-    best = {"val_r_mean": -1.0, "epoch": -1}
-    resume = utils.resolve_resume(args.resume, output_dir)
-    if resume:
-        state, start_epoch, global_step = utils.restore_training(resume, model, optimizer, scheduler, scaler,
-                                                                 seed=seed, rank=info.rank)
-        best = dict(state.get("best", best))
-        sampler.start_batch = global_step - start_epoch * steps_per_epoch
-
-    def checkpoint_state(epoch: int, step: int, complete: bool = False) -> dict:
-        return utils.training_state(model, optimizer, scheduler, scaler, config=config, epoch=epoch,
-                                    step=step, sampler_state={"seed": seed, "epoch": epoch},
-                                    seed=seed, rank=info.rank, complete=complete, best=best)
+        return utils.evaluate_only(output_dir, args.checkpoint, evaluate)
 
     def step_fn(net: nn.Module, batch) -> tuple[Tensor, dict[str, Tensor]]:
         image, text, img_id = batch
@@ -183,31 +149,15 @@ def main(argv: list[str] | None = None) -> dict:
         loss = out["loss_itc"] + out["loss_cons"] + out["loss_itm"]
         return loss, {k: out[k].detach() for k in LOSSES}
 
-    record: dict = {}
-    for epoch in range(start_epoch, utils.get_max_epoch(config)):
-        sampler.set_epoch(epoch)
-        stats, global_step = utils.train_one_epoch(
-            model_ddp, loader, optimizer, scheduler, epoch=epoch, global_step=global_step, step_fn=step_fn,
-            config=config, device=device, output_dir=output_dir, scaler=scaler,
-            checkpoint_state=checkpoint_state, start_batch=sampler.start_batch,
-            total_batches=steps_per_epoch - sampler.start_batch, desc="Retrieval")
-        sampler.start_batch = 0
-        record = {"epoch": epoch, "step": global_step, "lr": stats["lr"], **{k: stats[k] for k in LOSSES},
-                  "train_seconds": stats["seconds"], "samples_per_s": stats["samples_per_s"]}
-        evaluate(record)
-        best = utils.keep_best(best, record, "val_r_mean", output_dir, model, config, epoch, global_step)
-        record["best_epoch"] = best["epoch"]
-        utils.save_checkpoint(utils.checkpoint_path(output_dir, epoch=epoch),
-                              **checkpoint_state(epoch, global_step, complete=True))
-        utils.append_log(output_dir, record)
-        utils.print_main(json.dumps(record))
-        utils.barrier()
-    if best["epoch"] >= 0:
-        path = os.path.join(output_dir, "checkpoint_best.pth")
-        utils.print_main(f"best val r_mean {best['val_r_mean']:.2f} at epoch {best['epoch']} "
-                         f"(test r_mean {best['test_r_mean']:.2f}): {path}")
-    utils.cleanup()
-    return record
+    # broadcast_buffers=False: every rank enqueues the same gathered features, so the queues
+    # agree without re-sending 2 x (embed_dim x queue_size) floats every step.
+    return utils.run_finetune(
+        model, train_set, info=info, config=config, output_dir=output_dir,
+        resume=utils.resolve_resume(args.resume, output_dir), step_fn=step_fn,
+        collate_fn=ImageTextCollate(tokenizer, int(config.get("max_tokens", 40))),
+        log_stats={k: k for k in LOSSES}, desc="Retrieval", evaluate=evaluate, best_key="val_r_mean",
+        best_summary="best val r_mean {val_r_mean:.2f} at epoch {epoch} (test r_mean {test_r_mean:.2f})",
+        broadcast_buffers=False)
 
 
 if __name__ == "__main__":

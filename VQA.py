@@ -170,37 +170,15 @@ def main(argv: list[str] | None = None) -> dict:
         record["eval_seconds"] = round(time.time() - start, 3)
 
     if args.evaluate:
-        record = {"mode": "evaluate", "checkpoint": args.checkpoint}
-        evaluate_test(record)
-        utils.print_main(json.dumps(record))
-        utils.append_log(output_dir, record)
-        utils.cleanup()
-        return record
+        return utils.evaluate_only(output_dir, args.checkpoint, evaluate_test)
 
-    batch_size = int(config["batch_size_train"])
-    sampler, loader = utils.finetune_loader(train_set, info, seed=seed, batch_size=batch_size,
-                                            num_workers=int(config.get("num_workers", 0)),
-                                            collate_fn=QACollate(tokenizer, max_tokens))
-    steps_per_epoch = len(sampler) // batch_size
-    if steps_per_epoch == 0:
-        raise ValueError(f"train_file has {len(train_set)} questions: fewer than one batch of {batch_size} "
-                         "per rank")
-    model_ddp = utils.wrap_ddp(model, info)
-    optimizer = utils.build_optimizer(model, config["optimizer"])
-    scheduler = utils.build_scheduler(optimizer, config, steps_per_epoch)
-    scaler = utils.build_scaler(config, device)
+    max_epoch = utils.get_max_epoch(config)
 
-    start_epoch, global_step = 0, 0
-    resume = utils.resolve_resume(args.resume, output_dir)
-    if resume:
-        state, start_epoch, global_step = utils.restore_training(resume, model, optimizer, scheduler, scaler,
-                                                                 seed=seed, rank=info.rank)
-        sampler.start_batch = global_step - start_epoch * steps_per_epoch
-
-    def checkpoint_state(epoch: int, step: int, complete: bool = False) -> dict:
-        return utils.training_state(model, optimizer, scheduler, scaler, config=config, epoch=epoch,
-                                    step=step, sampler_state={"seed": seed, "epoch": epoch},
-                                    seed=seed, rank=info.rank, complete=complete)
+    def evaluate_epoch(record: dict, epoch: int) -> None:
+        if val_set is not None:
+            record["val_acc"] = evaluate(model, val_set, tokenizer, config, info, val_gts, None)
+        if epoch == max_epoch - 1:  # the test answers (vqa_result.json) come from the final model
+            evaluate_test(record)
 
     def step_fn(net: nn.Module, batch) -> tuple[Tensor, dict[str, Tensor]]:
         image, question, answer, weights, counts = batch
@@ -210,29 +188,11 @@ def main(argv: list[str] | None = None) -> dict:
                    counts.to(device, non_blocking=True))
         return loss, {"loss_vqa": loss.detach()}
 
-    record: dict = {}
-    max_epoch = utils.get_max_epoch(config)
-    for epoch in range(start_epoch, max_epoch):
-        sampler.set_epoch(epoch)
-        stats, global_step = utils.train_one_epoch(
-            model_ddp, loader, optimizer, scheduler, epoch=epoch, global_step=global_step, step_fn=step_fn,
-            config=config, device=device, output_dir=output_dir, scaler=scaler,
-            checkpoint_state=checkpoint_state, start_batch=sampler.start_batch,
-            total_batches=steps_per_epoch - sampler.start_batch, desc="VQA")
-        sampler.start_batch = 0
-        record = {"epoch": epoch, "step": global_step, "lr": stats["lr"], "train_loss_vqa": stats["loss_vqa"],
-                  "train_seconds": stats["seconds"], "samples_per_s": stats["samples_per_s"]}
-        if val_set is not None:
-            record["val_acc"] = evaluate(model, val_set, tokenizer, config, info, val_gts, None)
-        if epoch == max_epoch - 1:  # the test answers (vqa_result.json) come from the final model
-            evaluate_test(record)
-        utils.save_checkpoint(utils.checkpoint_path(output_dir, epoch=epoch),
-                              **checkpoint_state(epoch, global_step, complete=True))
-        utils.append_log(output_dir, record)
-        utils.print_main(json.dumps(record))
-        utils.barrier()
-    utils.cleanup()
-    return record
+    return utils.run_finetune(
+        model, train_set, info=info, config=config, output_dir=output_dir,
+        resume=utils.resolve_resume(args.resume, output_dir), step_fn=step_fn,
+        collate_fn=QACollate(tokenizer, max_tokens), log_stats={"train_loss_vqa": "loss_vqa"}, desc="VQA",
+        evaluate=evaluate_epoch, unit="questions")
 
 
 if __name__ == "__main__":

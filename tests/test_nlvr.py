@@ -192,3 +192,22 @@ def test_tiny_text_assignment_then_finetune(tmp_path, pretrain_checkpoint):
     assert record["val_acc"] == pytest.approx(best["val_acc"])
     last = _read_log(out)[-1]
     assert last["mode"] == "evaluate" and last["val_acc"] == pytest.approx(best["val_acc"])
+
+
+def test_finetune_resume_equals_uninterrupted_run(tmp_path):
+    # utils.run_finetune (shared by Retrieval, NLVR and VQA): resuming from the epoch-0 checkpoint gives
+    # the same weights, log record and best-checkpoint bookkeeping as the run that never stopped.
+    import NLVR
+
+    common = ["--config", "configs/tiny/NLVR.yaml", "--device", "cpu", "--set", "max_epoch=2"]
+    full, resumed = str(tmp_path / "full"), str(tmp_path / "resumed")
+    record = NLVR.main(["--output_dir", full, *common])
+    again = NLVR.main(["--output_dir", resumed, "--resume", os.path.join(full, "checkpoint_00.pth"), *common])
+    drop = ("train_seconds", "samples_per_s", "eval_seconds")
+    assert ({k: v for k, v in again.items() if k not in drop}
+            == {k: v for k, v in record.items() if k not in drop})
+    a, b = (torch.load(os.path.join(d, "checkpoint_01.pth"), map_location="cpu", weights_only=True)
+            for d in (full, resumed))
+    assert a["best"] == b["best"] and a["step"] == b["step"]
+    for key, value in a["model"].items():
+        assert torch.equal(value, b["model"][key]), key
