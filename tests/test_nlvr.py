@@ -10,27 +10,15 @@ import pytest
 import torch
 
 import utils
-from dataset import ensure_synthetic
 from models.loading import load_weights
 from models.nlvr import ALBEF_NLVR, assign_texts, duplicate_fusion_layers
-from models.pretrain import ALBEF_Base
 from models.tokenization import build_tokenizer
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 LAYER = re.compile(r"^text_encoder\.bert\.encoder\.layer\.(\d+)\.(.+)$")
 
 
-@pytest.fixture(scope="module", autouse=True)
-def _in_repo():
-    # Configs and the synthetic data use repo-relative paths. One intra-op thread: on a busy 2-core
-    # machine two OpenMP threads per process make these tiny steps 10-30x slower, not faster.
-    cwd, threads = os.getcwd(), torch.get_num_threads()
-    os.chdir(ROOT)
-    torch.set_num_threads(1)
-    ensure_synthetic("data/synthetic")
-    yield
-    torch.set_num_threads(threads)
-    os.chdir(cwd)
+pytestmark = pytest.mark.usefixtures("in_repo")
 
 
 @pytest.fixture(scope="module")
@@ -41,18 +29,6 @@ def config() -> dict:
 @pytest.fixture(scope="module")
 def tokenizer(config):
     return build_tokenizer(config)
-
-
-@pytest.fixture(scope="module")
-def pretrain_checkpoint(tmp_path_factory, tokenizer) -> tuple[str, dict]:
-    """A tiny ALBEF_Base (tiny Pretrain.yaml sizes) saved as {'model': state_dict}."""
-    torch.manual_seed(0)
-    pre_config = dict(utils.load_config(os.path.join(ROOT, "configs/tiny/Pretrain.yaml")))
-    model = ALBEF_Base(pre_config, text_encoder=None, tokenizer=tokenizer)
-    path = str(tmp_path_factory.mktemp("pretrain") / "checkpoint.pth")
-    state = model.state_dict()
-    torch.save({"model": state}, path)
-    return path, state
 
 
 def test_pretrain_checkpoint_loads_into_both_stages(config, tokenizer, pretrain_checkpoint):

@@ -10,9 +10,8 @@ import pytest
 import torch
 
 import utils
-from dataset import ensure_synthetic, load_json_list
+from dataset import load_json_list
 from models.loading import load_weights
-from models.pretrain import ALBEF_Base
 from models.tokenization import build_tokenizer
 from models.vqa import ALBEF_VQA, majority_answer_accuracy, vqa_accuracy, vqa_score
 
@@ -20,17 +19,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 ENCODER_LAYER = re.compile(r"^text_encoder\.bert\.encoder\.layer\.(\d+)\.(.+)$")
 
 
-@pytest.fixture(scope="module", autouse=True)
-def _in_repo():
-    # Configs and the synthetic data use repo-relative paths. One intra-op thread: on a busy 2-core
-    # machine two OpenMP threads per process make these tiny steps 10-30x slower, not faster.
-    cwd, threads = os.getcwd(), torch.get_num_threads()
-    os.chdir(ROOT)
-    torch.set_num_threads(1)
-    ensure_synthetic("data/synthetic")
-    yield
-    torch.set_num_threads(threads)
-    os.chdir(cwd)
+pytestmark = pytest.mark.usefixtures("in_repo")
 
 
 @pytest.fixture(scope="module")
@@ -44,26 +33,15 @@ def tokenizer(config):
 
 
 @pytest.fixture(scope="module")
-def pretrained(tmp_path_factory, tokenizer) -> tuple[str, dict]:
-    """A tiny ALBEF_Base (tiny Pretrain.yaml sizes) saved as {'model': state_dict}."""
-    torch.manual_seed(0)
-    pre_config = dict(utils.load_config(os.path.join(ROOT, "configs/tiny/Pretrain.yaml")))
-    model = ALBEF_Base(pre_config, text_encoder=None, tokenizer=tokenizer)
-    path = str(tmp_path_factory.mktemp("pretrain") / "checkpoint.pth")
-    torch.save({"model": model.state_dict()}, path)
-    return path, model.state_dict()
-
-
-@pytest.fixture(scope="module")
-def model(config, tokenizer, pretrained) -> ALBEF_VQA:
+def model(config, tokenizer, pretrain_checkpoint) -> ALBEF_VQA:
     torch.manual_seed(1)
     vqa = ALBEF_VQA(config, tokenizer)
-    load_weights(vqa, pretrained[0], key_map=vqa.key_map(), ignore=vqa.ignored_keys())
+    load_weights(vqa, pretrain_checkpoint[0], key_map=vqa.key_map(), ignore=vqa.ignored_keys())
     return vqa.eval()
 
 
-def test_pretrain_checkpoint_initialises_decoder(config, tokenizer, pretrained):
-    path, source = pretrained
+def test_pretrain_checkpoint_initialises_decoder(config, tokenizer, pretrain_checkpoint):
+    path, source = pretrain_checkpoint
     torch.manual_seed(1)
     vqa = ALBEF_VQA(config, tokenizer)
     report = load_weights(vqa, path, key_map=vqa.key_map(), ignore=vqa.ignored_keys())

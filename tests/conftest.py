@@ -1,0 +1,43 @@
+"""Fixtures shared by the downstream-task tests (NLVR, VQA)."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+@pytest.fixture(scope="module")
+def in_repo():
+    """Run the module from the repo root with one intra-op thread, the synthetic data generated.
+
+    Configs and the synthetic data use repo-relative paths. One thread: on a busy 2-core machine two
+    OpenMP threads per process make these tiny steps 10-30x slower, not faster.
+    """
+    from dataset import ensure_synthetic
+
+    cwd, threads = os.getcwd(), torch.get_num_threads()
+    os.chdir(ROOT)
+    torch.set_num_threads(1)
+    ensure_synthetic("data/synthetic")
+    yield
+    torch.set_num_threads(threads)
+    os.chdir(cwd)
+
+
+@pytest.fixture(scope="module")
+def pretrain_checkpoint(tmp_path_factory, tokenizer) -> tuple[str, dict]:
+    """A tiny ALBEF_Base (tiny Pretrain.yaml sizes, the module's tokenizer) saved as {'model': state_dict}."""
+    import utils
+    from models.pretrain import ALBEF_Base
+
+    torch.manual_seed(0)
+    pre_config = dict(utils.load_config(os.path.join(ROOT, "configs/tiny/Pretrain.yaml")))
+    model = ALBEF_Base(pre_config, text_encoder=None, tokenizer=tokenizer)
+    path = str(tmp_path_factory.mktemp("pretrain") / "checkpoint.pth")
+    state = model.state_dict()
+    torch.save({"model": state}, path)
+    return path, state
