@@ -29,7 +29,7 @@ from torch.utils.data import Subset
 
 import utils
 from dataset import ImageTextCollate, create_dataset, prepare_data
-from models.loading import load_weights
+from models.loading import load_task_checkpoint
 from models.nlvr import ALBEF_NLVR
 from models.tokenization import build_tokenizer
 
@@ -51,11 +51,7 @@ class NLVRCollate:
 def build_model(config: Mapping, tokenizer, checkpoint: str | None, text_assignment: bool) -> ALBEF_NLVR:
     """ALBEF_NLVR with --checkpoint loaded (pre-training layout duplicated, stage-1 layout as is)."""
     model = ALBEF_NLVR(dict(config), tokenizer, text_assignment=text_assignment)
-    if checkpoint:
-        report = load_weights(model, checkpoint, key_map=model.key_map(), ignore=model.ignored_keys())
-        utils.print_main(f"loaded {checkpoint}: {report.summary()}")
-    else:
-        utils.print_main("no --checkpoint: the model starts from random weights")
+    load_task_checkpoint(model, checkpoint, log=utils.print_main)
     return model
 
 
@@ -130,9 +126,8 @@ def main(argv: list[str] | None = None) -> dict:
 
     tokenizer = build_tokenizer(config)
     # The same seed on every rank while building, so that the fresh heads are identical everywhere.
-    utils.seed_everything(seed, 0)
-    model = build_model(config, tokenizer, args.checkpoint, text_assignment).to(device)
-    utils.seed_everything(seed, info.rank)
+    model = utils.build_on_every_rank(
+        lambda: build_model(config, tokenizer, args.checkpoint, text_assignment), seed, info.rank).to(device)
     output_dir = utils.setup_output_dir(args, config)
     max_tokens = int(config.get("max_tokens", 40))
 

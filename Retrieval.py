@@ -120,9 +120,8 @@ def main(argv: list[str] | None = None) -> dict:
 
     tokenizer = build_tokenizer(config)
     # The same seed on every rank while building, so that an un-loaded model is identical everywhere.
-    utils.seed_everything(seed, 0)
-    model = build_model(config, tokenizer, args.checkpoint).to(device)
-    utils.seed_everything(seed, info.rank)
+    model = utils.build_on_every_rank(
+        lambda: build_model(config, tokenizer, args.checkpoint), seed, info.rank).to(device)
     train_set, val_set, test_set = create_dataset("retrieval", config)
 
     if args.bench:

@@ -26,7 +26,7 @@ from torch.utils.data import DataLoader, Subset
 
 import utils
 from dataset import VQADataset, create_dataset, load_json_list, prepare_data, test_transform, vqa_collate
-from models.loading import load_weights
+from models.loading import load_task_checkpoint
 from models.tokenization import build_tokenizer
 from models.vqa import ALBEF_VQA, vqa_accuracy
 
@@ -68,11 +68,7 @@ class QuestionCollate:
 def build_model(config: Mapping, tokenizer, checkpoint: str | None) -> ALBEF_VQA:
     """ALBEF_VQA with --checkpoint loaded (a pre-training checkpoint initialises the decoder)."""
     model = ALBEF_VQA(dict(config), tokenizer)
-    if checkpoint:
-        report = load_weights(model, checkpoint, key_map=model.key_map(), ignore=model.ignored_keys())
-        utils.print_main(f"loaded {checkpoint}: {report.summary()}")
-    else:
-        utils.print_main("no --checkpoint: the model starts from random weights")
+    load_task_checkpoint(model, checkpoint, log=utils.print_main)
     return model
 
 
@@ -146,9 +142,8 @@ def main(argv: list[str] | None = None) -> dict:
 
     tokenizer = build_tokenizer(config)
     # The same seed on every rank while building, so that an un-loaded model is identical everywhere.
-    utils.seed_everything(seed, 0)
-    model = build_model(config, tokenizer, args.checkpoint).to(device)
-    utils.seed_everything(seed, info.rank)
+    model = utils.build_on_every_rank(
+        lambda: build_model(config, tokenizer, args.checkpoint), seed, info.rank).to(device)
     output_dir = utils.setup_output_dir(args, config)
     max_tokens = int(config.get("max_tokens", 40))
 

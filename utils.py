@@ -387,6 +387,15 @@ def seed_everything(seed: int, rank: int = 0) -> int:
     return s
 
 
+def build_on_every_rank(build: Any, seed: int, rank: int) -> Any:
+    """build() under the same seed on every rank (so un-loaded weights agree), then reseed for this rank."""
+    seed_everything(seed, 0)
+    try:
+        return build()
+    finally:
+        seed_everything(seed, rank)
+
+
 def reseed(seed: int, rank: int, step: int) -> None:
     """Reseed python, numpy and torch from (seed, rank, step): called at every checkpoint and on resume,
     so a resumed run draws the same random numbers (MLM masks, augmentation, dropout) as an unbroken one."""

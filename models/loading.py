@@ -134,3 +134,13 @@ def load_weights(
 
 
 __all__ = ["LoadReport", "load_weights", "read_checkpoint"]
+
+
+def load_task_checkpoint(model: nn.Module, checkpoint: str | None,
+                         log: Callable[[str], None] = print) -> None:
+    """--checkpoint into a task model that names its own key_map() and ignored_keys() (NLVR, VQA)."""
+    if not checkpoint:
+        log("no --checkpoint: the model starts from random weights")
+        return
+    report = load_weights(model, checkpoint, key_map=model.key_map(), ignore=model.ignored_keys())
+    log(f"loaded {checkpoint}: {report.summary()}")
