@@ -49,7 +49,7 @@ __all__ = ["MARKER", "SPECIAL_TOKENS", "ensure_synthetic", "generate", "main"]
 
 logger = logging.getLogger(__name__)
 
-FORMAT_VERSION = 2  # 2: pretrain_extra.json
+FORMAT_VERSION = 3  # 2: pretrain_extra.json; 3: NLVR sentences (colour form, any-object negatives), 8n pairs
 MARKER = "synthetic.json"
 SPECIAL_TOKENS = ("[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]")
 
@@ -71,7 +71,7 @@ REL_PHRASES = {
     "above": ("above", "on top of", "over"),
     "below": ("below", "under", "beneath"),
 }
-COUNT_WORDS = {1: "one", 2: "two", 3: "three", 4: "four"}
+COUNT_WORDS = {1: "one", 2: "two"}
 
 Obj = tuple[str, str]  # (colour, shape)
 
@@ -224,11 +224,18 @@ def _perturb(rng: np.random.Generator, obj: Obj) -> Obj:
 # drawn before the pair, independently of the label, so no wording predicts the answer.
 def _nlvr_has(rng, scenes, want, side):
     sc = scenes[side]
-    obj = _pick(rng, sc.objects)
-    if not want:
-        obj = _perturb(rng, obj)  # one attribute off: a hard negative
+    # A false sentence names any object that image lacks (it often shares a colour or a shape with
+    # one it has). Always one attribute off, as in the captions' hard negatives, the tiny model did
+    # not learn the split within minutes (README, "NLVR2 on the synthetic data").
+    obj = _pick(rng, sc.objects) if want else (_pick(rng, list(COLOURS)), _pick(rng, SHAPES))
     verb = _pick(rng, ("has", "contains", "shows"))
     return f"the {('left', 'right')[side]} image {verb} {_np(obj)}", sc.has(obj)
+
+
+def _nlvr_colour(rng, scenes, want, side):
+    colour = _pick(rng, list(COLOURS))
+    return (f"the {('left', 'right')[side]} image has something {colour}",
+            any(c == colour for c, _ in scenes[side].objects))
 
 
 def _nlvr_both(rng, scenes, want):
@@ -276,26 +283,21 @@ def _nlvr_count(rng, scenes, want, side, k):
         k == len(scenes[side].objects)
 
 
-def _nlvr_total(rng, scenes, want, k):
-    return f"there are {COUNT_WORDS[k]} shapes in total", k == len(scenes[0].objects) + len(scenes[1].objects)
-
-
 def _nlvr_form(rng: np.random.Generator) -> tuple[Callable, dict]:
-    """Template and its label-independent parameters; object and relation sentences dominate."""
+    """Template and its label-independent parameters; object, colour and relation sentences dominate."""
     side = int(rng.integers(2))
     r = rng.random()
     if r < 0.3:
         return _nlvr_has, {"side": side}
-    if r < 0.6:
-        return _nlvr_rel, {"side": side}
+    if r < 0.5:
+        return _nlvr_colour, {"side": side}
     if r < 0.7:
-        return _nlvr_both, {}
+        return _nlvr_rel, {"side": side}
     if r < 0.8:
-        return _nlvr_neither, {}
+        return _nlvr_both, {}
     if r < 0.9:
-        return _nlvr_count, {"side": side, "k": int(rng.integers(1, 3))}
-    # "two in total" is left out: it needs two single-object images, and a split holds at most 24.
-    return _nlvr_total, {"k": int(rng.integers(3, 5))}
+        return _nlvr_neither, {}
+    return _nlvr_count, {"side": side, "k": int(rng.integers(1, 3))}
 
 
 def _nlvr_split(rng: np.random.Generator, pool: list[tuple[str, Scene]], count: int) -> list[dict]:
@@ -305,7 +307,7 @@ def _nlvr_split(rng: np.random.Generator, pool: list[tuple[str, Scene]], count: 
         want, text = bool(want), None
         while text is None:
             template, form = _nlvr_form(rng)
-            for _ in range(300):  # a rare form (e.g. "two shapes in total" = two single-object images)
+            for _ in range(300):  # a rare form (e.g. "exactly one shape" = a single-object image)
                 i0, i1 = (int(i) for i in rng.choice(len(pool), size=2, replace=False))
                 text, truth = template(rng, (pool[i0][1], pool[i1][1]), want, **form)
                 if text is not None and truth == want:
@@ -382,8 +384,11 @@ def split_sizes(n: int) -> dict[str, int]:
     """Number of images / pairs / questions per split for n pre-training images."""
     n_eval = max(4, n // 6)
     return {"train_images": n, "val_images": n_eval, "test_images": n_eval, "pretrain_extra_images": 3 * n,
-            "nlvr_train": n,
-            "nlvr_dev": n_eval, "nlvr_test": n_eval, "vqa_train": 2 * n, "vqa_test": max(8, n // 3)}
+            # NLVR pairs reuse the split's images: many pairs, as NLVR2 (86k train pairs) has, so the tiny
+            # model sees each sentence form often; dev/test hold 6 pairs per eval image, so that accuracy is
+            # known to about +-0.02.
+            "nlvr_train": 8 * n, "nlvr_dev": 6 * n_eval, "nlvr_test": 6 * n_eval,
+            "vqa_train": 2 * n, "vqa_test": max(8, n // 3)}
 
 
 def _build(out: str, n: int, seed: int, image_size: int = 64) -> dict:
@@ -412,9 +417,10 @@ def _build(out: str, n: int, seed: int, image_size: int = 64) -> dict:
     for split in ("val", "test"):
         files[f"retrieval_{split}.json"] = [{"image": p, "caption": caps}
                                             for (p, _), caps in zip(pools[split], captions[split])]
-    files["nlvr_train.json"] = _nlvr_split(rng, pools["train"], sizes["nlvr_train"])
-    files["nlvr_dev.json"] = _nlvr_split(rng, pools["val"], sizes["nlvr_dev"])
-    files["nlvr_test.json"] = _nlvr_split(rng, pools["test"], sizes["nlvr_test"])
+    nlvr_rng = np.random.default_rng([seed, 2])  # own stream: NLVR changes leave the other files as they are
+    files["nlvr_train.json"] = _nlvr_split(nlvr_rng, pools["train"], sizes["nlvr_train"])
+    files["nlvr_dev.json"] = _nlvr_split(nlvr_rng, pools["val"], sizes["nlvr_dev"])
+    files["nlvr_test.json"] = _nlvr_split(nlvr_rng, pools["test"], sizes["nlvr_test"])
     files["vqa_train.json"] = _vqa_split(rng, pools["train"], sizes["vqa_train"], first_qid=0)
     files["vqa_test.json"] = _vqa_split(rng, pools["test"], sizes["vqa_test"], first_qid=sizes["vqa_train"])
     answers = sorted({a for f in ("vqa_train.json", "vqa_test.json") for e in files[f] for a in e["answer"]})

@@ -6,6 +6,7 @@ import hashlib
 import json
 import os
 import random
+import re
 import subprocess
 import sys
 import threading
@@ -402,3 +403,59 @@ def test_ensure_synthetic_regenerates_an_older_format(tmp_path):
     synthetic.ensure_synthetic(root, n=12, seed=0)
     assert _load(root, synthetic.MARKER)["format_version"] == synthetic.FORMAT_VERSION
     assert os.path.isfile(os.path.join(root, "vocab.txt"))
+
+
+def _nlvr_truth(sentence: str, scenes) -> bool:
+    """An independent reading of a synthetic NLVR sentence against its two scenes."""
+    import re
+
+    colours, shapes = "|".join(synthetic.COLOURS), "|".join(synthetic.SHAPES)
+    obj = rf"an? ({colours}) ({shapes})"
+    phrase_rel = {p: rel for rel, phrases in synthetic.REL_PHRASES.items() for p in phrases}
+    phrases = "|".join(sorted(phrase_rel, key=len, reverse=True))
+    side = {"left": 0, "right": 1}
+    if m := re.fullmatch(rf"the (left|right) image (?:has|contains|shows) {obj}", sentence):
+        return (m[2], m[3]) in scenes[side[m[1]]].objects
+    if m := re.fullmatch(rf"the (left|right) image has something ({colours})", sentence):
+        return any(c == m[2] for c, _ in scenes[side[m[1]]].objects)
+    if m := re.fullmatch(rf"the (left|right) image shows {obj} ({phrases}) {obj}", sentence):
+        return scenes[side[m[1]]].relation_holds((m[2], m[3]), phrase_rel[m[4]], (m[5], m[6]))
+    if m := re.fullmatch(rf"both images contain an? ({shapes})", sentence):
+        return all(m[1] in sc.shapes() for sc in scenes)
+    if m := re.fullmatch(rf"neither image contains an? ({shapes})", sentence):
+        return not any(m[1] in sc.shapes() for sc in scenes)
+    if m := re.fullmatch(r"the (left|right) image has exactly (one|two) shapes?", sentence):
+        return len(scenes[side[m[1]]].objects) == {"one": 1, "two": 2}[m[2]]
+    raise AssertionError(f"unknown NLVR sentence form: {sentence!r}")
+
+
+def test_nlvr_sentences_are_true_of_their_images_and_text_alone_predicts_nothing():
+    # Scenes without rendering: the sentence generator only needs them and a name per image.
+    import numpy as np
+
+    rng = np.random.default_rng(0)
+    pools = {split: [(f"{split}/{i}", sc) for i, sc in
+                     enumerate(synthetic._sample_scenes(rng, count, eval_split=split == "dev"))]
+             for split, count in (("train", 600), ("dev", 100))}
+    train = synthetic._nlvr_split(rng, pools["train"], 4000)
+    dev = synthetic._nlvr_split(rng, pools["dev"], 1000)
+    for split, pairs in (("train", train), ("dev", dev)):
+        scene = dict(pools[split])
+        assert all(_nlvr_truth(e["sentence"], [scene[p] for p in e["images"]]) == e["label"] for e in pairs)
+
+    # Every sentence form is balanced, and a text-only guess (the majority label of that very sentence
+    # in train) is at chance on dev: only the images decide.
+    rel = re.compile("|".join(sorted((p for ps in synthetic.REL_PHRASES.values() for p in ps), key=len,
+                                     reverse=True)))
+    words = {"left", "right", "a", "an", *synthetic.COLOURS, *synthetic.SHAPES}
+    form = [" ".join("_" if w in words else w for w in rel.sub("REL", e["sentence"]).split()) for e in train]
+    by_form = Counter(zip(form, (e["label"] for e in train)))
+    assert len(set(form)) >= 6
+    for f in set(form):
+        assert 0.4 < by_form[f, True] / (by_form[f, True] + by_form[f, False]) < 0.6, f
+    votes: dict[str, Counter] = {}
+    for e in train:
+        votes.setdefault(e["sentence"], Counter())[e["label"]] += 1
+    guess = [votes[e["sentence"]].most_common(1)[0][0] if e["sentence"] in votes else True for e in dev]
+    text_only = sum(g == e["label"] for g, e in zip(guess, dev)) / len(dev)
+    assert 0.45 < text_only < 0.55, text_only
