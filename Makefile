@@ -2,7 +2,7 @@
 PY := .venv/bin/python
 STAMP := .venv/.installed
 
-.PHONY: demo test lint venv clean
+.PHONY: demo test test-slow lint venv clean
 
 venv: $(STAMP)
 
@@ -18,6 +18,10 @@ demo: $(STAMP)
 test: $(STAMP)
 	$(PY) -m ruff check .
 	$(PY) -m pytest
+
+# The slow tests (about 8 min here): the demo's downstream chain must beat chance on held-out splits.
+test-slow: $(STAMP)
+	$(PY) -m pytest -m slow
 
 lint: $(STAMP)
 	$(PY) -m ruff check .
