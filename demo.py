@@ -1,11 +1,11 @@
-"""`make demo`: tiny GRIT-VLP pre-training on the built-in synthetic data (CPU, minutes), then
-zero-shot retrieval, NLVR2 (text assignment + fine-tune) and VQA from the pre-trained checkpoint,
-and a per-epoch table of losses and GRIT hardness.
+"""`make demo`: tiny GRIT-VLP pre-training on the built-in synthetic data (CPU, a few minutes), then
+zero-shot retrieval with the pre-trained checkpoint, and a per-epoch table of losses and GRIT hardness.
 
-    python demo.py [--output_dir output/demo] [--no-compare] [--no-downstream]
+    python demo.py [--output_dir output/demo] [--no-compare] [--downstream]
 
 By default it also pre-trains once more with grit.enabled=false (random batches) and prints both runs'
-grit_hardness side by side; --no-compare skips that run. --no-downstream skips NLVR2 and VQA.
+grit_hardness side by side; --no-compare skips that run. --downstream also runs NLVR2 (text
+assignment + fine-tune) and VQA from the checkpoint (about 6 minutes more) and prints their accuracies.
 """
 
 from __future__ import annotations
@@ -96,8 +96,10 @@ def main() -> None:
     parser.add_argument('--output_dir', default='output/demo')
     parser.add_argument('--no-compare', dest='compare', action='store_false',
                         help='skip the second pre-training with grit.enabled=false')
-    parser.add_argument('--no-downstream', dest='downstream', action='store_false',
-                        help='skip NLVR2 (text assignment + fine-tune) and VQA from the checkpoint')
+    # Opt-in: the tiny NLVR2 fine-tune is not yet reliably above chance (README, "NLVR2 on the
+    # synthetic data"), and it would more than double the demo's time.
+    parser.add_argument('--downstream', action='store_true',
+                        help='also run NLVR2 (text assignment + fine-tune) and VQA from the checkpoint')
     args = parser.parse_args()
     start = time.time()
     ensure_synthetic('data/synthetic')
