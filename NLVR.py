@@ -120,6 +120,7 @@ def main(argv: list[str] | None = None) -> dict:
     if text_assignment and args.evaluate:
         raise ValueError("--evaluate is for NLVR2 (text_assignment: false); stage 1 has no evaluation split")
     info = utils.init_distributed(args)
+    utils.use_deterministic_kernels(config)
     device = info.device
     seed = int(config.get("seed", 42))
     prepare_data(config)

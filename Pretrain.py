@@ -51,6 +51,7 @@ def main(argv: list[str] | None = None) -> None:
     args = utils.parse_args(argv, description=__doc__.splitlines()[0])
     config = utils.config_from_args(args)
     info = utils.init_distributed(args)
+    utils.use_deterministic_kernels(config)
     seed = int(config.get('seed', 42))
     utils.seed_everything(seed, info.rank)
     output_dir = utils.setup_output_dir(args, config)

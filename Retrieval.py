@@ -114,6 +114,7 @@ def main(argv: list[str] | None = None) -> dict:
     utils.require_keys(config, ("train_file", "val_file", "test_file", "k_test", "queue_size", "momentum"),
                        args.config)
     info = utils.init_distributed(args)
+    utils.use_deterministic_kernels(config)
     device = info.device
     seed = int(config.get("seed", 42))
     prepare_data(config)

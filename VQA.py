@@ -136,6 +136,7 @@ def main(argv: list[str] | None = None) -> dict:
     config = utils.config_from_args(args)
     utils.require_keys(config, ("train_file", "test_file", "answer_list"), args.config)
     info = utils.init_distributed(args)
+    utils.use_deterministic_kernels(config)
     device = info.device
     seed = int(config.get("seed", 42))
     prepare_data(config)

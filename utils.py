@@ -387,6 +387,18 @@ def seed_everything(seed: int, rank: int = 0) -> int:
     return s
 
 
+def use_deterministic_kernels(config: Mapping) -> None:
+    """Config key `deterministic` (default false): torch's deterministic kernels, so a run repeats bitwise.
+
+    Without them, the backward of indexing with repeated indices (CPU index_put with accumulate, as in
+    NLVR text assignment's `tokens[first]`) sums in a thread-dependent order: two identical tiny text-
+    assignment runs differed by up to 1.5e-4 in a weight. Off by default, as ALBEF: on GPUs the
+    deterministic kernels are slower; ops that have none only warn (warn_only).
+    """
+    # Set both ways: the flag is process-wide, and one process may run several configs (tests).
+    torch.use_deterministic_algorithms(bool(config.get('deterministic', False)), warn_only=True)
+
+
 def build_on_every_rank(build: Any, seed: int, rank: int) -> Any:
     """build() under the same seed on every rank (so un-loaded weights agree), then reseed for this rank."""
     seed_everything(seed, 0)

@@ -20,10 +20,12 @@ def in_repo():
     from dataset import ensure_synthetic
 
     cwd, threads = os.getcwd(), torch.get_num_threads()
+    deterministic = torch.are_deterministic_algorithms_enabled()
     os.chdir(ROOT)
     torch.set_num_threads(1)
     ensure_synthetic("data/synthetic")
     yield
+    torch.use_deterministic_algorithms(deterministic)  # the scripts set it from their configs
     torch.set_num_threads(threads)
     os.chdir(cwd)
 

@@ -175,7 +175,13 @@ def test_finetune_resume_equals_uninterrupted_run(tmp_path):
     # the same weights, log record and best-checkpoint bookkeeping as the run that never stopped.
     import NLVR
 
-    common = ["--config", "configs/tiny/NLVR.yaml", "--device", "cpu", "--set", "max_epoch=2"]
+    subsets = []
+    for split, count in (("train", 192), ("dev", 64), ("test", 64)):  # the full split is 4,800 pairs
+        with open(f"data/synthetic/nlvr_{split}.json") as f:
+            subsets.append(tmp_path / f"nlvr_{split}.json")
+            subsets[-1].write_text(json.dumps(json.load(f)[:count]))
+    common = ["--config", "configs/tiny/NLVR.yaml", "--device", "cpu", "--set", "max_epoch=2",
+              f"train_file=[{subsets[0]}]", f"val_file=[{subsets[1]}]", f"test_file=[{subsets[2]}]"]
     full, resumed = str(tmp_path / "full"), str(tmp_path / "resumed")
     record = NLVR.main(["--output_dir", full, *common])
     again = NLVR.main(["--output_dir", resumed, "--resume", os.path.join(full, "checkpoint_00.pth"), *common])
