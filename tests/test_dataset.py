@@ -13,6 +13,7 @@ import threading
 import time
 from collections import Counter
 
+import numpy as np
 import pytest
 import torch
 from PIL import Image
@@ -405,21 +406,22 @@ def test_ensure_synthetic_regenerates_an_older_format(tmp_path):
     assert os.path.isfile(os.path.join(root, "vocab.txt"))
 
 
+# Relation phrase -> relation, and a regex of the phrases, longest first ("to the left of" before "left of").
+_PHRASE_REL = {p: rel for rel, phrases in synthetic.REL_PHRASES.items() for p in phrases}
+_PHRASES = "|".join(sorted(_PHRASE_REL, key=len, reverse=True))
+
+
 def _nlvr_truth(sentence: str, scenes) -> bool:
     """An independent reading of a synthetic NLVR sentence against its two scenes."""
-    import re
-
     colours, shapes = "|".join(synthetic.COLOURS), "|".join(synthetic.SHAPES)
     obj = rf"an? ({colours}) ({shapes})"
-    phrase_rel = {p: rel for rel, phrases in synthetic.REL_PHRASES.items() for p in phrases}
-    phrases = "|".join(sorted(phrase_rel, key=len, reverse=True))
     side = {"left": 0, "right": 1}
     if m := re.fullmatch(rf"the (left|right) image (?:has|contains|shows) {obj}", sentence):
         return (m[2], m[3]) in scenes[side[m[1]]].objects
     if m := re.fullmatch(rf"the (left|right) image has something ({colours})", sentence):
         return any(c == m[2] for c, _ in scenes[side[m[1]]].objects)
-    if m := re.fullmatch(rf"the (left|right) image shows {obj} ({phrases}) {obj}", sentence):
-        return scenes[side[m[1]]].relation_holds((m[2], m[3]), phrase_rel[m[4]], (m[5], m[6]))
+    if m := re.fullmatch(rf"the (left|right) image shows {obj} ({_PHRASES}) {obj}", sentence):
+        return scenes[side[m[1]]].relation_holds((m[2], m[3]), _PHRASE_REL[m[4]], (m[5], m[6]))
     if m := re.fullmatch(rf"both images contain an? ({shapes})", sentence):
         return all(m[1] in sc.shapes() for sc in scenes)
     if m := re.fullmatch(rf"neither image contains an? ({shapes})", sentence):
@@ -431,8 +433,6 @@ def _nlvr_truth(sentence: str, scenes) -> bool:
 
 def test_nlvr_sentences_are_true_of_their_images_and_text_alone_predicts_nothing():
     # Scenes without rendering: the sentence generator only needs them and a name per image.
-    import numpy as np
-
     rng = np.random.default_rng(0)
     pools = {split: [(f"{split}/{i}", sc) for i, sc in
                      enumerate(synthetic._sample_scenes(rng, count, eval_split=split == "dev"))]
@@ -445,8 +445,7 @@ def test_nlvr_sentences_are_true_of_their_images_and_text_alone_predicts_nothing
 
     # Every sentence form is balanced, and a text-only guess (the majority label of that very sentence
     # in train) is at chance on dev: only the images decide.
-    rel = re.compile("|".join(sorted((p for ps in synthetic.REL_PHRASES.values() for p in ps), key=len,
-                                     reverse=True)))
+    rel = re.compile(_PHRASES)
     words = {"left", "right", "a", "an", *synthetic.COLOURS, *synthetic.SHAPES}
     form = [" ".join("_" if w in words else w for w in rel.sub("REL", e["sentence"]).split()) for e in train]
     by_form = Counter(zip(form, (e["label"] for e in train)))
