@@ -93,10 +93,14 @@ def main(argv: list[str] | None = None) -> None:
 
     grit_seconds = [0.0]
     feats: dict[str, torch.Tensor] = {}
+    # Per-entry image ids on the device: a step looks its batch up by a gather, without a host sync
+    # (used by the model's false-negative guard, config key guard_false_negatives).
+    image_keys = torch.as_tensor(dataset.image_keys, dtype=torch.long, device=device)
 
     def step_fn(net, batch):
-        image, text, _ = batch
-        out = net(image.to(device, non_blocking=True), text.to(device))
+        image, text, idx = batch
+        out = net(image.to(device, non_blocking=True), text.to(device),
+                  image_key=image_keys[idx.to(device, non_blocking=True)])
         loss = out['loss_itc'] + out['loss_cons'] + out['loss_itm'] + out['loss_mlm']
         metrics = {k: out[k].detach() for k in LOSSES}
         metrics['grit_hardness'] = out['hardness']

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import random
 from collections.abc import Callable, Sequence
 
@@ -27,6 +28,10 @@ class PretrainDataset(Dataset):
 
     A list caption yields a random member on every visit (python ``random``, which DataLoader
     seeds per worker). The index is what the GRIT sampler collects features under.
+
+    ``image_keys[i]`` identifies entry i's image: entries whose resolved, normalised image paths
+    are equal (ALBEF's COCO/VG files hold one entry per caption) share a key, numbered in order of
+    first appearance. The pre-training guard against in-batch false negatives reads it.
     """
 
     def __init__(self, files: str | Sequence[str], transform: Callable, image_root: str = "",
@@ -35,6 +40,11 @@ class PretrainDataset(Dataset):
         self.transform = transform
         self.image_root = image_root
         self.max_words = max_words
+        first_seen: dict[str, int] = {}
+        self.image_keys: list[int] = [
+            first_seen.setdefault(os.path.normpath(resolve_image(image_root, ann["image"])), len(first_seen))
+            for ann in self.ann
+        ]
 
     def __len__(self) -> int:
         return len(self.ann)

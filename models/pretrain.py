@@ -7,7 +7,15 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from models.bert import build_text_encoder
-from models.objectives import hardest_negative_similarity, itc_loss, mask_tokens, mine_negatives
+from models.objectives import (
+    caption_keys,
+    concat_all_gather,
+    false_negative_mask,
+    hardest_negative_similarity,
+    itc_loss,
+    mask_tokens,
+    mine_negatives,
+)
 from models.vit import build_vision_encoder, check_vision_text_widths
 
 _NEGATIVES = ("hard", "random")
@@ -44,6 +52,12 @@ class ALBEF_Base(nn.Module):  # noqa: N801 (the paper's name)
                 raise ValueError(f"config key {key!r} is missing")
         self.lambda_cons = float(config.get("lambda_cons", 0.0))
         self.itc_gather = bool(config.get("itc_gather", False))
+        # In-batch false negatives: ALBEF's COCO/VG files hold one entry per caption, so GRIT, which
+        # groups similar pairs, often puts several entries of one image (or a verbatim-repeated
+        # caption) into one batch, and the hardest "negative" is then a true match. The guard treats
+        # same image OR identical caption as positives: multi-positive ITC targets (as MAFA) and never
+        # an ITM negative (BLIP masks same-image pairs). Off: the authors' computation, bit for bit.
+        self.guard_false_negatives = bool(config.get("guard_false_negatives", False))
         self.mlm_probability = float(config.get("mlm_probability", 0.15))
 
         self.visual_encoder = build_vision_encoder(config)
@@ -82,8 +96,43 @@ class ALBEF_Base(nn.Module):  # noqa: N801 (the paper's name)
                                              self.encode_text(text.input_ids, text.attention_mask))
         return image_feat.float(), text_feat.float()
 
-    def forward(self, image: Tensor, text) -> dict[str, Tensor]:
-        """image (B,3,H,W), text (tokenizer output, (B,L)) -> losses (0-dim) and detached feats (B,d)."""
+    @torch.no_grad()
+    def false_negative_masks(
+        self, image_key: Tensor, input_ids: Tensor, attention_mask: Tensor
+    ) -> tuple[Tensor, Tensor]:
+        """image_key (B,), ids/mask (B,L) -> bool positives for ITC (B,N) and for ITM mining (B,B).
+
+        ITC positives span the gathered columns with itc_gather (N = W*B), else N = B. Mining
+        positives are the local ones, except that an item positive with the whole batch (e.g. a
+        batch of one image) is unguarded in its row and column (only the diagonal stays excluded),
+        so every image and text keeps an in-batch negative.
+        """
+        if image_key.shape != input_ids.shape[:1]:
+            raise ValueError(
+                f"image_key must be ({input_ids.shape[0]},), one key per pair, got {tuple(image_key.shape)}"
+            )
+        # Zeroing the padding makes the keys independent of the tokenizer's pad id.
+        text_key = caption_keys(input_ids.masked_fill(attention_mask == 0, 0))
+        image_key = image_key.to(device=input_ids.device, dtype=torch.int64)
+        local = false_negative_mask(image_key, text_key)
+        positive_itc = local
+        if self.itc_gather:
+            positive_itc = false_negative_mask(
+                image_key, text_key, concat_all_gather(image_key), concat_all_gather(text_key)
+            )
+        eye = torch.eye(local.shape[0], dtype=torch.bool, device=local.device)
+        full_row = (local | eye).all(dim=1)
+        # The mask is symmetric: dropping both the row and the column keeps a negative for every
+        # image and every text (mine_negatives checks both sides).
+        positive_mining = local & ~full_row[:, None] & ~full_row[None, :]
+        return positive_itc, positive_mining
+
+    def forward(self, image: Tensor, text, image_key: Tensor | None = None) -> dict[str, Tensor]:
+        """image (B,3,H,W), text (tokenizer output, (B,L)), image_key (B,) int -> losses (0-dim), feats (B,d).
+
+        image_key (e.g. PretrainDataset.image_keys[idx]) is needed with guard_false_negatives and
+        ignored without it.
+        """
         with torch.no_grad():
             self.temp.clamp_(0.001, 0.5)
         # Item access works for a BatchEncoding and for a plain dict.
@@ -94,9 +143,20 @@ class ALBEF_Base(nn.Module):  # noqa: N801 (the paper's name)
         text_embeds = self.encode_text(input_ids, attention_mask)
         image_feat, text_feat = self.project(image_embeds, text_embeds)
 
+        # None everywhere without the guard: exactly the authors' one-hot ITC and diagonal-only mining.
+        positive_itc = positive_mining = None
+        if self.guard_false_negatives:
+            if image_key is None:
+                raise ValueError(
+                    "config key 'guard_false_negatives' is true but forward() got no image_key "
+                    "(pass image_key=dataset.image_keys[idx], or set guard_false_negatives: false)"
+                )
+            positive_itc, positive_mining = self.false_negative_masks(image_key, input_ids, attention_mask)
+
         zero = image_feat.new_zeros(())
         if self.use_itc:
-            itc = itc_loss(image_feat, text_feat, self.temp, self.lambda_cons, gather=self.itc_gather)
+            itc = itc_loss(image_feat, text_feat, self.temp, self.lambda_cons,
+                           positive=positive_itc, gather=self.itc_gather)
             loss_itc, loss_cons = itc["loss_itc"], itc["loss_cons"]
         else:
             loss_itc, loss_cons = zero, zero
@@ -105,10 +165,11 @@ class ALBEF_Base(nn.Module):  # noqa: N801 (the paper's name)
         # (possibly gathered) ITC similarities is just the local cosine matrix over the temperature.
         with torch.no_grad():
             cosine = image_feat.detach() @ text_feat.detach().t()
-            hardness = hardest_negative_similarity(cosine)
+            hardness = hardest_negative_similarity(cosine, positive_mining)
             logits_i2t = cosine / self.temp
             neg_text_idx, neg_image_idx = mine_negatives(
-                logits_i2t, logits_i2t.t(), mode=self.itm_negatives, sampling=self.hard_sampling
+                logits_i2t, logits_i2t.t(), positive_mining,
+                mode=self.itm_negatives, sampling=self.hard_sampling,
             )
 
         # One fusion pass over [positives, (image, negative text), (negative image, text)].

@@ -9,7 +9,9 @@ import torch.multiprocessing as mp
 import torch.nn.functional as F
 
 from models.objectives import (
+    caption_keys,
     concat_all_gather,
+    false_negative_mask,
     gather_features,
     hardest_negative_similarity,
     itc_loss,
@@ -252,6 +254,120 @@ def test_hardest_negative_similarity_hand_matrix():
     torch.testing.assert_close(hardest_negative_similarity(sim, positive), torch.tensor(0.45))
 
 
+# ----------------------------------------------------------------------------- false-negative guard
+
+# Six pairs as GRIT batches them: pairs 0 and 1 are two entries of one image, pairs 2 and 4 carry one
+# caption verbatim on two different images. Token rows: [CLS] words [SEP], right-padded with 0.
+GUARD_IMAGES = torch.tensor([10, 10, 11, 12, 13, 14])
+GUARD_TOKENS = torch.tensor(
+    [
+        [101, 7, 8, 9, 102, 0, 0],
+        [101, 7, 5, 102, 0, 0, 0],
+        [101, 3, 4, 5, 6, 102, 0],
+        [101, 4, 3, 5, 6, 102, 0],  # pair 2's tokens in another order: a different caption
+        [101, 3, 4, 5, 6, 102, 0],
+        [101, 3, 4, 5, 102, 0, 0],  # a prefix of pair 2's caption
+    ]
+)
+GUARD_MASK = torch.eye(6, dtype=torch.bool)
+GUARD_MASK[0, 1] = GUARD_MASK[1, 0] = True  # same image
+GUARD_MASK[2, 4] = GUARD_MASK[4, 2] = True  # same caption
+
+
+def test_caption_keys():
+    keys = caption_keys(GUARD_TOKENS)
+    assert keys.shape == (6,) and keys.dtype == torch.int64
+    same = keys[:, None] == keys[None, :]
+    want = torch.eye(6, dtype=torch.bool)
+    want[2, 4] = want[4, 2] = True
+    assert torch.equal(same, want)
+    # Trailing padding does not count: the same captions cut to the longest row or padded further.
+    torch.testing.assert_close(caption_keys(GUARD_TOKENS[:, :6]), keys, rtol=0, atol=0)
+    padded = torch.cat([GUARD_TOKENS, torch.zeros(6, 33, dtype=torch.long)], dim=1)
+    assert torch.equal(caption_keys(padded), keys)
+    assert torch.equal(caption_keys(GUARD_TOKENS.int()), keys)
+    # A caption that is a prefix of another (no [SEP]), and many random rows: no collisions.
+    assert caption_keys(torch.tensor([[101, 3, 4, 0], [101, 3, 4, 5]])).unique().numel() == 2
+    rows = _token_batch(b=2000, length=40, seed=1)
+    assert caption_keys(rows).unique().numel() == rows.unique(dim=0).shape[0]
+    with pytest.raises(ValueError, match="input_ids"):
+        caption_keys(GUARD_TOKENS[0])
+
+
+def test_false_negative_mask():
+    keys = caption_keys(GUARD_TOKENS)
+    mask = false_negative_mask(GUARD_IMAGES, keys)
+    assert mask.dtype == torch.bool and torch.equal(mask, GUARD_MASK)
+    # Against gathered keys (this batch as the second of two ranks): the columns of the other rank
+    # match by image (10) or by caption (pair 1's tokens).
+    other_images = torch.tensor([10, 20, 21, 22, 23, 24])
+    other_keys = caption_keys(GUARD_TOKENS[[3, 1, 0, 0, 5, 5]])
+    wide = false_negative_mask(
+        GUARD_IMAGES, keys, torch.cat([other_images, GUARD_IMAGES]), torch.cat([other_keys, keys])
+    )
+    assert wide.shape == (6, 12) and torch.equal(wide[:, 6:], GUARD_MASK)
+    want = (GUARD_IMAGES[:, None] == other_images) | (keys[:, None] == other_keys)
+    assert torch.equal(wide[:, :6], want)
+    assert wide[0, :6].tolist() == [True, False, True, True, False, False]  # image 10; pair 0's caption
+    with pytest.raises(ValueError, match="together"):
+        false_negative_mask(GUARD_IMAGES, keys, image_keys_all=GUARD_IMAGES)
+    with pytest.raises(ValueError, match=r"\(B,\)"):
+        false_negative_mask(GUARD_IMAGES, keys[:5])
+
+
+@pytest.mark.parametrize("mode,sampling", [("hard", "argmax"), ("hard", "multinomial"), ("random", "argmax")])
+def test_guarded_mining_never_picks_a_false_negative(mode, sampling):
+    positive = false_negative_mask(GUARD_IMAGES, caption_keys(GUARD_TOKENS))
+    rows = torch.arange(6)
+    g = torch.Generator().manual_seed(0)
+    leaked = 0
+    for seed in range(30):
+        img, txt = _feats(6, 8, seed=seed, dtype=torch.float32)
+        # Same-image and same-caption pairs most similar, as they are for a trained model.
+        sim = img @ txt.T / 0.07 + 50.0 * positive
+        neg_t, neg_i = mine_negatives(sim, sim.T.contiguous(), positive, mode, sampling, generator=g)
+        assert not positive[rows, neg_t].any() and not positive[neg_i, rows].any()
+        # Without the guard, today's mining picks them.
+        off_t, off_i = mine_negatives(sim, sim.T.contiguous(), None, mode, sampling, generator=g)
+        leaked += int(positive[rows, off_t].sum() + positive[off_i, rows].sum())
+    assert leaked > 0
+
+
+@pytest.mark.parametrize("mode,sampling", [("hard", "argmax"), ("hard", "multinomial"), ("random", "argmax")])
+def test_guard_without_duplicates_is_todays_mining(mode, sampling):
+    tokens = GUARD_TOKENS.clone()
+    tokens[4, 1] = 9  # no repeated caption
+    positive = false_negative_mask(torch.arange(6), caption_keys(tokens))
+    assert torch.equal(positive, torch.eye(6, dtype=torch.bool))
+    img, txt = _feats(6, 8, seed=8, dtype=torch.float32)
+    sim = img @ txt.T / 0.07
+    on = mine_negatives(sim, sim.T, positive, mode, sampling, torch.Generator().manual_seed(3))
+    off = mine_negatives(sim, sim.T, None, mode, sampling, torch.Generator().manual_seed(3))
+    assert all(torch.equal(a, b) for a, b in zip(on, off))
+    guarded = itc_loss(img, txt, 0.07, 0.2, positive=positive)
+    torch.testing.assert_close(guarded["loss_itc"], itc_loss(img, txt, 0.07, 0.2)["loss_itc"], rtol=0, atol=0)
+
+
+def test_guarded_itc_targets_are_multi_positive():
+    img, txt = _feats(6, 16, seed=9)
+    positive = false_negative_mask(GUARD_IMAGES, caption_keys(GUARD_TOKENS))
+    out = itc_loss(img, txt, 0.07, lambda_cons=0.2, positive=positive)
+    # Hand-written soft targets: half on each of the two entries of image 10 and of the repeated caption.
+    target = torch.eye(6, dtype=torch.float64)
+    target[0, :2] = target[1, :2] = 0.5
+    target[2, [2, 4]] = target[4, [2, 4]] = 0.5
+    s_i2t, s_t2i = img @ txt.T / 0.07, txt @ img.T / 0.07
+    ce = (-(target * s_i2t.log_softmax(1)).sum(1).mean() - (target * s_t2i.log_softmax(1)).sum(1).mean()) / 2
+    torch.testing.assert_close(out["loss_itc"], ce)
+    _, ref_cons = _reference(img, txt, 0.07, 0.2, target=target)
+    torch.testing.assert_close(out["loss_cons"], ref_cons)
+    assert not torch.allclose(out["loss_itc"], itc_loss(img, txt, 0.07)["loss_itc"])
+    # The hardness diagnostic skips the false negatives too.
+    cos = img @ txt.T
+    want = cos.masked_fill(positive, float("-inf")).amax(1).mean()
+    torch.testing.assert_close(hardest_negative_similarity(cos, positive), want)
+
+
 # ----------------------------------------------------------------------------- MLM masking
 
 PAD, CLS, SEP, MASK, VOCAB = 0, 101, 102, 103, 1000
@@ -330,6 +446,23 @@ def _gather_worker(rank, world, init_file):
         torch.testing.assert_close(res["loss_itc"], ref_itc)
         torch.testing.assert_close(res["loss_cons"], ref_cons)
         torch.testing.assert_close(local_columns(res["sim_i2t"]), img @ txt.T / 0.07)
+
+        # False-negative guard over gathered keys. Global pairs 1 and 4 share an image and 1 and 3 a
+        # caption across the ranks; 0 and 2 share a caption on rank 0.
+        images_full = torch.tensor([0, 1, 2, 3, 1, 5])
+        ids_full = torch.tensor([[101, 5, 102], [101, 6, 102], [101, 5, 102], [101, 6, 102], [101, 8, 102],
+                                 [101, 9, 102]])
+        keys = caption_keys(ids_full[sl])
+        positive = false_negative_mask(
+            images_full[sl], keys, concat_all_gather(images_full[sl]), concat_all_gather(keys)
+        )
+        want = false_negative_mask(images_full[sl], keys, images_full, caption_keys(ids_full))
+        assert positive.shape == (b, world * b) and torch.equal(positive, want)
+        res = itc_loss(img, txt, 0.07, 0.2, positive=positive, gather=True)
+        target = positive.to(img.dtype) / positive.sum(1, keepdim=True)
+        ref_itc, ref_cons = _reference(img, txt, 0.07, 0.2, target, img_full, txt_full)
+        torch.testing.assert_close(res["loss_itc"], ref_itc)
+        torch.testing.assert_close(res["loss_cons"], ref_cons)
     finally:
         dist.destroy_process_group()
 

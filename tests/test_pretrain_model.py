@@ -261,3 +261,117 @@ def test_random_init_takes_the_tokenizer_vocabulary(tokenizer):
     model = ALBEF_Base(config(), tokenizer=tokenizer)
     assert model.text_encoder.bert.embeddings.word_embeddings.weight.shape[0] == len(tokenizer)
     assert model.text_encoder.config.vocab_size == len(tokenizer)
+
+
+# ----------------------------------------------------------------------------- false-negative guard
+
+
+def guard_models(tokenizer, **overrides) -> tuple[ALBEF_Base, ALBEF_Base]:
+    """The same weights with guard_false_negatives off and on."""
+    torch.manual_seed(0)
+    off = ALBEF_Base(config(guard_false_negatives=False, **overrides), tokenizer=tokenizer)
+    on = ALBEF_Base(config(guard_false_negatives=True, **overrides), tokenizer=tokenizer)
+    on.load_state_dict(off.state_dict())
+    assert on.guard_false_negatives and not off.guard_false_negatives
+    return off, on
+
+
+def seeded_forward(model, images, text, image_key=None) -> dict[str, torch.Tensor]:
+    torch.manual_seed(1)  # the same MLM masks (and multinomial draws) in every call
+    return model(images, text, image_key=image_key)
+
+
+LOSS_KEYS = ("loss_itc", "loss_cons", "loss_itm", "loss_mlm", "hardness")
+MINING_MODES = [("hard", "argmax"), ("hard", "multinomial"), ("random", "argmax")]
+
+
+@pytest.mark.parametrize("negatives,sampling", MINING_MODES)
+def test_guard_is_a_no_op_without_duplicates(tokenizer, negatives, sampling):
+    off, on = guard_models(tokenizer, itm_negatives=negatives, hard_sampling=sampling)
+    images, text = synthetic_batch(tokenizer)
+    assert len(set(map(tuple, text.input_ids.tolist()))) == 6  # six distinct captions, six images
+    keys = torch.arange(6)
+    ref = seeded_forward(off, images, text)
+    for model, key in ((off, keys), (on, keys)):
+        out = seeded_forward(model, images, text, key)
+        for name in LOSS_KEYS:
+            assert torch.equal(out[name], ref[name]), name
+
+
+def duplicate_batch(tokenizer):
+    """Six pairs: 0 and 1 one image (two captions), 2 and 4 one caption on two images."""
+    images, _ = synthetic_batch(tokenizer)
+    images[1] = images[0]
+    captions = ["a red ball on the grass", "a big dog left of the cat", "the small cat",
+                "blue ball right of a dog", "the small cat", "a big red dog"]
+    text = tokenizer(captions, padding="longest", return_tensors="pt")
+    return images, text, torch.tensor([7, 7, 3, 4, 5, 6])
+
+
+def test_guard_changes_itc_on_duplicates(tokenizer):
+    from models.objectives import itc_loss
+
+    off, on = guard_models(tokenizer)
+    images, text, keys = duplicate_batch(tokenizer)
+    out_off = seeded_forward(off, images, text, keys)
+    out_on = seeded_forward(on, images, text, keys)
+    assert not torch.equal(out_on["loss_itc"], out_off["loss_itc"])
+    torch.testing.assert_close(out_on["image_feat"], out_off["image_feat"], rtol=0, atol=0)
+    # The guarded loss is the multi-positive ITC over the same-image / same-caption mask.
+    positive = torch.eye(6, dtype=torch.bool)
+    positive[0, 1] = positive[1, 0] = positive[2, 4] = positive[4, 2] = True
+    itc_pos, mining_pos = on.false_negative_masks(keys, text.input_ids, text.attention_mask)
+    assert torch.equal(itc_pos, positive) and torch.equal(mining_pos, positive)
+    want = itc_loss(out_on["image_feat"], out_on["text_feat"], on.temp.detach(), on.lambda_cons,
+                    positive=positive)
+    torch.testing.assert_close(out_on["loss_itc"].detach(), want["loss_itc"])
+    torch.testing.assert_close(out_on["loss_cons"].detach(), want["loss_cons"])
+    for name in LOSS_KEYS:
+        assert torch.isfinite(out_on[name]), name
+
+
+@pytest.mark.parametrize("negatives,sampling", MINING_MODES)
+def test_guard_on_a_batch_of_one_image(tokenizer, negatives, sampling):
+    _, on = guard_models(tokenizer, itm_negatives=negatives, hard_sampling=sampling)
+    images, text = synthetic_batch(tokenizer)
+    images[:] = images[0]
+    out = seeded_forward(on, images, text, torch.zeros(6, dtype=torch.long))
+    for name in LOSS_KEYS:
+        assert torch.isfinite(out[name]), name
+    (out["loss_itc"] + out["loss_cons"] + out["loss_itm"] + out["loss_mlm"]).backward()
+
+
+def test_guard_fallback_keeps_a_negative_for_every_item(tokenizer):
+    from models.objectives import mine_negatives
+
+    _, on = guard_models(tokenizer)
+    # Pair 0 shares its image with 1 and its caption with 2: positive with the whole batch.
+    text = tokenizer(["a red ball", "a dog", "a red ball"], padding="longest", return_tensors="pt")
+    ids, mask = text.input_ids, text.attention_mask
+    itc_pos, mining_pos = on.false_negative_masks(torch.tensor([1, 1, 2]), ids, mask)
+    assert itc_pos[0].all() and not itc_pos[1, 2]  # ITC keeps every true match as a target
+    # Row and column 0 fall back to the diagonal only; 1 and 2 share nothing else.
+    assert torch.equal(mining_pos, torch.diag(torch.tensor([False, True, True])))
+    sim = torch.randn(3, 3, generator=torch.Generator().manual_seed(0))
+    mine_negatives(sim, sim.t(), mining_pos)  # every image and text keeps a negative
+    all_one = on.false_negative_masks(torch.zeros(3, dtype=torch.long), ids, mask)
+    assert all_one[0].all() and not all_one[1].any()
+
+
+def test_guard_needs_image_key(tokenizer):
+    off, on = guard_models(tokenizer)
+    images, text = synthetic_batch(tokenizer)
+    with pytest.raises(ValueError, match="guard_false_negatives"):
+        on(images, text)
+    with pytest.raises(ValueError, match="image_key"):
+        on(images, text, image_key=torch.arange(5))
+    assert torch.isfinite(off(images, text)["loss_itc"])  # without the guard no key is needed
+
+
+def test_guard_with_itc_gather_single_process(tokenizer):
+    off, on = guard_models(tokenizer, itc_gather=True)
+    images, text, keys = duplicate_batch(tokenizer)
+    out = seeded_forward(on, images, text, keys)
+    assert not torch.equal(out["loss_itc"], seeded_forward(off, images, text, keys)["loss_itc"])
+    for name in LOSS_KEYS:
+        assert torch.isfinite(out[name]), name
