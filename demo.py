@@ -1,45 +1,23 @@
-"""`make demo`: tiny GRIT-VLP pre-training on the built-in synthetic data (CPU, a few minutes), then
-zero-shot retrieval with the pre-trained checkpoint, and a per-epoch table of losses and GRIT hardness.
+"""`make demo`: tiny GRIT-VLP pre-training on the built-in synthetic data and the same run with random
+batches (CPU, about 5 minutes), then, for both, zero-shot retrieval and the compositional ITM probe,
+printed side by side with their per-epoch grit_hardness and ITM loss.
 
-    python demo.py [--output_dir output/demo] [--no-compare] [--downstream]
+    python demo.py [--output_dir output/demo] [--seed S] [--no-compare] [--downstream]
 
-By default it also pre-trains once more with grit.enabled=false (random batches) and prints both runs'
-grit_hardness side by side; --no-compare skips that run. --downstream also runs NLVR2 (text
-assignment + fine-tune) and VQA from the checkpoint (about 6 minutes more) and prints their accuracies.
+--no-compare skips the random-batch run. --downstream also runs NLVR2 (text assignment + fine-tune)
+and VQA from the GRIT checkpoint (about 6 minutes more) and prints their accuracies.
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import os
-import subprocess
-import sys
 import time
 
 from dataset import ensure_synthetic
+from tools.compare import RUNS, compare_seed, fresh, read_log, run, side_by_side
 
 COLUMNS = ('epoch', 'loss_itc', 'loss_cons', 'loss_itm', 'loss_mlm', 'grit_hardness', 'seconds')
-
-
-def run(cmd: list[str]) -> None:
-    """Run one of the task scripts with this interpreter; stop the demo if it fails."""
-    print('$ ' + ' '.join(cmd), flush=True)
-    subprocess.run([sys.executable, *cmd], check=True)
-
-
-def fresh(output_dir: str) -> str:
-    """Drop an earlier run's log.txt and latest.json in output_dir (a fresh run each time, not a resume)."""
-    for name in ('log.txt', 'latest.json'):
-        if os.path.exists(os.path.join(output_dir, name)):
-            os.remove(os.path.join(output_dir, name))
-    return output_dir
-
-
-def read_log(path: str) -> list[dict]:
-    """The JSON lines of a log.txt."""
-    with open(path, encoding='utf-8') as f:
-        return [json.loads(line) for line in f if line.strip()]
 
 
 def table(rows: list[dict], columns: tuple[str, ...]) -> str:
@@ -94,53 +72,29 @@ def majority_baseline(config_path: str = 'configs/tiny/VQA.yaml') -> float:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument('--output_dir', default='output/demo')
+    parser.add_argument('--seed', type=int, default=None, help="the tiny config's seed for both runs")
     parser.add_argument('--no-compare', dest='compare', action='store_false',
                         help='skip the second pre-training with grit.enabled=false')
-    # Opt-in: it would more than double the demo's time, and the tiny NLVR2 fine-tune beats chance only
-    # by a small margin (README, "NLVR2 on the synthetic data").
+    # Opt-in: it would more than double the demo's time (README, "NLVR2 on the synthetic data").
     parser.add_argument('--downstream', action='store_true',
                         help='also run NLVR2 (text assignment + fine-tune) and VQA from the checkpoint')
     args = parser.parse_args()
     start = time.time()
     ensure_synthetic('data/synthetic')
-
-    pre_dir = fresh(os.path.join(args.output_dir, 'pretrain'))
-    run(['Pretrain.py', '--config', 'configs/tiny/Pretrain.yaml', '--output_dir', pre_dir])
-    rows = read_log(os.path.join(pre_dir, 'log.txt'))
-    checkpoint = os.path.join(pre_dir, f'checkpoint_{rows[-1]["epoch"]:02d}.pth')
-
-    ret_dir = fresh(os.path.join(args.output_dir, 'retrieval_zeroshot'))
-    retrieval = None
-    if os.path.isfile('Retrieval.py'):
-        run(['Retrieval.py', '--config', 'configs/tiny/Retrieval.yaml', '--checkpoint', checkpoint,
-             '--evaluate', '--output_dir', ret_dir])
-        retrieval = read_log(os.path.join(ret_dir, 'log.txt'))[-1]
-
-    baseline = None
-    if args.compare:
-        base_dir = fresh(os.path.join(args.output_dir, 'pretrain_random_batches'))
-        run(['Pretrain.py', '--config', 'configs/tiny/Pretrain.yaml', '--output_dir', base_dir,
-             '--set', 'grit.enabled=false'])
-        baseline = read_log(os.path.join(base_dir, 'log.txt'))
+    names = tuple(RUNS) if args.compare else ('GRIT-VLP',)
+    runs = compare_seed(args.output_dir, args.seed, [], names)
+    last_epoch = runs['GRIT-VLP'][0][-1]['epoch']
+    checkpoint = os.path.join(args.output_dir, 'pretrain', f'checkpoint_{last_epoch:02d}.pth')
 
     downstream = run_downstream(args.output_dir, checkpoint) if args.downstream else None
 
     print('\n=== GRIT-VLP tiny pre-training (synthetic data, CPU) ===')
-    print(table(rows, COLUMNS))
-    if baseline:
-        print('\ngrit_hardness = mean ITC similarity of the hardest in-batch ITM negative')
-        print(f'{"epoch":>5}  {"GRIT batches":>13}  {"random batches":>14}')
-        for g, b in zip(rows, baseline):
-            print(f'{g["epoch"]:>5}  {g["grit_hardness"]:>13.4f}  {b["grit_hardness"]:>14.4f}')
-    if retrieval:
-        keys = [k for k in retrieval if k.startswith('test_')]
-        print('\nzero-shot retrieval on the synthetic test split: '
-              + '  '.join(f'{k[5:]} {retrieval[k]:.2f}' for k in keys))
+    print(table(runs['GRIT-VLP'][0], COLUMNS))
+    print('\n' + side_by_side(runs))
     if downstream:
         print('\n' + downstream_summary(downstream))
-    print(f'\ncheckpoint: {checkpoint}\nlog:        {os.path.join(pre_dir, "log.txt")}')
-    if retrieval:
-        print(f'retrieval:  {os.path.join(ret_dir, "log.txt")}')
+    print(f'\ncheckpoint: {checkpoint}\nlogs:       {args.output_dir}/*/log.txt, '
+          f'{args.output_dir}/zeroshot*/probe.json')
     print(f'demo time:  {time.time() - start:.0f} s')
 
 
