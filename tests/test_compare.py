@@ -1,0 +1,32 @@
+"""tools.compare and the demo's side-by-side report, on hand-made run records (no training)."""
+
+from __future__ import annotations
+
+from tools.compare import side_by_side, summary_row
+
+
+def _run(itm: float, txt: float, img: float, colour: float) -> tuple[list[dict], dict, dict]:
+    rows = [{"epoch": e, "grit_hardness": 0.5 + 0.1 * e, "loss_itm": itm + 0.01 * (2 - e)} for e in range(3)]
+    retrieval = {"test_txt_r1": txt, "test_img_r1": img, "test_mean_r1": (txt + img) / 2, "test_r_mean": 40.0}
+    kinds = {"colour": {"accuracy": colour, "pairs": 10}, "shape": {"accuracy": 0.5, "pairs": 10}}
+    probe = {"overall": (colour + 0.5) / 2, "per_kind": kinds}
+    return rows, retrieval, probe
+
+
+def test_summary_row_takes_the_last_epoch_and_every_probe_kind():
+    row = summary_row(*_run(0.4, 6.0, 4.0, 0.9))
+    assert row["loss_itm"] == 0.4 and row["grit_hardness"] == 0.7
+    assert (row["txt_r1"], row["img_r1"], row["mean_r1"], row["r_mean"]) == (6.0, 4.0, 5.0, 40.0)
+    assert row["probe"] == 0.7 and row["probe_colour"] == 0.9 and row["probe_shape"] == 0.5
+
+
+def test_side_by_side_shows_both_runs_per_epoch_recall_and_probe():
+    text = side_by_side({"GRIT-VLP": _run(0.4, 6.0, 4.0, 0.9), "random batches": _run(0.6, 2.0, 3.0, 0.7)})
+    lines = text.splitlines()
+    assert "GRIT-VLP" in lines[1] and "random batches" in lines[1]
+    assert any(line.split()[:3] == ["epoch", "2", "loss_itm"] and line.split()[3:] == ["0.4000", "0.6000"]
+               for line in lines)
+    mean = next(line for line in lines if line.strip().startswith("mean R@1"))
+    assert mean.split()[2:] == ["5.00", "2.50"]
+    colour = next(line for line in lines if line.strip().startswith("colour"))
+    assert colour.split()[1:] == ["0.9000", "0.7000"]
