@@ -85,7 +85,7 @@ SHAPES = ("circle", "square", "triangle", "diamond", "cross")
 SIZES = ("small", "large")
 SIZE_WORDS = {"small": ("small", "little"), "large": ("large", "big")}
 # Radius ranges in 64 px units: far enough apart that a 48 px crop of 0.85-1.0 of the area keeps them apart.
-SIZE_RADIUS = {"small": (5.0, 6.0), "large": (8.5, 9.5)}
+SIZE_RADIUS = {"small": (5.0, 6.0), "large": (8.0, 9.0)}
 RELATIONS = ("left", "right", "above", "below")
 INVERSE = {"left": "right", "right": "left", "above": "below", "below": "above"}
 # Caption paraphrases of "A <rel> B"; the first one is also the short form used in questions.
@@ -211,7 +211,8 @@ def _places(scene: Scene, rng: np.random.Generator) -> list[tuple[float, float]]
         if scene.layout in ("left", "right"):
             return [(a_main, a_off), (b_main, b_off)]
         return [(a_off, a_main), (b_off, b_main)]
-    main = np.array([12.0, 32.0, 52.0]) + rng.uniform(-1.5, 1.5, size=3)
+    # Centres at least 19.5 apart, two large radii at most 18: neighbours in a row never touch.
+    main = np.array([10.5, 32.0, 53.5]) + rng.uniform(-1.0, 1.0, size=3)
     off = rng.uniform(27, 37, size=3)
     if scene.layout == "row":
         return list(zip(main, off))

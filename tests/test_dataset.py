@@ -44,9 +44,8 @@ from models.tokenization import tokenizer_from_vocab
 N = 24
 RES = 32
 JSON_FILES = ["answer_list.json", "nlvr_dev.json", "nlvr_test.json", "nlvr_train.json", "pretrain.json",
-              "pretrain_extra.json",
-              "retrieval_test.json", "retrieval_train.json", "retrieval_val.json", "vqa_test.json",
-              "vqa_train.json"]
+              "pretrain_extra.json", "probe_test.json", "retrieval_test.json", "retrieval_train.json",
+              "retrieval_val.json", "scenes.json", "vqa_test.json", "vqa_train.json"]
 
 
 def _hashes(root: str) -> dict[str, str]:
@@ -92,38 +91,67 @@ def test_generator_is_deterministic_and_seed_dependent(tmp_path, data_root):
     assert same["images/train/00000.png"] != other["images/train/00000.png"]
 
 
+def _check_pretrain_entries(entries: list[dict], n_images: int, prefix: str) -> dict[str, list[str]]:
+    """``n_images`` distinct images, some listed under two entries whose captions are disjoint; 3-5 captions
+    per image in all. Returns each image's captions."""
+    lists: dict[str, list[list[str]]] = {}
+    for e in entries:
+        assert e["caption"] and all(isinstance(c, str) for c in e["caption"]), e
+        lists.setdefault(e["image"], []).append(e["caption"])
+    assert len(lists) == n_images < len(entries)
+    assert all(p.startswith(prefix) for p in lists)
+    union = {p: [c for caps in ls for c in caps] for p, ls in lists.items()}
+    for p, ls in lists.items():
+        assert len(ls) <= 2 and 3 <= len(union[p]) == len(set(union[p])) <= 5, (p, ls)
+    return union
+
+
 def test_generator_files_and_split_sizes(data_root):
     sizes = synthetic.split_sizes(N)
+    assert (sizes["val_images"], sizes["test_images"], sizes["pretrain_extra_images"]) == (4, 40, 72)
     for name in JSON_FILES + ["vocab.txt", synthetic.MARKER]:
         assert os.path.isfile(os.path.join(data_root, name)), name
     meta = _load(data_root, synthetic.MARKER)
-    assert (meta["n"], meta["seed"]) == (N, 0)
+    assert (meta["n"], meta["seed"], meta["format_version"]) == (N, 0, synthetic.FORMAT_VERSION)
+    assert sorted(meta["files"]) == sorted(JSON_FILES + ["vocab.txt"])
     assert not [p for p in os.listdir(os.path.dirname(data_root)) if ".tmp-" in p]
 
     pretrain = _load(data_root, "pretrain.json")
-    assert len(pretrain) == N
-    assert all(3 <= len(e["caption"]) <= 5 for e in pretrain)
+    captions = _check_pretrain_entries(pretrain, N, "images/train/")
     with Image.open(os.path.join(data_root, pretrain[0]["image"])) as im:
         assert im.size == (64, 64) and im.mode == "RGB"
     extra = _load(data_root, "pretrain_extra.json")
-    assert len(extra) == sizes["pretrain_extra_images"] == 3 * N
-    assert all(3 <= len(e["caption"]) <= 5 and e["image"].startswith("images/pretrain/") for e in extra)
-    assert len({e["image"] for e in extra}) == len(extra)
+    _check_pretrain_entries(extra, sizes["pretrain_extra_images"], "images/pretrain/")
     assert all(os.path.isfile(os.path.join(data_root, e["image"])) for e in extra)
+    # retrieval_train.json: one entry per caption of each pre-training (train) image, one id per image
     ret_train = _load(data_root, "retrieval_train.json")
-    assert len(ret_train) == sum(len(e["caption"]) for e in pretrain)
-    assert all(isinstance(e["image_id"], int) for e in ret_train)
+    ids: dict[str, set[int]] = {}
+    by_image: dict[str, list[str]] = {}
+    for e in ret_train:
+        assert isinstance(e["image_id"], int) and isinstance(e["caption"], str)
+        ids.setdefault(e["image"], set()).add(e["image_id"])
+        by_image.setdefault(e["image"], []).append(e["caption"])
+    assert all(len(v) == 1 for v in ids.values()) and len({i for v in ids.values() for i in v}) == N
+    assert {p: sorted(c) for p, c in by_image.items()} == {p: sorted(c) for p, c in captions.items()}
     for split in ("val", "test"):
         ev = _load(data_root, f"retrieval_{split}.json")
-        assert len(ev) == sizes[f"{split}_images"]
+        assert len(ev) == len({e["image"] for e in ev}) == sizes[f"{split}_images"]
+        assert all(3 <= len(e["caption"]) <= 5 and e["image"].startswith(f"images/{split}/") for e in ev)
         texts = [c for e in ev for c in e["caption"]]
         assert len(texts) == len(set(texts)), "an eval caption must identify one image"
+    probe = _load(data_root, "probe_test.json")
+    assert [e["image"] for e in probe] == [e["image"] for e in _load(data_root, "retrieval_test.json")]
+    scenes = _load(data_root, "scenes.json")
+    assert len(scenes) == N + sizes["val_images"] + sizes["test_images"] + sizes["pretrain_extra_images"]
+    assert all(os.path.isfile(os.path.join(data_root, p)) for p in scenes)
     for split in ("train", "dev", "test"):
         nlvr = _load(data_root, f"nlvr_{split}.json")
         assert len(nlvr) == sizes[f"nlvr_{split}"]
         labels = Counter(e["label"] for e in nlvr)
         assert abs(labels[True] - labels[False]) <= 1
-        assert all(len(e["images"]) == 2 for e in nlvr)
+        image_split = {"dev": "val"}.get(split, split)
+        assert all(len(e["images"]) == 2 and e["images"][0] != e["images"][1]
+                   and all(p.startswith(f"images/{image_split}/") for p in e["images"]) for e in nlvr)
     answers = set(_load(data_root, "answer_list.json"))
     qids = []
     for split in ("train", "test"):
@@ -138,10 +166,27 @@ def test_generator_files_and_split_sizes(data_root):
 
 
 def test_generation_of_default_size_is_fast(tmp_path):
+    root = str(tmp_path / "big")
     start = time.time()
-    synthetic.generate(str(tmp_path / "big"), n=600, seed=0)
-    assert time.time() - start < 60  # about 8 s here: it runs once before the demo
-    assert len(_load(str(tmp_path / "big"), "pretrain.json")) == 600
+    synthetic.generate(root, n=600, seed=0)
+    assert time.time() - start < 60  # about 6 s here: it runs once before the demo
+    pretrain = _load(root, "pretrain.json")
+    assert len({e["image"] for e in pretrain}) == 600
+    split = len(pretrain) / 600 - 1
+    assert 0.15 < split < 0.25, split  # about a fifth of the images have a second entry
+
+    # The corpus properties at full size (the module fixture has only 24 training images): GRIT finds
+    # one-thing-off neighbours in its search space, yet no scene repeats.
+    stats = _load(root, synthetic.MARKER)["pretrain_statistics"]
+    assert stats["images"] == 600 + 1800 and stats["entries"] > stats["images"]
+    assert stats["neighbour_rate"]["768"] >= 1.0, stats
+    assert stats["neighbour_rate"]["64"] < stats["neighbour_rate"]["256"] < stats["neighbour_rate"]["1024"]
+    assert stats["duplicate_scene_share"] < 0.02, stats
+    corpus = _Corpus(root)
+    corpus.check_captions_are_true_of_their_images_only()
+    corpus.check_probe_negatives()
+    corpus.check_pretraining_scenes()
+    corpus.check_eval_splits()
 
 
 def test_vocab_tokenises_every_text_without_unk(data_root):
@@ -287,12 +332,13 @@ def test_randaugment_op_set_and_transforms():
 # ----------------------------------------------------------------------------- datasets
 def test_pretrain_dataset(data_root, train_tf):
     ds = PretrainDataset(os.path.join(data_root, "pretrain.json"), train_tf, image_root=data_root)
-    assert len(ds) == N
+    assert len(ds) == len(_load(data_root, "pretrain.json")) > N  # some images have two entries
     random.seed(0)
-    image, caption, index = ds[3]
-    assert image.shape == (3, RES, RES) and index == 3
-    assert caption in [pre_caption(c) for c in ds.ann[3]["caption"]]
-    seen = {ds[3][1] for _ in range(30)}
+    i = next(i for i, e in enumerate(ds.ann) if len(e["caption"]) >= 3)
+    image, caption, index = ds[i]
+    assert image.shape == (3, RES, RES) and index == i
+    assert caption in [pre_caption(c) for c in ds.ann[i]["caption"]]
+    seen = {ds[i][1] for _ in range(30)}
     assert len(seen) > 1, "list captions are sampled per visit"
     images, captions, idx = next(iter(DataLoader(ds, batch_size=4)))
     assert images.shape == (4, 3, RES, RES) and len(captions) == 4 and idx.tolist() == [0, 1, 2, 3]
@@ -304,6 +350,23 @@ def test_pretrain_dataset_string_caption_and_max_words(tmp_path, data_root, test
     ann.write_text(json.dumps([{"image": path, "caption": "One Two, three four"}]))
     _, caption, _ = PretrainDataset(str(ann), test_tf, max_words=3)[0]
     assert caption == "one two three"
+
+
+def test_pretrain_dataset_image_keys(tmp_path, test_tf):
+    # Keys come from the paths alone (no image is read): one per resolved, normalised path.
+    root = str(tmp_path)
+    entries = [
+        {"image": "images/a.png", "caption": "a cat"},
+        {"image": "images/b.png", "caption": ["a dog", "the dog"]},
+        {"image": "images/./a.png", "caption": "a sleeping cat"},  # ALBEF: one entry per caption
+        {"image": os.path.join(root, "images", "a.png"), "caption": "a cat"},  # absolute, same file
+        {"image": "images/c.png", "caption": "a cat"},
+    ]
+    ann = tmp_path / "p.json"
+    ann.write_text(json.dumps(entries))
+    ds = PretrainDataset(str(ann), test_tf, image_root=root)
+    assert ds.image_keys == [0, 1, 0, 0, 2]
+    assert PretrainDataset([str(ann), str(ann)], test_tf, image_root=root).image_keys == [0, 1, 0, 0, 2] * 2
 
 
 def test_retrieval_datasets(data_root, train_tf, test_tf):
@@ -382,7 +445,8 @@ def test_create_dataset_from_config(data_root):
     train, val, test = create_dataset("retrieval", config)
     assert train.transform.transforms[0].scale == (0.5, 1.0)
     assert not any(isinstance(t, T.RandomHorizontalFlip) for t in train.transform.transforms)
-    assert len(val) == len(test) == synthetic.split_sizes(N)["val_images"]
+    sizes = synthetic.split_sizes(N)
+    assert (len(val), len(test)) == (sizes["val_images"], sizes["test_images"])
     with pytest.raises(ValueError, match="answer_list"):
         create_dataset("vqa", dict(config, train_file=os.path.join(data_root, "vqa_train.json")))
 
@@ -406,50 +470,365 @@ def test_ensure_synthetic_regenerates_an_older_format(tmp_path):
     assert os.path.isfile(os.path.join(root, "vocab.txt"))
 
 
-# Relation phrase -> relation, and a regex of the phrases, longest first ("to the left of" before "left of").
-_PHRASE_REL = {p: rel for rel, phrases in synthetic.REL_PHRASES.items() for p in phrases}
-_PHRASES = "|".join(sorted(_PHRASE_REL, key=len, reverse=True))
+# ----------------------------------------------------------------------------- the corpus, read independently
+# The test's own reading of the synthetic English, from what the words mean rather than from the
+# generator's tables (only the colour and shape names are shared). A scene is (objects, layout), objects
+# ((colour, shape, size), ...). Canonical: a two-object relation written as left or above, three objects
+# listed left to right ('row') or top to bottom ('column'), one object 'alone'.
+_SIZE_WORD = {"small": "small", "little": "small", "large": "large", "big": "large"}
+_REL_WORD = {"left of": "left", "to the left of": "left", "on the left of": "left",
+             "right of": "right", "to the right of": "right", "on the right of": "right",
+             "above": "above", "on top of": "above", "over": "above",
+             "below": "below", "under": "below", "beneath": "below"}
+_ORDER_WORD = {"from left to right": ("row", False), "from right to left": ("row", True),
+               "from top to bottom": ("column", False), "from bottom to top": ("column", True)}
+_COLOUR = "|".join(synthetic.COLOURS)
+_SHAPE = "|".join(synthetic.SHAPES)
+_NOUN = rf"({'|'.join(_SIZE_WORD)}) ({_COLOUR}) ({_SHAPE})"
+_NOUN_RE = re.compile(rf"\b(an? )?{_NOUN}\b")
+_REL = "|".join(sorted(_REL_WORD, key=len, reverse=True))  # longest first: 'to the left of' before 'left of'
+_REL_RE = re.compile(rf"\b({_REL})\b")
+_ORDER_RE = re.compile(rf"\b({'|'.join(_ORDER_WORD)})\b")
+_THE_SHAPE_RE = re.compile(rf"\bthe ({_SHAPE})\b")
+# Sentences after replacing each noun phrase by X (with its article) or Y (without), the relation phrase
+# by R, the order phrase by O and 'the <shape>' by S.
+_ONE = {"a single Y", "X alone", "there is only X", "one Y on its own", "the image shows only X"}
+_TWO = {"X R X", "there is X R X", "the image shows X R X", "an image with X R X"}
+_TWO_NAMED = {"X and X S R S"}  # 'a red circle and a blue square, the circle left of the square'
+_THREE = {"O X X and X", "X X and X O", "the image shows X X and X O", "three shapes O X X and X"}
+_INVERSE = {"right": "left", "below": "above"}
+_LAYOUTS = {(1, "alone"), (2, "left"), (2, "above"), (3, "row"), (3, "column")}  # canonical (objects, layout)
 
 
+def _canonical(objects, layout: str) -> tuple:
+    objects = tuple(objects)
+    if layout in _INVERSE:  # 'B right of A' is 'A left of B'
+        return objects[::-1], _INVERSE[layout]
+    return objects, layout
+
+
+def _scene_of_key(key: str) -> tuple:
+    """scenes.json's 'size colour shape; ... | layout'."""
+    objects, layout = key.split(" | ")
+    return tuple((c, s, z) for z, c, s in (o.split(" ") for o in objects.split("; "))), layout
+
+
+def _read_caption(caption: str) -> tuple:
+    """The canonical scene a caption describes, read from the cleaned text the model gets (30 words at
+    most); AssertionError unless it names every object with its size, colour and shape, and the relation
+    or order."""
+    text = pre_caption(caption)
+    objects = [(m[3], m[4], _SIZE_WORD[m[2]]) for m in _NOUN_RE.finditer(text)]
+    skeleton = _NOUN_RE.sub(lambda m: "X" if m[1] else "Y", text)
+    rels = [_REL_WORD[m] for m in _REL_RE.findall(skeleton)]
+    orders = [_ORDER_WORD[m] for m in _ORDER_RE.findall(skeleton)]
+    named = _THE_SHAPE_RE.findall(skeleton)
+    skeleton = _THE_SHAPE_RE.sub("S", _ORDER_RE.sub("O", _REL_RE.sub("R", skeleton)))
+    if skeleton in _ONE:
+        return _canonical(objects, "alone")
+    if skeleton in _TWO:
+        return _canonical(objects, rels[0])
+    if skeleton in _TWO_NAMED:
+        by_shape = {o[1]: o for o in objects}
+        assert len(by_shape) == 2 and sorted(named) == sorted(by_shape), caption
+        return _canonical((by_shape[named[0]], by_shape[named[1]]), rels[0])
+    if skeleton in _THREE:
+        layout, reverse = orders[0]
+        return _canonical(objects[::-1] if reverse else objects, layout)
+    raise AssertionError(f"not a complete scene description: {caption!r} (read as {skeleton!r})")
+
+
+def test_caption_reader_reads_hand_written_captions():
+    circle, square = ("red", "circle", "small"), ("blue", "square", "large")
+    cross = ("green", "cross", "small")
+    read = _read_caption
+    assert read("a little red circle beneath a big blue square") == ((square, circle), "above")
+    assert read("There is a big blue square on the left of a small red circle.") == ((square, circle), "left")
+    assert read("a small red circle and a large blue square, the square to the right of the circle") \
+        == ((circle, square), "left")
+    assert read("from bottom to top: a small green cross, a big blue square and a little red circle") \
+        == ((circle, square, cross), "column")
+    assert read("a small green cross, a big blue square and a little red circle from left to right") \
+        == ((cross, square, circle), "row")
+    assert read("one big blue square on its own") == ((square,), "alone")
+    for bad in ("a red circle left of a large blue square",  # no size
+                "a small red circle and a large blue square",  # no relation
+                "a small red circle, a large blue square and a small green cross",  # no order
+                "a small red circle left of a large blue square and a small green cross",
+                "a small red circle and a large blue square, the circle left of the cross",
+                "a big blue square on its own"):
+        with pytest.raises(AssertionError):
+            _read_caption(bad)
+
+
+def _words(text: str) -> list[str]:
+    return re.findall(r"\w+|[^\w\s]", text)
+
+
+def _difference(truth: tuple, other: tuple) -> str | None:
+    """What changed from one canonical scene to another, if it is one thing."""
+    (a, layout_a), (b, layout_b) = truth, other
+    if len(a) != len(b):
+        return "count"
+    if layout_a == layout_b:
+        changed = [(x, y) for x, y in zip(a, b) if x != y]
+        if len(changed) == 1:
+            attributes = [k for k, u, v in zip(("colour", "shape", "size"), *changed[0]) if u != v]
+            if len(attributes) == 1:
+                return attributes[0]
+    if sorted(a) == sorted(b) and truth != other:
+        return "relation"  # the same objects, arranged otherwise
+    return None
+
+
+class _Corpus:
+    """A generated dataset's captions and scenes, read back with the test's own caption reader."""
+
+    def __init__(self, root: str):
+        self.scenes = {p: _scene_of_key(k) for p, k in _load(root, "scenes.json").items()}
+        self.meta = _load(root, synthetic.MARKER)
+        self.pretrain = _load(root, "pretrain.json") + _load(root, "pretrain_extra.json")
+        self.probe = _load(root, "probe_test.json")
+        self.eval = {split: _load(root, f"retrieval_{split}.json") for split in ("val", "test")}
+        self.captions = [(e["image"], c) for e in self.pretrain for c in e["caption"]]
+        self.captions += [(e["image"], e["caption"]) for e in _load(root, "retrieval_train.json")]
+        self.captions += [(e["image"], c) for ev in self.eval.values() for e in ev for c in e["caption"]]
+        self.captions += [(e["image"], e["caption"]) for e in self.probe]
+
+    def check_captions_are_true_of_their_images_only(self) -> None:
+        for p, (objects, layout) in self.scenes.items():
+            assert _canonical(objects, layout) == (objects, layout), p
+            assert (len(objects), layout) in _LAYOUTS, p
+            assert len({s for _, s, _ in objects}) == len(objects), f"{p}: shapes must be distinct"
+        assert {p for p, _ in self.captions} == set(self.scenes)
+        wrong = [(p, c, self.scenes[p]) for p, c in self.captions if _read_caption(c) != self.scenes[p]]
+        assert not wrong, wrong[:5]
+        # The reading is a function of the text alone, so a text shared by images of different scenes
+        # would be false of one of them: a caption is true of one scene, its own.
+        scenes_of_text: dict[str, set] = {}
+        for p, c in self.captions:
+            scenes_of_text.setdefault(pre_caption(c), set()).add(self.scenes[p])
+        assert all(len(s) == 1 for s in scenes_of_text.values())
+
+    def check_probe_negatives(self) -> None:
+        """Each negative is false of the image and changes exactly its declared thing, in the true caption's
+        wording. (A three-object scene's count negative names two of its objects, in their order: false
+        only as the corpus's captions always name every object.)"""
+        assert [e["image"] for e in self.probe] == [e["image"] for e in self.eval["test"]]
+        word_kind = {"colour": set(synthetic.COLOURS), "shape": set(synthetic.SHAPES),
+                     "size": set(_SIZE_WORD)}
+        for e in self.probe:
+            truth = self.scenes[e["image"]]
+            n_objects = len(truth[0])
+            assert [x["kind"] for x in e["negatives"]] == \
+                [k for k in synthetic.PROBE_KINDS if n_objects > 1 or k != "relation"], e
+            words = _words(e["caption"])
+            for x in e["negatives"]:
+                kind, negative = x["kind"], _read_caption(x["caption"])
+                assert negative != truth and _difference(truth, negative) == kind, (e, x)
+                if kind in word_kind:
+                    changed = [(u, v) for u, v in zip(words, _words(x["caption"])) if u != v]
+                    assert len(words) == len(_words(x["caption"])) and len(changed) == 1, (e, x)
+                    assert set(changed[0]) <= word_kind[kind], (e, x)
+                elif kind == "relation" and n_objects == 2:  # only the relation phrase differs
+                    assert _REL_RE.sub("R", e["caption"]) == _REL_RE.sub("R", x["caption"]), (e, x)
+                elif kind == "relation":  # two neighbours swapped
+                    assert sorted(words) == sorted(_words(x["caption"])), (e, x)
+                    assert any(negative[0] == truth[0][:i] + truth[0][i:i + 2][::-1] + truth[0][i + 2:]
+                               for i in range(2)), (e, x)
+                else:  # count: an object more or one fewer, the others kept
+                    fewer, more = sorted((truth, negative), key=lambda s: len(s[0]))
+                    assert len(more[0]) == len(fewer[0]) + 1 and set(fewer[0]) < set(more[0]), (e, x)
+                    if len(more[0]) == 3:  # the two kept in their order, the order as their relation
+                        kept = [more[0].index(o) for o in fewer[0]]
+                        assert kept == sorted(kept), (e, x)
+                        assert fewer[1] == {"row": "left", "column": "above"}[more[1]], (e, x)
+
+    def check_pretraining_scenes(self) -> None:
+        """No scene repeats among the pre-training images (train + extra), some of which have two entries;
+        synthetic.json's statistics say so too."""
+        images = sorted({e["image"] for e in self.pretrain})
+        counts = Counter(self.scenes[p] for p in images)
+        share = sum(counts[self.scenes[p]] > 1 for p in images) / len(images)
+        stats = self.meta["pretrain_statistics"]
+        assert share < 0.02 and stats["duplicate_scene_share"] == round(share, 4)
+        assert stats["images"] == len(images) < stats["entries"] == len(self.pretrain)
+        assert stats["distinct_scenes"] == len(counts)
+
+    def check_eval_splits(self) -> None:
+        """Within val and within test, a caption belongs to one image and scenes do not repeat."""
+        for split, ev in self.eval.items():
+            images_of_text: dict[str, set[str]] = {}
+            for e in ev:
+                for c in e["caption"]:
+                    images_of_text.setdefault(pre_caption(c), set()).add(e["image"])
+            assert all(len(v) == 1 for v in images_of_text.values()), split
+            scenes = [self.scenes[e["image"]] for e in ev]
+            assert len(set(scenes)) == len(scenes), split
+
+
+@pytest.fixture(scope="module")
+def corpus(data_root) -> _Corpus:
+    return _Corpus(data_root)
+
+
+def test_every_caption_is_true_of_its_image_and_of_no_other_scene(corpus):
+    corpus.check_captions_are_true_of_their_images_only()
+
+
+def test_probe_negatives_change_exactly_the_declared_thing(corpus):
+    corpus.check_probe_negatives()
+    assert {x["kind"] for e in corpus.probe for x in e["negatives"]} == set(synthetic.PROBE_KINDS)
+
+
+def test_pretraining_images_repeat_no_scene(corpus):
+    corpus.check_pretraining_scenes()
+
+
+def test_eval_captions_identify_one_image(corpus):
+    corpus.check_eval_splits()
+
+
+def _components(mask: np.ndarray) -> list[tuple[np.ndarray, np.ndarray]]:
+    """4-connected components of a boolean mask, as (ys, xs)."""
+    h, w = mask.shape
+    label = np.where(mask, np.arange(h * w).reshape(h, w), h * w)
+    while True:  # every pixel takes the smallest label among itself and its masked neighbours
+        new = label.copy()
+        new[1:] = np.minimum(new[1:], label[:-1])
+        new[:-1] = np.minimum(new[:-1], label[1:])
+        new[:, 1:] = np.minimum(new[:, 1:], label[:, :-1])
+        new[:, :-1] = np.minimum(new[:, :-1], label[:, 1:])
+        new = np.where(mask, new, h * w)
+        if (new == label).all():
+            return [np.nonzero(label == v) for v in np.unique(label[mask])]
+        label = new
+
+
+def _shape_and_size(ys: np.ndarray, xs: np.ndarray) -> tuple[str, str]:
+    """An object's shape and size from its pixels, in its bounding box (u, v in [-1, 1])."""
+    box = np.zeros((ys.max() - ys.min() + 1, xs.max() - xs.min() + 1), bool)
+    box[ys - ys.min(), xs - xs.min()] = True
+    h, w = box.shape
+
+    def filled(points) -> float:
+        return float(np.mean([box[round((v + 1) / 2 * (h - 1)), round((u + 1) / 2 * (w - 1))]
+                              for u, v in points]))
+
+    quarter = max(1, h // 4)
+    if filled([(u, v) for u in (-0.9, 0.9) for v in (-0.9, 0.9)]) == 1:
+        shape = "square"
+    elif box[-quarter:].sum() > 3 * box[:quarter].sum():  # wide base, narrow top
+        shape = "triangle"
+    elif filled([(u, v) for u in (-0.6, 0.6) for v in (-0.6, 0.6)]) == 1:
+        shape = "circle"
+    else:  # diamond: half its box; cross: about 0.6
+        shape = "diamond" if box.mean() < 0.54 else "cross"
+    radius = max(h, w) / (1.7 if shape == "square" else 2.0)  # a square's half side is 0.85 of its radius
+    return shape, "large" if radius > 7.75 else "small"
+
+
+def test_scenes_json_is_true_of_the_images(corpus, data_root):
+    # Objects are flat colour on grey: each one is a component of its colour's pixels, whose shape, size
+    # and place must be those scenes.json names.
+    merged = []
+    for path, (objects, layout) in corpus.scenes.items():
+        with Image.open(os.path.join(data_root, path)) as im:
+            pixels = np.asarray(im.convert("RGB"))
+        axis = 0 if layout in ("column", "above") else 1  # the axis objects are listed along: y or x
+        found: dict[tuple, tuple[float, float]] = {}
+        for colour, rgb in synthetic.COLOURS.items():
+            parts = sorted(_components((pixels == rgb).all(-1)), key=lambda c: c[axis].mean())
+            named = [o for o in objects if o[0] == colour]
+            if len(parts) < len(named) and len(parts) >= 1 and len(named) >= 2:
+                merged.append((path, colour))  # two same-coloured neighbours touch: one blob
+                continue
+            assert len(parts) == len(named), (path, colour)
+            for obj, (ys, xs) in zip(named, parts):  # same-coloured objects in the listed order
+                assert (colour, *_shape_and_size(ys, xs)) == obj, (path, obj)
+                found[obj] = (ys.mean(), xs.mean())
+        centres = np.array([found[o] for o in objects if o in found]).reshape(-1, 2)
+        steps = np.diff(centres, axis=0)
+        assert (steps[:, axis] > 0).all(), path  # left to right, or top to bottom
+        assert (steps[:, axis] > np.abs(steps[:, 1 - axis])).all(), path  # and plainly so
+    # Neighbours in a row or column never touch (centres at least 19.5 px apart, large radii at most 9),
+    # so two same-coloured shapes are never one blob.
+    assert not merged, merged
+
+
+def _one_thing_off(a: tuple, b: tuple) -> bool:
+    """Neighbours in synthetic.json's neighbour_rate: one attribute of one object, or a two-object scene's
+    relation (left <-> above, or the two objects' sides swapped); row <-> column counts as the layout."""
+    (objects_a, layout_a), (objects_b, layout_b) = a, b
+    if a == b or len(objects_a) != len(objects_b):
+        return False
+    if layout_a != layout_b:
+        return objects_a == objects_b
+    if len(objects_a) == 2 and objects_a == objects_b[::-1]:
+        return True
+    changed = [(x, y) for x, y in zip(objects_a, objects_b) if x != y]
+    return len(changed) == 1 and sum(u != v for u, v in zip(*changed[0])) == 1
+
+
+def test_neighbour_statistic_counts_one_thing_off_scenes(corpus):
+    # The statistic's pairwise test against the test's own, on the fixture's scenes and their probe
+    # negatives (one thing off by construction).
+    scenes = sorted(set(corpus.scenes.values()))
+    negatives = {_read_caption(x["caption"]) for e in corpus.probe for x in e["negatives"]}
+    scenes += sorted(negatives - set(scenes))
+    codes = synthetic._attribute_codes([synthetic.Scene(o, None if lay == "alone" else lay)
+                                        for o, lay in scenes])
+    got = synthetic._neighbours(codes)
+    want = np.array([[_one_thing_off(a, b) for b in scenes] for a in scenes])
+    assert want.sum() > len(corpus.probe)
+    mismatch = [(scenes[i], scenes[j]) for i, j in zip(*np.nonzero(got != want))]
+    assert not mismatch, mismatch[:3]
+
+
+# ----------------------------------------------------------------------------- NLVR sentences
 def _nlvr_truth(sentence: str, scenes) -> bool:
-    """An independent reading of a synthetic NLVR sentence against its two scenes."""
-    colours, shapes = "|".join(synthetic.COLOURS), "|".join(synthetic.SHAPES)
-    obj = rf"an? ({colours}) ({shapes})"
+    """An independent reading of a synthetic NLVR sentence against its two canonical scenes."""
     side = {"left": 0, "right": 1}
-    if m := re.fullmatch(rf"the (left|right) image (?:has|contains|shows) {obj}", sentence):
-        return (m[2], m[3]) in scenes[side[m[1]]].objects
-    if m := re.fullmatch(rf"the (left|right) image has something ({colours})", sentence):
-        return any(c == m[2] for c, _ in scenes[side[m[1]]].objects)
-    if m := re.fullmatch(rf"the (left|right) image shows {obj} ({_PHRASES}) {obj}", sentence):
-        return scenes[side[m[1]]].relation_holds((m[2], m[3]), _PHRASE_REL[m[4]], (m[5], m[6]))
+    shapes = "|".join(synthetic.SHAPES)
+
+    def obj(m, i: int) -> tuple:
+        return m[i + 1], m[i + 2], _SIZE_WORD[m[i]]
+
+    if m := re.fullmatch(rf"the (left|right) image (?:has|contains|shows) an? {_NOUN}", sentence):
+        return obj(m, 2) in scenes[side[m[1]]][0]
+    if m := re.fullmatch(rf"the (left|right) image has something ({_COLOUR})", sentence):
+        return any(c == m[2] for c, _, _ in scenes[side[m[1]]][0])
+    if m := re.fullmatch(rf"the (left|right) image shows an? {_NOUN} ({_REL}) an? {_NOUN}", sentence):
+        return _canonical((obj(m, 2), obj(m, 6)), _REL_WORD[m[5]]) == scenes[side[m[1]]]
     if m := re.fullmatch(rf"both images contain an? ({shapes})", sentence):
-        return all(m[1] in sc.shapes() for sc in scenes)
+        return all(m[1] in {s for _, s, _ in sc[0]} for sc in scenes)
     if m := re.fullmatch(rf"neither image contains an? ({shapes})", sentence):
-        return not any(m[1] in sc.shapes() for sc in scenes)
-    if m := re.fullmatch(r"the (left|right) image has exactly (one|two) shapes?", sentence):
-        return len(scenes[side[m[1]]].objects) == {"one": 1, "two": 2}[m[2]]
+        return not any(m[1] in {s for _, s, _ in sc[0]} for sc in scenes)
+    if m := re.fullmatch(r"the (left|right) image has exactly (one shape|two shapes|three shapes)", sentence):
+        return len(scenes[side[m[1]]][0]) == {"one": 1, "two": 2, "three": 3}[m[2].split()[0]]
     raise AssertionError(f"unknown NLVR sentence form: {sentence!r}")
 
 
 def test_nlvr_sentences_are_true_of_their_images_and_text_alone_predicts_nothing():
     # Scenes without rendering: the sentence generator only needs them and a name per image.
     rng = np.random.default_rng(0)
-    pools = {split: [(f"{split}/{i}", sc) for i, sc in
-                     enumerate(synthetic._sample_scenes(rng, count, eval_split=split == "dev"))]
+    pools = {split: [(f"{split}/{i}", sc) for i, sc in enumerate(synthetic._sample_scenes(rng, count))]
              for split, count in (("train", 600), ("dev", 100))}
     train = synthetic._nlvr_split(rng, pools["train"], 4000)
     dev = synthetic._nlvr_split(rng, pools["dev"], 1000)
     for split, pairs in (("train", train), ("dev", dev)):
-        scene = dict(pools[split])
-        assert all(_nlvr_truth(e["sentence"], [scene[p] for p in e["images"]]) == e["label"] for e in pairs)
+        scene = {p: _scene_of_key(sc.key()) for p, sc in pools[split]}
+        wrong = [e for e in pairs
+                 if _nlvr_truth(e["sentence"], [scene[p] for p in e["images"]]) != e["label"]]
+        assert not wrong, wrong[:3]
 
     # Every sentence form is balanced, and a text-only guess (the majority label of that very sentence
     # in train) is at chance on dev: only the images decide.
-    rel = re.compile(_PHRASES)
-    words = {"left", "right", "a", "an", *synthetic.COLOURS, *synthetic.SHAPES}
-    form = [" ".join("_" if w in words else w for w in rel.sub("REL", e["sentence"]).split()) for e in train]
+    words = {"left", "right", "a", "an", *synthetic.COLOURS, *synthetic.SHAPES, *_SIZE_WORD}
+    form = [" ".join("_" if w in words else w for w in _REL_RE.sub("REL", e["sentence"]).split())
+            for e in train]
     by_form = Counter(zip(form, (e["label"] for e in train)))
-    assert len(set(form)) >= 6
+    assert len(set(form)) >= 9
     for f in set(form):
         assert 0.4 < by_form[f, True] / (by_form[f, True] + by_form[f, False]) < 0.6, f
     votes: dict[str, Counter] = {}

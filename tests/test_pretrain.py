@@ -25,6 +25,14 @@ def data_dir(tmp_path_factory) -> str:
     return ensure_synthetic(str(tmp_path_factory.mktemp('pretrain_data') / 'synthetic'), n=96, seed=3)
 
 
+def n_entries(data: str) -> int:
+    """Entries in pretrain.json: 96 images, about a fifth of them listed under two entries."""
+    with open(os.path.join(data, 'pretrain.json')) as f:
+        n = len(json.load(f))
+    assert n > 96
+    return n
+
+
 def overrides(data: str, **extra) -> list[str]:
     """--set arguments: the tiny config shrunk further, on the test's own synthetic set."""
     values = {'train_file': f'[{data}/pretrain.json]', 'image_root': data, 'vocab_file': f'{data}/vocab.txt',
@@ -71,11 +79,12 @@ def test_one_process_two_epochs(data_dir, tmp_path):
         assert all(torch.isfinite(torch.tensor(float(record[k]))) for k in LOG_KEYS)
     total = [sum(r[k] for k in ('loss_itc', 'loss_cons', 'loss_itm', 'loss_mlm')) for r in log]
     assert total[-1] < total[0]
-    assert log[-1]['step'] == 2 * (96 // 8)
+    n = n_entries(data_dir)
+    assert log[-1]['step'] == 2 * (n // 8)
     state = torch.load(os.path.join(out, 'checkpoint_01.pth'), map_location='cpu', weights_only=True)
     assert CKPT_KEYS <= set(state)
     assert state['epoch'] == 1 and state['step'] == log[-1]['step']
-    assert_valid_next_epoch(state['sampler']['indices'], 96, 8)
+    assert_valid_next_epoch(state['sampler']['indices'], n, 8)
     with open(os.path.join(out, 'config.yaml')) as f:
         written = f.read()
     # comments kept, --set applied
@@ -97,14 +106,15 @@ def test_two_processes(data_dir, tmp_path, launcher):
     run(cmd)
     log = read_log(out)
     assert [r['epoch'] for r in log] == [0, 1]
-    assert log[-1]['step'] == 2 * (96 // 12)
+    n = n_entries(data_dir)
+    assert log[-1]['step'] == 2 * (n // 12)
     state = torch.load(os.path.join(out, 'checkpoint_01.pth'), map_location='cpu', weights_only=True)
     if launcher == 'launch':  # naive mode builds and uses G within each epoch: no array is carried over
         assert state['sampler']['indices'].numel() == 0
         return
     # G is built from both ranks' gathered indices, so a valid G (no index twice, whole global
     # batches) also shows that the ranks' batches were disjoint.
-    assert_valid_next_epoch(state['sampler']['indices'], 96, 12)
+    assert_valid_next_epoch(state['sampler']['indices'], n, 12)
 
 
 def test_resume_equals_uninterrupted(data_dir, tmp_path):
@@ -116,7 +126,10 @@ def test_resume_equals_uninterrupted(data_dir, tmp_path):
     broken = str(tmp_path / 'broken')
     proc = subprocess.Popen([sys.executable, 'Pretrain.py', '--output_dir', broken, *common], cwd=ROOT,
                             env=env(), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    target = os.path.join(broken, 'checkpoint_step_0000015.pth')  # mid epoch 1 (12 steps per epoch)
+    per_epoch = n_entries(data_dir) // 8
+    step = (per_epoch // 3 + 1) * 3  # epoch 1's first step checkpoint (one every 3 steps)
+    assert per_epoch < step < 2 * per_epoch
+    target = os.path.join(broken, f'checkpoint_step_{step:07d}.pth')
     deadline = time.time() + 240
     while not os.path.exists(target) and proc.poll() is None and time.time() < deadline:
         time.sleep(0.05)
