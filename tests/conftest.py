@@ -43,3 +43,13 @@ def pretrain_checkpoint(tmp_path_factory, tokenizer) -> tuple[str, dict]:
     state = model.state_dict()
     torch.save({"model": state}, path)
     return path, state
+
+
+@pytest.fixture(scope="module")
+def one_thread():
+    """One intra-op thread for the module: on a shared 2-core machine a second OpenMP thread only
+    spin-waits on these tiny matrices (it made steps up to ~20x slower); restored afterwards."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)

@@ -10,6 +10,8 @@ from transformers import BertConfig, BertForMaskedLM, BertModel, BertTokenizerFa
 from models.loading import load_weights
 from models.pretrain import ALBEF_Base
 
+pytestmark = pytest.mark.usefixtures("one_thread")  # tests/conftest.py
+
 REPO = Path(__file__).parents[1]
 TINY_BERT = str(REPO / "configs" / "tiny" / "config_bert.json")
 WORDS = [
@@ -29,16 +31,6 @@ WORDS = [
     "small",
 ]
 SPECIALS = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"]
-
-
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    # Tiny matrices: a second OpenMP thread buys nothing and, on a shared 2-core machine, its
-    # spin-waiting made these steps ~20x slower. Restored afterwards for the rest of the session.
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
 
 
 @pytest.fixture(scope="module")

@@ -25,6 +25,8 @@ from tools.probe import (
     score_probe,
 )
 
+pytestmark = pytest.mark.usefixtures("one_thread")  # tests/conftest.py
+
 REPO = Path(__file__).parents[1]
 TINY_BERT = str(REPO / "configs" / "tiny" / "config_bert.json")
 SPECIALS = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"]
@@ -49,15 +51,6 @@ PROBE = [
                    {"kind": "colour", "caption": "a blue triangle above a blue circle"}]},
 ]
 KIND_PAIRS = {"colour": 4, "shape": 2, "size": 1, "count": 1, "relation": 2}
-
-
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    # Tiny matrices on a shared 2-core machine: a second OpenMP thread only spin-waits.
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
 
 
 @pytest.fixture(scope="module")

@@ -26,6 +26,8 @@ from Retrieval import build_model
 from Retrieval import main as retrieval_main
 from utils import load_config, to_plain
 
+pytestmark = pytest.mark.usefixtures("one_thread")  # tests/conftest.py
+
 # 4 images; captions: img0 -> t0,t1,t2; img1 -> t3; img2 -> t4,t5; img3 -> t6..t11.
 TXT2IMG = [0, 0, 0, 1, 2, 2, 3, 3, 3, 3, 3, 3]
 NEG = float("-inf")
@@ -125,15 +127,6 @@ def test_rerank_is_batched_and_split_exactly_across_ranks():
 
 REPO = Path(__file__).parents[1]
 TINY = str(REPO / "configs" / "tiny" / "Retrieval.yaml")
-
-
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    # Tiny matrices: a second OpenMP thread only spin-waits on a shared 2-core machine.
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
 
 
 N_TEST = 16  # test images used: as many as val (the generator writes 5n/3 = 160 at n=96)
