@@ -24,7 +24,7 @@ from models.retrieval import (
 from models.tokenization import build_tokenizer
 from Retrieval import build_model
 from Retrieval import main as retrieval_main
-from utils import load_config, to_plain
+from training.config import load_config, to_plain
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # tests/conftest.py
 
