@@ -16,7 +16,9 @@ from training.checkpoints import (
     find_latest_checkpoint,
     load_checkpoint,
     resolve_resume,
+    restore_training,
     save_checkpoint,
+    training_state,
 )
 from training.cli import build_parser, parse_args
 from training.config import config_from_args, get_max_epoch, load_config, require_keys, to_plain
@@ -291,6 +293,33 @@ def test_checkpoint_save_load_and_latest(tmp_path, config_file):
     os.remove(tmp_path / 'latest.json')
     os.utime(p0, (2e9, 2e9))
     assert find_latest_checkpoint(tmp_path) == p0
+
+
+def test_training_state_format_and_resume(tmp_path, config_file):
+    # The checkpoint format the scripts write (and resume from) is a plain dict with these keys; a file
+    # written before training/ existed (by utils.training_state) has the same keys and resumes alike.
+    torch.manual_seed(0)
+    model, cfg = TinyModel(), load_config(config_file)
+    opt = build_optimizer(model, {'lr': 1e-4, 'weight_decay': 0.02})
+    sched = build_scheduler(opt, SCHED, steps_per_epoch=4)
+    scaler = torch.amp.GradScaler('cpu', enabled=False)
+    _lrs(opt, sched, 5)
+    state = training_state(model, opt, sched, scaler, config=cfg, epoch=1, step=5,
+                           sampler_state={'seed': 3, 'epoch': 1}, seed=3, rank=0, best={'val_acc': 0.5})
+    path = save_checkpoint(checkpoint_path(tmp_path, step=5), **state)
+    raw = torch.load(path, weights_only=True)
+    assert set(raw) == {'model', 'optimizer', 'lr_scheduler', 'scaler', 'sampler', 'config', 'epoch', 'step',
+                        'epoch_complete', 'best'}
+    assert raw['epoch_complete'] is False and raw['sampler'] == {'seed': 3, 'epoch': 1}
+    assert set(raw['model']) == set(model.state_dict())
+
+    model2 = TinyModel()
+    opt2 = build_optimizer(model2, {'lr': 1e-4, 'weight_decay': 0.02})
+    sched2 = build_scheduler(opt2, SCHED, steps_per_epoch=4)
+    loaded, start_epoch, step = restore_training(path, model2, opt2, sched2, scaler, seed=3, rank=0)
+    assert (start_epoch, step, loaded['best']) == (1, 5, {'val_acc': 0.5})  # mid-epoch: epoch 1 again
+    assert all(torch.equal(a, b) for a, b in zip(model.state_dict().values(), model2.state_dict().values()))
+    assert _lrs(opt2, sched2, 3) == pytest.approx(_lrs(opt, sched, 3))
 
 
 def test_load_checkpoint_errors(tmp_path):
