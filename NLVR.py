@@ -89,7 +89,7 @@ def evaluate(model: ALBEF_NLVR, dataset, collate: NLVRCollate, config: Mapping,
 
 
 def make_step_fn(device: torch.device, text_assignment: bool, image_ids: Tensor | None = None):
-    """step_fn(model, batch) -> (loss, metrics) for train_one_epoch."""
+    """step_fn(model, batch) -> (loss, metrics) for training.loop.train_one_epoch."""
     if image_ids is not None:
         image_ids = image_ids.to(device)
 
