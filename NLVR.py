@@ -27,11 +27,17 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.utils.data import Subset
 
-import utils
 from dataset import ImageTextCollate, create_dataset, prepare_data
 from models.loading import load_task_checkpoint
 from models.nlvr import ALBEF_NLVR
 from models.tokenization import build_tokenizer
+from training.checkpoints import resolve_resume
+from training.cli import build_parser, run_main, start
+from training.distributed import DistInfo, is_dist, print_main
+from training.loaders import create_loader
+from training.logger import setup_output_dir
+from training.loop import evaluate_only, run_finetune
+from training.reproducibility import build_on_every_rank
 
 
 class NLVRCollate:
@@ -51,7 +57,7 @@ class NLVRCollate:
 def build_model(config: Mapping, tokenizer, checkpoint: str | None, text_assignment: bool) -> ALBEF_NLVR:
     """ALBEF_NLVR with --checkpoint loaded (pre-training layout duplicated, stage-1 layout as is)."""
     model = ALBEF_NLVR(dict(config), tokenizer, text_assignment=text_assignment)
-    load_task_checkpoint(model, checkpoint, log=utils.print_main)
+    load_task_checkpoint(model, checkpoint, log=print_main)
     return model
 
 
@@ -63,12 +69,12 @@ def image_id_table(dataset) -> Tensor:
 
 @torch.no_grad()
 def evaluate(model: ALBEF_NLVR, dataset, collate: NLVRCollate, config: Mapping,
-             info: utils.DistInfo) -> float:
+             info: DistInfo) -> float:
     """NLVR2 accuracy; every rank classifies a disjoint stride of the dataset (no padding: exact)."""
     model.eval()
     part = Subset(dataset, range(info.rank, len(dataset), info.world_size))
-    loader = utils.create_loader(part, None, int(config.get("batch_size_test", 64)),
-                                 int(config.get("num_workers", 0)), collate_fn=collate, drop_last=False)
+    loader = create_loader(part, None, int(config.get("batch_size_test", 64)),
+                           int(config.get("num_workers", 0)), collate_fn=collate, drop_last=False)
     device = info.device
     correct = torch.zeros((), dtype=torch.float64, device=device)
     for image0, image1, text, labels in loader:
@@ -76,14 +82,14 @@ def evaluate(model: ALBEF_NLVR, dataset, collate: NLVRCollate, config: Mapping,
         logits = model.classify(image0.to(device), image1.to(device), text.input_ids, text.attention_mask)
         correct += (logits.argmax(dim=1) == labels.to(device)).sum()
     stats = torch.stack([correct, torch.tensor(float(len(part)), dtype=torch.float64, device=device)])
-    if utils.is_dist():
+    if is_dist():
         torch.distributed.all_reduce(stats)
     correct_all, total = stats.tolist()
     return correct_all / max(total, 1.0)
 
 
 def make_step_fn(device: torch.device, text_assignment: bool, image_ids: Tensor | None = None):
-    """step_fn(model, batch) -> (loss, metrics) for utils.train_one_epoch."""
+    """step_fn(model, batch) -> (loss, metrics) for training.loop.train_one_epoch."""
     if image_ids is not None:
         image_ids = image_ids.to(device)
 
@@ -111,25 +117,20 @@ def make_step_fn(device: torch.device, text_assignment: bool, image_ids: Tensor 
 
 def main(argv: list[str] | None = None) -> dict:
     """Run stage 1 or stage 2 (or --evaluate) from the command line; returns the last log record."""
-    parser = utils.build_parser(__doc__.splitlines()[0], default_output_dir="output/NLVR")
-    args = utils.parse_args(argv, parser=parser)
-    config = utils.config_from_args(args)
+    parser = build_parser(__doc__.splitlines()[0], default_output_dir="output/NLVR")
+    args, config, info, seed = start(argv, parser, required=lambda config: (
+        ("train_file",) if config.get("text_assignment", False) else ("train_file", "val_file", "test_file")))
     text_assignment = bool(config.get("text_assignment", False))
-    required = ("train_file",) if text_assignment else ("train_file", "val_file", "test_file")
-    utils.require_keys(config, required, args.config)
     if text_assignment and args.evaluate:
         raise ValueError("--evaluate is for NLVR2 (text_assignment: false); stage 1 has no evaluation split")
-    info = utils.init_distributed(args)
-    utils.use_deterministic_kernels(config)
     device = info.device
-    seed = int(config.get("seed", 42))
     prepare_data(config)
 
     tokenizer = build_tokenizer(config)
     # The same seed on every rank while building, so that the fresh heads are identical everywhere.
-    model = utils.build_on_every_rank(
+    model = build_on_every_rank(
         lambda: build_model(config, tokenizer, args.checkpoint, text_assignment), seed, info.rank).to(device)
-    output_dir = utils.setup_output_dir(args, config)
+    output_dir = setup_output_dir(args, config)
     max_tokens = int(config.get("max_tokens", 40))
 
     if text_assignment:
@@ -146,12 +147,12 @@ def main(argv: list[str] | None = None) -> dict:
         record["eval_seconds"] = round(time.time() - start, 3)
 
     if args.evaluate:
-        return utils.evaluate_only(output_dir, args.checkpoint, evaluate_all)
+        return evaluate_only(output_dir, args.checkpoint, evaluate_all)
 
     metrics = ("loss_ta", "ta_acc") if text_assignment else ("loss_nlvr", "acc")
-    return utils.run_finetune(
+    return run_finetune(
         model, train_set, info=info, config=config, output_dir=output_dir,
-        resume=utils.resolve_resume(args.resume, output_dir),
+        resume=resolve_resume(args.resume, output_dir),
         step_fn=make_step_fn(device, text_assignment, image_id_table(train_set) if text_assignment else None),
         collate_fn=collate, log_stats={f"train_{k}": k for k in metrics},
         desc="NLVR text assignment" if text_assignment else "NLVR",
@@ -160,4 +161,4 @@ def main(argv: list[str] | None = None) -> dict:
 
 
 if __name__ == "__main__":
-    utils.run_main(main)
+    run_main(main)

@@ -13,12 +13,26 @@ import time
 import torch
 from torch.utils.data import DataLoader, Subset
 
-import utils
 from dataset import ImageTextCollate, PretrainDataset, create_dataset, prepare_data
 from grit import GritSampler
 from models.loading import load_weights
 from models.pretrain import ALBEF_Base
 from models.tokenization import build_tokenizer
+from training.checkpoints import (
+    checkpoint_path,
+    resolve_resume,
+    restore_training,
+    save_checkpoint,
+    training_state,
+)
+from training.cli import run_main, start
+from training.config import get_max_epoch, to_plain
+from training.distributed import barrier, cleanup, print_main, unwrap, wrap_ddp
+from training.loaders import create_loader
+from training.logger import append_log, setup_output_dir
+from training.loop import train_one_epoch
+from training.optimizer import build_optimizer, build_scaler, build_scheduler
+from training.reproducibility import make_generator
 
 LOSSES = ('loss_itc', 'loss_cons', 'loss_itm', 'loss_mlm')
 
@@ -35,7 +49,7 @@ def naive_pass_fn(model: torch.nn.Module, dataset: PretrainDataset, collate: Ima
     def run(indices: torch.Tensor):
         loader = DataLoader(Subset(dataset, indices.tolist()), batch_size=int(config['batch_size']),
                             num_workers=int(config.get('num_workers', 0)), collate_fn=collate)
-        net = utils.unwrap(model)
+        net = unwrap(model)
         was_training = net.training
         net.eval()
         with torch.no_grad():
@@ -48,13 +62,8 @@ def naive_pass_fn(model: torch.nn.Module, dataset: PretrainDataset, collate: Ima
 
 
 def main(argv: list[str] | None = None) -> None:
-    args = utils.parse_args(argv, description=__doc__.splitlines()[0])
-    config = utils.config_from_args(args)
-    info = utils.init_distributed(args)
-    utils.use_deterministic_kernels(config)
-    seed = int(config.get('seed', 42))
-    utils.seed_everything(seed, info.rank)
-    output_dir = utils.setup_output_dir(args, config)
+    args, config, info, seed = start(argv, description=__doc__.splitlines()[0])
+    output_dir = setup_output_dir(args, config)
     device = info.device
 
     prepare_data(config)
@@ -62,34 +71,34 @@ def main(argv: list[str] | None = None) -> None:
     dataset = build_dataset(config)
     batch_size = int(config['batch_size'])
     sampler = GritSampler(dataset, num_replicas=info.world_size, rank=info.rank, seed=seed,
-                          batch_size=batch_size, grit=utils.to_plain(config.get('grit')),
+                          batch_size=batch_size, grit=to_plain(config.get('grit')),
                           dim=int(config['embed_dim']), device=device)
     collate = ImageTextCollate(tokenizer, int(config.get('max_tokens', 40)))
     # The loader draws its workers' base seed from its own generator, not the global stream, so that
     # creating the iterator on resume does not shift the random numbers the model draws.
-    loader = utils.create_loader(dataset, sampler, batch_size, int(config.get('num_workers', 0)),
-                                 collate_fn=collate, drop_last=True,
-                                 generator=utils.make_generator(seed + info.rank))
+    loader = create_loader(dataset, sampler, batch_size, int(config.get('num_workers', 0)),
+                           collate_fn=collate, drop_last=True,
+                           generator=make_generator(seed + info.rank))
 
     model = ALBEF_Base(config, text_encoder=config.get('text_encoder'), tokenizer=tokenizer).to(device)
     if args.checkpoint and not args.resume:
         print(load_weights(model, args.checkpoint).summary())
-    model_ddp = utils.wrap_ddp(model, info)
-    optimizer = utils.build_optimizer(model, config['optimizer'])
-    scheduler = utils.build_scheduler(optimizer, config, steps_per_epoch=sampler.batches_per_epoch)
-    scaler = utils.build_scaler(config, device)
+    model_ddp = wrap_ddp(model, info)
+    optimizer = build_optimizer(model, config['optimizer'])
+    scheduler = build_scheduler(optimizer, config, steps_per_epoch=sampler.batches_per_epoch)
+    scaler = build_scaler(config, device)
 
     start_epoch, global_step = 0, 0
-    resume = utils.resolve_resume(args.resume, output_dir)
+    resume = resolve_resume(args.resume, output_dir)
     if resume:
-        state, start_epoch, global_step = utils.restore_training(resume, model, optimizer, scheduler, scaler,
-                                                                 seed=seed, rank=info.rank)
+        state, start_epoch, global_step = restore_training(resume, model, optimizer, scheduler, scaler,
+                                                           seed=seed, rank=info.rank)
         sampler.load_state_dict(state['sampler'])
 
     def checkpoint_state(epoch: int, step: int, complete: bool = False) -> dict:
-        return utils.training_state(model, optimizer, scheduler, scaler, config=config, epoch=epoch,
-                                    step=step, sampler_state=sampler.state_dict(),
-                                    seed=seed, rank=info.rank, complete=complete)
+        return training_state(model, optimizer, scheduler, scaler, config=config, epoch=epoch,
+                              step=step, sampler_state=sampler.state_dict(),
+                              seed=seed, rank=info.rank, complete=complete)
 
     grit_seconds = [0.0]
     feats: dict[str, torch.Tensor] = {}
@@ -113,14 +122,14 @@ def main(argv: list[str] | None = None) -> None:
         sampler.collect(feats['image'], feats['text'], batch[2].to(device, non_blocking=True))
         grit_seconds[0] += time.perf_counter() - t0
 
-    max_epoch = utils.get_max_epoch(config)
+    max_epoch = get_max_epoch(config)
     naive = naive_pass_fn(model, dataset, collate, config, device)
     for epoch in range(start_epoch, max_epoch):
         grit_seconds[0] = 0.0
         t0 = time.perf_counter()
         sampler.set_epoch(epoch, naive_pass=naive if sampler.grit['mode'] == 'naive' else None)
         grit_seconds[0] += time.perf_counter() - t0
-        stats, global_step = utils.train_one_epoch(
+        stats, global_step = train_one_epoch(
             model_ddp, loader, optimizer, scheduler, epoch=epoch, global_step=global_step, step_fn=step_fn,
             config=config, device=device, output_dir=output_dir, scaler=scaler, after_step=after_step,
             checkpoint_state=checkpoint_state, start_batch=sampler.start_batch,
@@ -130,14 +139,14 @@ def main(argv: list[str] | None = None) -> None:
         sampler.end_epoch()
         grit_seconds[0] += time.perf_counter() - t0
         stats['grit_seconds'] = round(grit_seconds[0], 3)
-        utils.save_checkpoint(utils.checkpoint_path(output_dir, epoch=epoch),
-                              **checkpoint_state(epoch, global_step, complete=True))
+        save_checkpoint(checkpoint_path(output_dir, epoch=epoch),
+                        **checkpoint_state(epoch, global_step, complete=True))
         keys = ('epoch', 'step', 'lr', *LOSSES, 'seconds', 'samples_per_s', 'grit_hardness', 'grit_seconds')
-        utils.append_log(output_dir, {k: stats[k] for k in keys})
-        utils.print_main(f'epoch {epoch}: ' + '  '.join(f'{k} {stats[k]:.4f}' for k in keys[3:8]))
-        utils.barrier()
-    utils.cleanup()
+        append_log(output_dir, {k: stats[k] for k in keys})
+        print_main(f'epoch {epoch}: ' + '  '.join(f'{k} {stats[k]:.4f}' for k in keys[3:8]))
+        barrier()
+    cleanup()
 
 
 if __name__ == '__main__':
-    utils.run_main(main)
+    run_main(main)

@@ -24,7 +24,6 @@ from collections.abc import Mapping
 import torch
 from torch import Tensor, nn
 
-import utils
 from dataset import ImageTextCollate, RetrievalEvalDataset, create_dataset, prepare_data
 from models.loading import load_weights, read_checkpoint
 from models.retrieval import (
@@ -38,6 +37,13 @@ from models.retrieval import (
     topk_rankings,
 )
 from models.tokenization import build_tokenizer
+from training.checkpoints import resolve_resume
+from training.cli import build_parser, run_main, start
+from training.distributed import DistInfo, cleanup, is_main_process, print_main
+from training.loaders import create_loader
+from training.logger import setup_output_dir
+from training.loop import evaluate_only, run_finetune
+from training.reproducibility import build_on_every_rank
 
 LOSSES = ("loss_itc", "loss_cons", "loss_itm")
 
@@ -55,27 +61,27 @@ def build_model(config: Mapping, tokenizer, checkpoint: str | None) -> ALBEF_Ret
         raise ValueError(f"config key 'momentum_init' must be 'initial' or 'checkpoint', got {mode!r}")
     model = ALBEF_Retrieval(dict(config), text_encoder=config.get("text_encoder"), tokenizer=tokenizer)
     if not checkpoint:
-        utils.print_main("no --checkpoint: the model starts from its initial weights")
+        print_main("no --checkpoint: the model starts from its initial weights")
         return model
     state = {k: v for k, v in read_checkpoint(checkpoint).items() if k not in QUEUE_KEYS}
     has_momentum = any(k.startswith(MOMENTUM_PREFIXES) for k in state)
     if mode == "initial" and has_momentum:
         state = {k: v for k, v in state.items() if not k.startswith(MOMENTUM_PREFIXES)}
-        utils.print_main("momentum_init initial: the checkpoint's momentum weights are not used")
+        print_main("momentum_init initial: the checkpoint's momentum weights are not used")
     report = load_weights(model, state, ignore=RETRIEVAL_IGNORED_PREFIXES)
     if mode == "checkpoint" and not has_momentum:
         model.copy_momentum()
     fresh = (*MOMENTUM_PREFIXES, *QUEUE_KEYS)  # initialised here by design, not "missing"
     report.missing = [k for k in report.missing if not k.startswith(fresh)]
-    utils.print_main(f"loaded {checkpoint} (momentum_init {mode}): {report.summary()}")
+    print_main(f"loaded {checkpoint} (momentum_init {mode}): {report.summary()}")
     return model
 
 
 def evaluate_split(model: ALBEF_Retrieval, dataset: RetrievalEvalDataset, split: str, tokenizer,
                    config: Mapping, device: torch.device, output_dir: str | None = None) -> tuple[dict, dict]:
     """Metrics of one split (prefixed `split_`) and timing stats; writes rankings_{split}.json if asked."""
-    loader = utils.create_loader(dataset, None, int(config.get("batch_size_test", 64)),
-                                 int(config.get("num_workers", 0)), drop_last=False)
+    loader = create_loader(dataset, None, int(config.get("batch_size_test", 64)),
+                           int(config.get("num_workers", 0)), drop_last=False)
     result = compute_itr_scores(
         model, loader, dataset.text, tokenizer, device, int(config["k_test"]),
         text_batch_size=int(config.get("text_batch_size", 256)),
@@ -84,7 +90,7 @@ def evaluate_split(model: ALBEF_Retrieval, dataset: RetrievalEvalDataset, split:
     )
     metrics = itr_metrics(dense_scores(result["i2t_idx"], result["i2t_score"], len(dataset.text)),
                           dense_scores(result["t2i_idx"], result["t2i_score"], len(dataset)), dataset.txt2img)
-    if output_dir and config.get("save_rankings", True) and utils.is_main_process():
+    if output_dir and config.get("save_rankings", True) and is_main_process():
         rankings = topk_rankings(result, dataset.image, dataset.text, dataset.txt2img)
         with open(os.path.join(output_dir, f"rankings_{split}.json"), "w", encoding="utf-8") as f:
             json.dump({"split": split, "k_test": int(config["k_test"]), "metrics": metrics, **rankings}, f)
@@ -93,7 +99,7 @@ def evaluate_split(model: ALBEF_Retrieval, dataset: RetrievalEvalDataset, split:
 
 
 def bench(model: ALBEF_Retrieval, dataset: RetrievalEvalDataset, tokenizer, config: Mapping,
-          info: utils.DistInfo) -> dict:
+          info: DistInfo) -> dict:
     """Time the evaluation of the test split: ITM pairs re-scored per second (all ranks together)."""
     _, stats = evaluate_split(model, dataset, "test", tokenizer, config, info.device)
     return {"images": len(dataset), "texts": len(dataset.text), "k_test": int(config["k_test"]),
@@ -106,32 +112,27 @@ def bench(model: ALBEF_Retrieval, dataset: RetrievalEvalDataset, tokenizer, conf
 
 def main(argv: list[str] | None = None) -> dict:
     """Fine-tune and/or evaluate from the command line; returns the last log record (bench: its JSON)."""
-    parser = utils.build_parser(__doc__.splitlines()[0], default_output_dir="output/Retrieval")
+    parser = build_parser(__doc__.splitlines()[0], default_output_dir="output/Retrieval")
     parser.add_argument("--bench", action="store_true",
                         help="time the ITM re-ranking on the test split, print one JSON line, exit")
-    args = utils.parse_args(argv, parser=parser)
-    config = utils.config_from_args(args)
-    utils.require_keys(config, ("train_file", "val_file", "test_file", "k_test", "queue_size", "momentum"),
-                       args.config)
-    info = utils.init_distributed(args)
-    utils.use_deterministic_kernels(config)
+    args, config, info, seed = start(
+        argv, parser, required=("train_file", "val_file", "test_file", "k_test", "queue_size", "momentum"))
     device = info.device
-    seed = int(config.get("seed", 42))
     prepare_data(config)
 
     tokenizer = build_tokenizer(config)
     # The same seed on every rank while building, so that an un-loaded model is identical everywhere.
-    model = utils.build_on_every_rank(
+    model = build_on_every_rank(
         lambda: build_model(config, tokenizer, args.checkpoint), seed, info.rank).to(device)
     train_set, val_set, test_set = create_dataset("retrieval", config)
 
     if args.bench:
         record = bench(model, test_set, tokenizer, config, info)
-        utils.print_main(json.dumps(record))
-        utils.cleanup()
+        print_main(json.dumps(record))
+        cleanup()
         return record
 
-    output_dir = utils.setup_output_dir(args, config)
+    output_dir = setup_output_dir(args, config)
 
     def evaluate(epoch_record: dict, epoch: int | None = None) -> None:
         start = time.time()
@@ -141,7 +142,7 @@ def main(argv: list[str] | None = None) -> dict:
         epoch_record["eval_seconds"] = round(time.time() - start, 3)
 
     if args.evaluate:
-        return utils.evaluate_only(output_dir, args.checkpoint, evaluate)
+        return evaluate_only(output_dir, args.checkpoint, evaluate)
 
     def step_fn(net: nn.Module, batch) -> tuple[Tensor, dict[str, Tensor]]:
         image, text, img_id = batch
@@ -151,9 +152,9 @@ def main(argv: list[str] | None = None) -> dict:
 
     # broadcast_buffers=False: every rank enqueues the same gathered features, so the queues
     # agree without re-sending 2 x (embed_dim x queue_size) floats every step.
-    return utils.run_finetune(
+    return run_finetune(
         model, train_set, info=info, config=config, output_dir=output_dir,
-        resume=utils.resolve_resume(args.resume, output_dir), step_fn=step_fn,
+        resume=resolve_resume(args.resume, output_dir), step_fn=step_fn,
         collate_fn=ImageTextCollate(tokenizer, int(config.get("max_tokens", 40))),
         log_stats={k: k for k in LOSSES}, desc="Retrieval", evaluate=evaluate, best_key="val_r_mean",
         best_summary="best val r_mean {val_r_mean:.2f} at epoch {epoch} (test r_mean {test_r_mean:.2f})",
@@ -161,4 +162,4 @@ def main(argv: list[str] | None = None) -> dict:
 
 
 if __name__ == "__main__":
-    utils.run_main(main)
+    run_main(main)

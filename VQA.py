@@ -24,11 +24,24 @@ import torch
 from torch import Tensor, nn
 from torch.utils.data import DataLoader, Subset
 
-import utils
 from dataset import VQADataset, create_dataset, load_json_list, prepare_data, test_transform, vqa_collate
 from models.loading import load_task_checkpoint
 from models.tokenization import build_tokenizer
 from models.vqa import ALBEF_VQA, vqa_accuracy
+from training.checkpoints import resolve_resume
+from training.cli import build_parser, run_main, start
+from training.config import get_max_epoch
+from training.distributed import (
+    DistInfo,
+    get_world_size,
+    is_dist,
+    is_main_process,
+    print_main,
+)
+from training.loaders import create_loader
+from training.logger import setup_output_dir
+from training.loop import evaluate_only, run_finetune
+from training.reproducibility import build_on_every_rank
 
 
 class QACollate:
@@ -68,7 +81,7 @@ class QuestionCollate:
 def build_model(config: Mapping, tokenizer, checkpoint: str | None) -> ALBEF_VQA:
     """ALBEF_VQA with --checkpoint loaded (a pre-training checkpoint initialises the decoder)."""
     model = ALBEF_VQA(dict(config), tokenizer)
-    load_task_checkpoint(model, checkpoint, log=utils.print_main)
+    load_task_checkpoint(model, checkpoint, log=print_main)
     return model
 
 
@@ -98,32 +111,32 @@ def predict(model: ALBEF_VQA, loader: DataLoader, answer_list: list[str], answer
     return results
 
 
-def evaluate(model: ALBEF_VQA, dataset: VQADataset, tokenizer, config: Mapping, info: utils.DistInfo,
+def evaluate(model: ALBEF_VQA, dataset: VQADataset, tokenizer, config: Mapping, info: DistInfo,
              gts: dict, result_path: str | None) -> float | None:
     """Answer every question of dataset (ranks take disjoint strides); write result_path on the main
     process; return the VQA accuracy when gts (ground-truth answers) are given, else None."""
     if dataset.answer_list is None:
         raise ValueError("VQA evaluation needs config key 'answer_list'")
     part = Subset(dataset, range(info.rank, len(dataset), info.world_size))
-    loader = utils.create_loader(part, None, int(config.get("batch_size_test", 16)),
-                                 int(config.get("num_workers", 0)),
-                                 collate_fn=QuestionCollate(tokenizer, int(config.get("max_tokens", 40))),
-                                 drop_last=False)
+    loader = create_loader(part, None, int(config.get("batch_size_test", 16)),
+                           int(config.get("num_workers", 0)),
+                           collate_fn=QuestionCollate(tokenizer, int(config.get("max_tokens", 40))),
+                           drop_last=False)
     answers = tokenizer(dataset.answer_list, padding="longest", return_tensors="pt").to(info.device)
     k = int(config.get("k_test", 128))
     results = predict(model, loader, dataset.answer_list, answers, k, info.device)
-    if utils.is_dist():
-        parts: list = [None] * utils.get_world_size()
+    if is_dist():
+        parts: list = [None] * get_world_size()
         torch.distributed.all_gather_object(parts, results)
         results = [r for part_results in parts for r in part_results]
     order = {entry["question_id"]: i for i, entry in enumerate(dataset.ann)}
     results.sort(key=lambda r: order[r["question_id"]])
-    if result_path and utils.is_main_process():
+    if result_path and is_main_process():
         tmp = f"{result_path}.tmp"
         with open(tmp, "w", encoding="utf-8") as f:
             json.dump(results, f)
         os.replace(tmp, result_path)
-        utils.print_main(f"wrote {len(results)} answers to {result_path}")
+        print_main(f"wrote {len(results)} answers to {result_path}")
     if not gts:
         return None
     return vqa_accuracy({r["question_id"]: r["answer"] for r in results}, gts)
@@ -131,21 +144,16 @@ def evaluate(model: ALBEF_VQA, dataset: VQADataset, tokenizer, config: Mapping, 
 
 def main(argv: list[str] | None = None) -> dict:
     """Fine-tune (or with --evaluate only answer) from the command line; returns the last log record."""
-    parser = utils.build_parser(__doc__.splitlines()[0], default_output_dir="output/VQA")
-    args = utils.parse_args(argv, parser=parser)
-    config = utils.config_from_args(args)
-    utils.require_keys(config, ("train_file", "test_file", "answer_list"), args.config)
-    info = utils.init_distributed(args)
-    utils.use_deterministic_kernels(config)
+    parser = build_parser(__doc__.splitlines()[0], default_output_dir="output/VQA")
+    args, config, info, seed = start(argv, parser, required=("train_file", "test_file", "answer_list"))
     device = info.device
-    seed = int(config.get("seed", 42))
     prepare_data(config)
 
     tokenizer = build_tokenizer(config)
     # The same seed on every rank while building, so that an un-loaded model is identical everywhere.
-    model = utils.build_on_every_rank(
+    model = build_on_every_rank(
         lambda: build_model(config, tokenizer, args.checkpoint), seed, info.rank).to(device)
-    output_dir = utils.setup_output_dir(args, config)
+    output_dir = setup_output_dir(args, config)
     max_tokens = int(config.get("max_tokens", 40))
 
     train_set, test_set = create_dataset("vqa", config)
@@ -166,9 +174,9 @@ def main(argv: list[str] | None = None) -> dict:
         record["eval_seconds"] = round(time.time() - start, 3)
 
     if args.evaluate:
-        return utils.evaluate_only(output_dir, args.checkpoint, evaluate_test)
+        return evaluate_only(output_dir, args.checkpoint, evaluate_test)
 
-    max_epoch = utils.get_max_epoch(config)
+    max_epoch = get_max_epoch(config)
 
     def evaluate_epoch(record: dict, epoch: int) -> None:
         if val_set is not None:
@@ -184,12 +192,12 @@ def main(argv: list[str] | None = None) -> dict:
                    counts.to(device, non_blocking=True))
         return loss, {"loss_vqa": loss.detach()}
 
-    return utils.run_finetune(
+    return run_finetune(
         model, train_set, info=info, config=config, output_dir=output_dir,
-        resume=utils.resolve_resume(args.resume, output_dir), step_fn=step_fn,
+        resume=resolve_resume(args.resume, output_dir), step_fn=step_fn,
         collate_fn=QACollate(tokenizer, max_tokens), log_stats={"train_loss_vqa": "loss_vqa"}, desc="VQA",
         evaluate=evaluate_epoch, unit="questions")
 
 
 if __name__ == "__main__":
-    utils.run_main(main)
+    run_main(main)

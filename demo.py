@@ -62,7 +62,7 @@ def majority_baseline(config_path: str = 'configs/tiny/VQA.yaml') -> float:
     """VQA accuracy on the config's test split of always giving its most frequent training answer."""
     from dataset import load_json_list
     from models.vqa import majority_answer_accuracy
-    from utils import load_config
+    from training.config import load_config
 
     config = load_config(config_path)
     gts = {e['question_id']: e['answer'] for e in load_json_list(config['test_file'])}

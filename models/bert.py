@@ -18,6 +18,8 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from transformers import BertConfig
 
+from models.state_dicts import check_shapes
+
 logger = logging.getLogger(__name__)
 
 _MODES = ("text", "fusion", "multimodal")
@@ -376,16 +378,8 @@ class BertEncoder(nn.Module):
                 f"model expects vocab_size={config.vocab_size} (the tokenizer's length); use the tokenizer "
                 "that belongs to these weights"
             )
-        mismatched = [
-            f"{k}: checkpoint {tuple(v.shape)} vs model {tuple(own[k].shape)}"
-            for k, v in state.items()
-            if k in own and v.shape != own[k].shape
-        ]
-        if mismatched:
-            raise ValueError(
-                f"text_encoder {name_or_dir!r} does not fit bert_config (hidden size / widths differ): "
-                + "; ".join(mismatched[:5])
-            )
+        check_shapes(state, own,
+                     f"text_encoder {name_or_dir!r} does not fit bert_config (hidden size / widths differ)")
         unused = sorted(k for k in state if k not in own)
         loaded = {k: v for k, v in state.items() if k in own}
         model.load_state_dict(loaded, strict=False)

@@ -13,6 +13,8 @@ from timm.layers import resample_abs_pos_embed
 from timm.models.vision_transformer import VisionTransformer
 from torch import Tensor, nn
 
+from models.state_dicts import check_shapes
+
 logger = logging.getLogger(__name__)
 
 _WEIGHT_EXTS = (".pth", ".pt", ".bin", ".safetensors", ".ckpt")
@@ -59,16 +61,9 @@ def load_vision_init(model: VisionTransformer, init: str) -> list[str]:
     state, dropped = _strip_classifier(state)
     state = resample_pos_embed(state, model, prefix="")
     own = model.state_dict()
-    mismatched = [
-        f"{k}: {tuple(v.shape)} vs {tuple(own[k].shape)}"
-        for k, v in state.items()
-        if k in own and v.shape != own[k].shape
-    ]
-    if mismatched:
-        raise ValueError(
-            f"vision_init {init!r} does not fit the configured ViT (vision_width/heads/patch_size): "
-            + "; ".join(mismatched[:4])
-        )
+    check_shapes(state, own,
+                 f"vision_init {init!r} does not fit the configured ViT (vision_width/heads/patch_size)",
+                 limit=4)
     result = model.load_state_dict(state, strict=False)
     if result.missing_keys or result.unexpected_keys:
         raise ValueError(

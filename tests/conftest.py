@@ -33,11 +33,11 @@ def in_repo():
 @pytest.fixture(scope="module")
 def pretrain_checkpoint(tmp_path_factory, tokenizer) -> tuple[str, dict]:
     """A tiny ALBEF_Base (tiny Pretrain.yaml sizes, the module's tokenizer) saved as {'model': state_dict}."""
-    import utils
     from models.pretrain import ALBEF_Base
+    from training.config import load_config
 
     torch.manual_seed(0)
-    pre_config = dict(utils.load_config(os.path.join(ROOT, "configs/tiny/Pretrain.yaml")))
+    pre_config = dict(load_config(os.path.join(ROOT, "configs/tiny/Pretrain.yaml")))
     model = ALBEF_Base(pre_config, text_encoder=None, tokenizer=tokenizer)
     path = str(tmp_path_factory.mktemp("pretrain") / "checkpoint.pth")
     state = model.state_dict()

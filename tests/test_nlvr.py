@@ -9,10 +9,11 @@ import re
 import pytest
 import torch
 
-import utils
 from models.loading import load_weights
 from models.nlvr import ALBEF_NLVR, assign_texts, duplicate_fusion_layers
 from models.tokenization import build_tokenizer
+from training.config import load_config
+from training.optimizer import build_optimizer
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 LAYER = re.compile(r"^text_encoder\.bert\.encoder\.layer\.(\d+)\.(.+)$")
@@ -23,7 +24,7 @@ pytestmark = pytest.mark.usefixtures("in_repo")
 
 @pytest.fixture(scope="module")
 def config() -> dict:
-    return dict(utils.load_config(os.path.join(ROOT, "configs/tiny/NLVR.yaml")))
+    return dict(load_config(os.path.join(ROOT, "configs/tiny/NLVR.yaml")))
 
 
 @pytest.fixture(scope="module")
@@ -64,7 +65,7 @@ def test_pretrain_checkpoint_loads_into_both_stages(config, tokenizer, pretrain_
             first, second = layers[j].crossattention.self, layers[j + 1].crossattention.self
             assert second.key.weight is first.key.weight and second.value.bias is first.value.bias
             assert second.query.weight is not first.query.weight
-        optimizer = utils.build_optimizer(model, config["optimizer"])
+        optimizer = build_optimizer(model, config["optimizer"])
         params = [p for group in optimizer.param_groups for p in group["params"]]
         assert len(params) == len({id(p) for p in params})
         if text_assignment:
@@ -171,7 +172,7 @@ def test_tiny_text_assignment_then_finetune(tmp_path, pretrain_checkpoint):
 
 
 def test_finetune_resume_equals_uninterrupted_run(tmp_path):
-    # utils.run_finetune (shared by Retrieval, NLVR and VQA): resuming from the epoch-0 checkpoint gives
+    # run_finetune (training/loop.py; Retrieval, NLVR and VQA): resuming from the epoch-0 checkpoint gives
     # the same weights, log record and best-checkpoint bookkeeping as the run that never stopped.
     import NLVR
 

@@ -79,10 +79,10 @@ def tokenizer(probe_root):
 
 
 def tiny_model(probe_root: Path, tokenizer, seed: int = 0) -> ALBEF_Base:
-    import utils
+    from training.config import load_config
 
     torch.manual_seed(seed)
-    config = dict(utils.load_config(probe_root / "config.yaml"))
+    config = dict(load_config(probe_root / "config.yaml"))
     return ALBEF_Base(config, text_encoder=None, tokenizer=tokenizer).eval()
 
 

@@ -24,9 +24,9 @@ from models.retrieval import (
 from models.tokenization import build_tokenizer
 from Retrieval import build_model
 from Retrieval import main as retrieval_main
-from utils import load_config, to_plain
+from training.config import load_config, to_plain
 
-pytestmark = pytest.mark.usefixtures("one_thread")  # tests/conftest.py
+pytestmark = pytest.mark.usefixtures("one_thread", "in_repo")  # tests/conftest.py: configs name repo paths
 
 # 4 images; captions: img0 -> t0,t1,t2; img1 -> t3; img2 -> t4,t5; img3 -> t6..t11.
 TXT2IMG = [0, 0, 0, 1, 2, 2, 3, 3, 3, 3, 3, 3]

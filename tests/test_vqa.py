@@ -9,11 +9,11 @@ import re
 import pytest
 import torch
 
-import utils
 from dataset import load_json_list
 from models.loading import load_weights
 from models.tokenization import build_tokenizer
 from models.vqa import ALBEF_VQA, majority_answer_accuracy, vqa_accuracy, vqa_score
+from training.config import load_config
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 ENCODER_LAYER = re.compile(r"^text_encoder\.bert\.encoder\.layer\.(\d+)\.(.+)$")
@@ -24,7 +24,7 @@ pytestmark = pytest.mark.usefixtures("in_repo")
 
 @pytest.fixture(scope="module")
 def config() -> dict:
-    return dict(utils.load_config(os.path.join(ROOT, "configs/tiny/VQA.yaml")))
+    return dict(load_config(os.path.join(ROOT, "configs/tiny/VQA.yaml")))
 
 
 @pytest.fixture(scope="module")

@@ -27,13 +27,13 @@ from collections.abc import Iterator, Sequence
 import torch
 from torch import Tensor
 
-import utils
 from dataset import prepare_data
 from dataset.transforms import test_transform
 from dataset.utils import ImageReadError, load_json_list, pre_caption, read_image, resolve_image
 from models.loading import load_weights
 from models.pretrain import ALBEF_Base
 from models.tokenization import build_tokenizer
+from training.config import ConfigError, load_config, require_keys
 
 __all__ = ["ImageScores", "ProbeFileError", "cli", "default_probe_file", "format_table", "itm_match_prob",
            "load_probe_file", "main", "probe_accuracy", "score_probe"]
@@ -100,8 +100,8 @@ def default_probe_file(config: dict, config_path: str = "config") -> str:
     """<synthetic_root>/probe_test.json for a config that names synthetic_root; else ConfigError."""
     root = config.get("synthetic_root")
     if not root:
-        raise utils.ConfigError(f"--probe_file is required: {config_path} names no synthetic_root "
-                                f"(whose {PROBE_FILE_NAME} would be the default)")
+        raise ConfigError(f"--probe_file is required: {config_path} names no synthetic_root "
+                          f"(whose {PROBE_FILE_NAME} would be the default)")
     return os.path.join(str(root), PROBE_FILE_NAME)
 
 
@@ -244,10 +244,10 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: Sequence[str] | None = None) -> dict:
     """Run the probe from the command line; returns the result record that is printed as JSON."""
     args = build_parser().parse_args(argv)
-    config = utils.load_config(args.config, args.set)
-    utils.require_keys(config, ("image_res",), args.config)
+    config = load_config(args.config, args.set)
+    require_keys(config, ("image_res",), args.config)
     if args.batch_size < 1 or (args.limit is not None and args.limit < 1):
-        raise utils.ConfigError("--batch_size and --limit must be >= 1")
+        raise ConfigError("--batch_size and --limit must be >= 1")
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
 
     prepare_data(config)  # generates the synthetic data, whose folder holds the default probe file
@@ -285,7 +285,7 @@ def cli(argv: Sequence[str] | None = None) -> None:
     """main(argv); a bad config or probe file or a missing file ends in a one-line error (exit 2)."""
     try:
         main(argv)
-    except (utils.ConfigError, FileNotFoundError, ProbeFileError) as err:
+    except (ConfigError, FileNotFoundError, ProbeFileError) as err:
         print(f"error: {err}", file=sys.stderr)
         sys.exit(2)
 

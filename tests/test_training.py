@@ -1,4 +1,4 @@
-"""Tests for utils.py: command line, config overrides, optimiser/schedule, checkpoints, logging."""
+"""Tests for training/: command line, config overrides, optimiser/schedule, checkpoints, logging."""
 
 import json
 import math
@@ -11,7 +11,29 @@ import torch
 from ruamel.yaml.comments import CommentedMap
 from torch import nn
 
-import utils
+from training.checkpoints import (
+    checkpoint_path,
+    find_latest_checkpoint,
+    load_checkpoint,
+    resolve_resume,
+    restore_training,
+    save_checkpoint,
+    training_state,
+)
+from training.cli import build_parser, parse_args
+from training.config import config_from_args, get_max_epoch, load_config, require_keys, to_plain
+from training.distributed import (
+    all_reduce_mean,
+    barrier,
+    cleanup,
+    get_rank,
+    init_distributed,
+    is_main_process,
+)
+from training.loaders import create_loader
+from training.logger import TrainLogger, append_log, setup_output_dir
+from training.optimizer import build_optimizer, build_scheduler, schedule_lr, split_decay_params
+from training.reproducibility import make_generator, seed_everything
 
 CONFIG_TEXT = """\
 # tiny pre-training config
@@ -40,31 +62,31 @@ def config_file(tmp_path):
 
 def test_parser_shared_flags_and_script_flags(monkeypatch):
     monkeypatch.delenv('LOCAL_RANK', raising=False)
-    parser = utils.build_parser('test')
+    parser = build_parser('test')
     parser.add_argument('--bench', action='store_true')
-    args = utils.parse_args(['--config', 'c.yaml', '--resume', '--bench', '--set', 'a=1', 'b.c=x',
-                             '--set', 'd=[1, 2]', '--seed', '3', '--evaluate'], parser=parser)
+    args = parse_args(['--config', 'c.yaml', '--resume', '--bench', '--set', 'a=1', 'b.c=x',
+                       '--set', 'd=[1, 2]', '--seed', '3', '--evaluate'], parser=parser)
     assert args.bench and args.evaluate and args.resume == 'latest' and args.seed == 3
     assert args.set == ['a=1', 'b.c=x', 'd=[1, 2]']
     assert args.local_rank == 0 and args.device is None and args.checkpoint is None
-    assert utils.parse_args(['--config', 'c.yaml', '--resume', 'x.pth']).resume == 'x.pth'
-    assert utils.parse_args(['--config', 'c.yaml']).resume is None
+    assert parse_args(['--config', 'c.yaml', '--resume', 'x.pth']).resume == 'x.pth'
+    assert parse_args(['--config', 'c.yaml']).resume is None
 
 
 def test_local_rank_spellings_and_env(monkeypatch):
     monkeypatch.delenv('LOCAL_RANK', raising=False)
-    assert utils.parse_args(['--config', 'c', '--local_rank', '3']).local_rank == 3
-    assert utils.parse_args(['--config', 'c', '--local-rank=2']).local_rank == 2
+    assert parse_args(['--config', 'c', '--local_rank', '3']).local_rank == 3
+    assert parse_args(['--config', 'c', '--local-rank=2']).local_rank == 2
     monkeypatch.setenv('LOCAL_RANK', '5')
-    assert utils.parse_args(['--config', 'c']).local_rank == 5
-    assert utils.build_parser().parse_args(['--config', 'c']).local_rank == 5
+    assert parse_args(['--config', 'c']).local_rank == 5
+    assert build_parser().parse_args(['--config', 'c']).local_rank == 5
 
 
 # ---------------------------------------------------------------- config
 
 
 def test_overrides_nested_keys_and_yaml_values(config_file):
-    cfg = utils.load_config(config_file, [
+    cfg = load_config(config_file, [
         'grit.enabled=false', 'optimizer.lr=1e-4', 'train_file=[x.json, y.json]', 'temp=null',
         'grit.queue_size=128', 'image_res=64', 'train_file.1=z.json', 'text_encoder=bert-base-uncased'])
     assert isinstance(cfg, CommentedMap) and isinstance(cfg, dict)
@@ -79,51 +101,51 @@ def test_overrides_nested_keys_and_yaml_values(config_file):
 def test_unknown_key_suggests_close_match(config_file):
     msg = r"unknown config key 'grit\.enable' \(did you mean 'grit\.enabled'\?\)"
     with pytest.raises(ValueError, match=msg):
-        utils.load_config(config_file, ['grit.enable=false'])
+        load_config(config_file, ['grit.enable=false'])
     with pytest.raises(ValueError, match='cfg.yaml'):
-        utils.load_config(config_file, ['no_such_thing=1'])
+        load_config(config_file, ['no_such_thing=1'])
     with pytest.raises(ValueError, match='key=value'):
-        utils.load_config(config_file, ['grit.enabled'])
+        load_config(config_file, ['grit.enabled'])
 
 
 def test_missing_config_and_required_keys(tmp_path, config_file):
     with pytest.raises(FileNotFoundError, match='nope.yaml'):
-        utils.load_config(str(tmp_path / 'nope.yaml'), [])
+        load_config(str(tmp_path / 'nope.yaml'), [])
     bad = tmp_path / 'bad.yaml'
     bad.write_text('a: [1, 2\n')
     with pytest.raises(ValueError, match='bad.yaml'):
-        utils.load_config(str(bad))
-    cfg = utils.load_config(config_file)
-    utils.require_keys(cfg, ['image_res', 'grit.queue_size'], config_file)
+        load_config(str(bad))
+    cfg = load_config(config_file)
+    require_keys(cfg, ['image_res', 'grit.queue_size'], config_file)
     with pytest.raises(ValueError, match=r"'grit\.search_space'.*cfg\.yaml"):
-        utils.require_keys(cfg, ['grit.search_space'], config_file)
+        require_keys(cfg, ['grit.search_space'], config_file)
 
 
 def test_cli_overrides_and_max_epoch(config_file):
-    args = utils.parse_args(['--config', config_file, '--set', 'image_res=48', '--seed', '7',
-                             '--text_encoder', 'my/bert'])
-    cfg = utils.config_from_args(args)
+    args = parse_args(['--config', config_file, '--set', 'image_res=48', '--seed', '7',
+                       '--text_encoder', 'my/bert'])
+    cfg = config_from_args(args)
     assert cfg['image_res'] == 48 and cfg['seed'] == 7 and cfg['text_encoder'] == 'my/bert'
-    assert utils.get_max_epoch(cfg) == 20
+    assert get_max_epoch(cfg) == 20
     del cfg['max_epoch']
-    assert utils.get_max_epoch(cfg) == 30
+    assert get_max_epoch(cfg) == 30
 
 
 def test_comments_survive_save(tmp_path, config_file):
-    cfg = utils.load_config(config_file, ['grit.enabled=false', 'temp=0.05'])
+    cfg = load_config(config_file, ['grit.enabled=false', 'temp=0.05'])
     out = tmp_path / 'out' / 'config.yaml'
-    args = utils.parse_args(['--config', config_file, '--output_dir', str(out.parent)])
-    utils.setup_output_dir(args, cfg)
+    args = parse_args(['--config', config_file, '--output_dir', str(out.parent)])
+    setup_output_dir(args, cfg)
     text = out.read_text()
     for comment in ('# tiny pre-training config', '# ITC temperature, learnable', '# GRIT sampling on/off'):
         assert comment in text
     assert 'enabled: false' in text and 'temp: 0.05' in text and 'text_encoder: null' in text
-    again = utils.load_config(str(out))
-    assert utils.to_plain(again) == utils.to_plain(cfg)
+    again = load_config(str(out))
+    assert to_plain(again) == to_plain(cfg)
 
 
 def test_to_plain_makes_builtin_types(config_file):
-    plain = utils.to_plain(utils.load_config(config_file))
+    plain = to_plain(load_config(config_file))
     assert type(plain) is dict and type(plain['grit']) is dict and type(plain['train_file']) is list
     assert type(plain['temp']) is float and type(plain['optimizer']['lr']) is float
 
@@ -156,7 +178,7 @@ class TinyModel(nn.Module):
 
 def test_weight_decay_groups():
     model = TinyModel()
-    decay, no_decay = utils.split_decay_params(model)
+    decay, no_decay = split_decay_params(model)
     assert set(decay) == {'bert.dense.weight', 'visual_encoder.qkv.weight'}
     assert set(no_decay) == {
         'bert.embeddings.word_embeddings.weight', 'bert.embeddings.position_embeddings.weight',
@@ -164,14 +186,14 @@ def test_weight_decay_groups():
         'bert.embeddings.LayerNorm.bias', 'bert.dense.bias', 'visual_encoder.cls_token',
         'visual_encoder.pos_embed', 'visual_encoder.norm1.weight', 'visual_encoder.norm1.bias',
         'visual_encoder.qkv.bias', 'temp', 'decoder.bias'}
-    opt = utils.build_optimizer(model, {'opt': 'adamW', 'lr': '1e-4', 'weight_decay': 0.02})
+    opt = build_optimizer(model, {'opt': 'adamW', 'lr': '1e-4', 'weight_decay': 0.02})
     assert isinstance(opt, torch.optim.AdamW)
     by_wd = {g['weight_decay']: {id(p) for p in g['params']} for g in opt.param_groups}
     assert by_wd[0.02] == {id(p) for p in decay.values()}
     assert by_wd[0.0] == {id(p) for p in no_decay.values()}
     assert all(g['lr'] == pytest.approx(1e-4) for g in opt.param_groups)
     with pytest.raises(ValueError, match='sgd'):
-        utils.build_optimizer(model, {'opt': 'sgd', 'lr': 0.1})
+        build_optimizer(model, {'opt': 'sgd', 'lr': 0.1})
 
 
 SCHED = {'sched': 'cosine', 'lr': 1e-4, 'epochs': 30, 'min_lr': 1e-5, 'warmup_lr': 1e-5, 'warmup_steps': 5}
@@ -191,8 +213,8 @@ def _lrs(opt, sched, n):
 
 def test_scheduler_values():
     model = TinyModel()
-    opt = utils.build_optimizer(model, {'lr': 1e-4, 'weight_decay': 0.02})
-    sched = utils.build_scheduler(opt, {'schedular': SCHED}, steps_per_epoch=10)  # whole config works
+    opt = build_optimizer(model, {'lr': 1e-4, 'weight_decay': 0.02})
+    sched = build_scheduler(opt, {'schedular': SCHED}, steps_per_epoch=10)  # whole config works
     lrs = _lrs(opt, sched, 61)
     assert lrs[0] == pytest.approx(1e-5)                     # warm-up starts at warmup_lr
     assert lrs[3] == pytest.approx(1e-5 + 9e-5 * 3 / 5)      # linear
@@ -202,36 +224,36 @@ def test_scheduler_values():
     assert lrs[50] == pytest.approx(cos5) and lrs[59] == pytest.approx(cos5)  # constant within epoch 5
     assert lrs[49] > lrs[50]
     # warm-up longer than epoch 0 continues into epoch 1; past the horizon the rate stays at min_lr
-    assert utils.schedule_lr(12, 10, 1e-4, 30, 1e-5, 1e-5, 15) == pytest.approx(1e-5 + 9e-5 * 12 / 15)
-    assert utils.schedule_lr(400, 10, 1e-4, 30, 1e-5) == pytest.approx(1e-5)
+    assert schedule_lr(12, 10, 1e-4, 30, 1e-5, 1e-5, 15) == pytest.approx(1e-5 + 9e-5 * 12 / 15)
+    assert schedule_lr(400, 10, 1e-4, 30, 1e-5) == pytest.approx(1e-5)
     # fine-tuning style: no warm-up, cosine per epoch from the first step
-    assert utils.schedule_lr(0, 10, 1e-5, 5, 1e-6) == pytest.approx(1e-5)
+    assert schedule_lr(0, 10, 1e-5, 5, 1e-6) == pytest.approx(1e-5)
 
 
 def test_scheduler_config_errors():
-    opt = utils.build_optimizer(TinyModel(), {'lr': 1e-4})
+    opt = build_optimizer(TinyModel(), {'lr': 1e-4})
     with pytest.raises(ValueError, match='differs'):
-        utils.build_scheduler(opt, {**SCHED, 'lr': 2e-4}, 10)
+        build_scheduler(opt, {**SCHED, 'lr': 2e-4}, 10)
     with pytest.raises(ValueError, match='epochs'):
-        utils.build_scheduler(opt, {'sched': 'cosine', 'lr': 1e-4}, 10)
+        build_scheduler(opt, {'sched': 'cosine', 'lr': 1e-4}, 10)
     with pytest.raises(ValueError, match='step'):
-        utils.build_scheduler(opt, {'sched': 'step', 'lr': 1e-4, 'epochs': 3}, 10)
+        build_scheduler(opt, {'sched': 'step', 'lr': 1e-4, 'epochs': 3}, 10)
 
 
 def test_scheduler_state_round_trip(tmp_path):
     torch.manual_seed(0)
     model = TinyModel()
-    opt = utils.build_optimizer(model, {'lr': 1e-4, 'weight_decay': 0.02})
-    sched = utils.build_scheduler(opt, SCHED, steps_per_epoch=4)
+    opt = build_optimizer(model, {'lr': 1e-4, 'weight_decay': 0.02})
+    sched = build_scheduler(opt, SCHED, steps_per_epoch=4)
     _lrs(opt, sched, 13)
-    path = utils.save_checkpoint(utils.checkpoint_path(tmp_path, step=13), model=model.state_dict(),
-                                 optimizer=opt.state_dict(), lr_scheduler=sched.state_dict(), step=13)
+    path = save_checkpoint(checkpoint_path(tmp_path, step=13), model=model.state_dict(),
+                           optimizer=opt.state_dict(), lr_scheduler=sched.state_dict(), step=13)
     expected = _lrs(opt, sched, 6)
 
     model2 = TinyModel()
-    opt2 = utils.build_optimizer(model2, {'lr': 1e-4, 'weight_decay': 0.02})
-    sched2 = utils.build_scheduler(opt2, SCHED, steps_per_epoch=4)
-    state = utils.load_checkpoint(path)
+    opt2 = build_optimizer(model2, {'lr': 1e-4, 'weight_decay': 0.02})
+    sched2 = build_scheduler(opt2, SCHED, steps_per_epoch=4)
+    state = load_checkpoint(path)
     model2.load_state_dict(state['model'])
     opt2.load_state_dict(state['optimizer'])
     sched2.load_state_dict(state['lr_scheduler'])
@@ -243,43 +265,70 @@ def test_scheduler_state_round_trip(tmp_path):
 
 
 def test_checkpoint_save_load_and_latest(tmp_path, config_file):
-    cfg = utils.load_config(config_file)
-    assert utils.checkpoint_path(tmp_path, epoch=3).endswith('checkpoint_03.pth')
-    assert utils.checkpoint_path(tmp_path, step=1234).endswith('checkpoint_step_0001234.pth')
+    cfg = load_config(config_file)
+    assert checkpoint_path(tmp_path, epoch=3).endswith('checkpoint_03.pth')
+    assert checkpoint_path(tmp_path, step=1234).endswith('checkpoint_step_0001234.pth')
     with pytest.raises(ValueError):
-        utils.checkpoint_path(tmp_path)
-    assert utils.find_latest_checkpoint(tmp_path) is None
+        checkpoint_path(tmp_path)
+    assert find_latest_checkpoint(tmp_path) is None
 
     state = {'model': nn.Linear(3, 2).state_dict(), 'config': cfg, 'epoch': 0, 'step': 7}
-    p0 = utils.save_checkpoint(utils.checkpoint_path(tmp_path, step=7), **state)
-    p1 = utils.save_checkpoint(utils.checkpoint_path(tmp_path, epoch=0), **{**state, 'step': 10})
-    utils.save_checkpoint(tmp_path / 'checkpoint_best.pth', **state)  # not a resume candidate
+    p0 = save_checkpoint(checkpoint_path(tmp_path, step=7), **state)
+    p1 = save_checkpoint(checkpoint_path(tmp_path, epoch=0), **{**state, 'step': 10})
+    save_checkpoint(tmp_path / 'checkpoint_best.pth', **state)  # not a resume candidate
     assert sorted(n for n in os.listdir(tmp_path) if n != 'cfg.yaml') == [
         'checkpoint_00.pth', 'checkpoint_best.pth', 'checkpoint_step_0000007.pth', 'latest.json']
-    assert utils.find_latest_checkpoint(tmp_path) == p1
-    assert utils.resolve_resume('latest', str(tmp_path)) == p1
-    assert utils.resolve_resume(None, str(tmp_path)) is None
+    assert find_latest_checkpoint(tmp_path) == p1
+    assert resolve_resume('latest', str(tmp_path)) == p1
+    assert resolve_resume(None, str(tmp_path)) is None
     with pytest.raises(FileNotFoundError):
-        utils.resolve_resume(str(tmp_path / 'missing.pth'), str(tmp_path))
+        resolve_resume(str(tmp_path / 'missing.pth'), str(tmp_path))
 
     raw = torch.load(p1, weights_only=True)  # plain contents: loadable by a bare weights-only load
     assert type(raw['config']) is dict and raw['config']['grit']['queue_size'] == 64
-    loaded = utils.load_checkpoint(p1)
+    loaded = load_checkpoint(p1)
     assert loaded['step'] == 10 and torch.equal(loaded['model']['weight'], state['model']['weight'])
 
     # without the sidecar the newest file wins
     os.remove(tmp_path / 'latest.json')
     os.utime(p0, (2e9, 2e9))
-    assert utils.find_latest_checkpoint(tmp_path) == p0
+    assert find_latest_checkpoint(tmp_path) == p0
+
+
+def test_training_state_format_and_resume(tmp_path, config_file):
+    # The checkpoint format the scripts write (and resume from) is a plain dict with these keys; a file
+    # written before training/ existed (by utils.training_state) has the same keys and resumes alike.
+    torch.manual_seed(0)
+    model, cfg = TinyModel(), load_config(config_file)
+    opt = build_optimizer(model, {'lr': 1e-4, 'weight_decay': 0.02})
+    sched = build_scheduler(opt, SCHED, steps_per_epoch=4)
+    scaler = torch.amp.GradScaler('cpu', enabled=False)
+    _lrs(opt, sched, 5)
+    state = training_state(model, opt, sched, scaler, config=cfg, epoch=1, step=5,
+                           sampler_state={'seed': 3, 'epoch': 1}, seed=3, rank=0, best={'val_acc': 0.5})
+    path = save_checkpoint(checkpoint_path(tmp_path, step=5), **state)
+    raw = torch.load(path, weights_only=True)
+    assert set(raw) == {'model', 'optimizer', 'lr_scheduler', 'scaler', 'sampler', 'config', 'epoch', 'step',
+                        'epoch_complete', 'best'}
+    assert raw['epoch_complete'] is False and raw['sampler'] == {'seed': 3, 'epoch': 1}
+    assert set(raw['model']) == set(model.state_dict())
+
+    model2 = TinyModel()
+    opt2 = build_optimizer(model2, {'lr': 1e-4, 'weight_decay': 0.02})
+    sched2 = build_scheduler(opt2, SCHED, steps_per_epoch=4)
+    loaded, start_epoch, step = restore_training(path, model2, opt2, sched2, scaler, seed=3, rank=0)
+    assert (start_epoch, step, loaded['best']) == (1, 5, {'val_acc': 0.5})  # mid-epoch: epoch 1 again
+    assert all(torch.equal(a, b) for a, b in zip(model.state_dict().values(), model2.state_dict().values()))
+    assert _lrs(opt2, sched2, 3) == pytest.approx(_lrs(opt, sched, 3))
 
 
 def test_load_checkpoint_errors(tmp_path):
     with pytest.raises(FileNotFoundError, match='absent.pth'):
-        utils.load_checkpoint(tmp_path / 'absent.pth')
+        load_checkpoint(tmp_path / 'absent.pth')
     bad = tmp_path / 'corrupt.pth'
     bad.write_bytes(b'not a checkpoint')
     with pytest.raises(ValueError, match='corrupt.pth'):
-        utils.load_checkpoint(bad)
+        load_checkpoint(bad)
 
 
 # ---------------------------------------------------------------- logging
@@ -288,7 +337,7 @@ def test_load_checkpoint_errors(tmp_path):
 def test_train_logger_summary_and_lines(capsys):
     torch.manual_seed(0)
     values = torch.rand(7, 2)
-    log = utils.TrainLogger(header='Train Epoch: [0]', print_freq=3, enabled=True, use_tqdm=False)
+    log = TrainLogger(header='Train Epoch: [0]', print_freq=3, enabled=True, use_tqdm=False)
     for i in log.log_every(range(7)):
         log.update(loss_itc=values[i, 0], loss_itm=values[i, 1], lr=1e-4 * (i + 1))
     summary = log.epoch_summary()
@@ -299,16 +348,16 @@ def test_train_logger_summary_and_lines(capsys):
     assert [ln.split(']')[1].split('/')[0].strip(' [') for ln in lines] == ['3', '6', '7']
     assert 'loss_itc' in lines[-1] and 'eta' in lines[-1]
 
-    quiet = utils.TrainLogger(enabled=False)
+    quiet = TrainLogger(enabled=False)
     for _ in quiet.log_every(range(4)):
         quiet.update(loss=torch.tensor(2.0))
     assert capsys.readouterr().out == '' and quiet.epoch_summary() == {'loss': 2.0}
-    assert utils.all_reduce_mean({'a': torch.tensor(1.5), 'b': 2}) == {'a': 1.5, 'b': 2.0}
+    assert all_reduce_mean({'a': torch.tensor(1.5), 'b': 2}) == {'a': 1.5, 'b': 2.0}
 
 
 def test_append_log_json_lines(tmp_path):
-    utils.append_log(tmp_path, {'epoch': 0, 'train_loss_itc': torch.tensor(0.5), 'lr': 1e-4})
-    utils.append_log(tmp_path, {'epoch': 1, 'r@1': [1.0, 2.0]})
+    append_log(tmp_path, {'epoch': 0, 'train_loss_itc': torch.tensor(0.5), 'lr': 1e-4})
+    append_log(tmp_path, {'epoch': 1, 'r@1': [1.0, 2.0]})
     records = [json.loads(ln) for ln in (tmp_path / 'log.txt').read_text().splitlines()]
     assert records == [{'epoch': 0, 'train_loss_itc': 0.5, 'lr': 1e-4}, {'epoch': 1, 'r@1': [1.0, 2.0]}]
 
@@ -328,12 +377,12 @@ class _RandomDataset(torch.utils.data.Dataset):
 
 
 def test_seed_and_loader():
-    utils.seed_everything(1, rank=1)
+    seed_everything(1, rank=1)
     a = torch.rand(3)
-    utils.seed_everything(2, rank=0)
+    seed_everything(2, rank=0)
     assert torch.equal(a, torch.rand(3))
-    loader = utils.create_loader(_RandomDataset(), None, batch_size=2, num_workers=2, drop_last=True,
-                                 generator=utils.make_generator(0))
+    loader = create_loader(_RandomDataset(), None, batch_size=2, num_workers=2, drop_last=True,
+                           generator=make_generator(0))
     assert loader.persistent_workers and not loader.pin_memory
     batches = list(loader)
     assert len(batches) == 4
@@ -341,8 +390,8 @@ def test_seed_and_loader():
     assert sorted(rows[:, 0].tolist()) == list(range(8))
     # worker 0 loads batches 0 and 2, worker 1 batches 1 and 3: their numpy streams must differ
     assert not torch.equal(batches[0][:, 1], batches[1][:, 1])
-    again = torch.cat(list(utils.create_loader(_RandomDataset(), None, 2, 2,
-                                               generator=utils.make_generator(0))))
+    again = torch.cat(list(create_loader(_RandomDataset(), None, 2, 2,
+                                         generator=make_generator(0))))
     assert torch.equal(rows, again)  # same generator seed -> same worker seeds
 
 
@@ -354,18 +403,18 @@ def _dist_worker(rank, port, out_dir, queue):
     os.environ.update({'WORLD_SIZE': '2', 'RANK': str(rank), 'LOCAL_RANK': str(rank),
                        'MASTER_ADDR': '127.0.0.1', 'MASTER_PORT': str(port)})
     try:
-        args = utils.parse_args(['--config', 'c.yaml', '--device', 'cpu'])
-        info = utils.init_distributed(args)
+        args = parse_args(['--config', 'c.yaml', '--device', 'cpu'])
+        info = init_distributed(args)
         assert info.distributed and info.world_size == 2 and info.device.type == 'cpu'
-        assert info.local_rank == rank and utils.get_rank() == rank
-        mean = utils.all_reduce_mean({'x': torch.tensor(float(rank))})
-        log = utils.TrainLogger(enabled=utils.is_main_process(), use_tqdm=False)
+        assert info.local_rank == rank and get_rank() == rank
+        mean = all_reduce_mean({'x': torch.tensor(float(rank))})
+        log = TrainLogger(enabled=is_main_process(), use_tqdm=False)
         for step in range(3):
             log.update(loss=torch.tensor(float(rank * 10 + step)))
         summary = log.epoch_summary()
-        path = utils.save_checkpoint(os.path.join(out_dir, 'checkpoint_00.pth'), step=3)
-        utils.barrier()
-        utils.cleanup()
+        path = save_checkpoint(os.path.join(out_dir, 'checkpoint_00.pth'), step=3)
+        barrier()
+        cleanup()
         queue.put((rank, mean['x'], summary['loss'], path is not None))
     except BaseException as e:  # report instead of hanging the parent
         queue.put((rank, repr(e)))
@@ -386,4 +435,4 @@ def test_two_process_gloo(tmp_path):
         p.join(timeout=30)
     # mean of ranks 0,1 = 0.5; loss mean over {0,1,2,10,11,12} = 6; only rank 0 saves
     assert results == [(0, 0.5, 6.0, True), (1, 0.5, 6.0, False)]
-    assert utils.find_latest_checkpoint(tmp_path).endswith('checkpoint_00.pth')
+    assert find_latest_checkpoint(tmp_path).endswith('checkpoint_00.pth')

@@ -1,0 +1,197 @@
+"""The YAML config: load (comments kept), `--set a.b=value` overrides, required keys, save, plain dicts.
+
+ConfigError is the one exception a bad config or override raises; cli.run_main turns it into a
+one-line message. get_max_epoch and schedule_block read the training length and the schedule block.
+"""
+
+from __future__ import annotations
+
+import argparse
+import difflib
+import io
+import os
+from collections.abc import Iterable, Mapping, MutableMapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+from ruamel.yaml import YAML
+from ruamel.yaml.comments import CommentedMap, CommentedSeq
+from ruamel.yaml.error import YAMLError
+from ruamel.yaml.scalarbool import ScalarBoolean
+
+
+class ConfigError(ValueError):
+    """A config file or override is malformed or lacks a key."""
+
+
+def _yaml() -> YAML:
+    """Round-trip YAML (1.2: `1e-4` is a float) that keeps comments and writes `null` explicitly."""
+    y = YAML(typ='rt')
+    y.preserve_quotes = True
+    y.width = 4096  # long lists of json paths stay on one line as written
+    y.representer.add_representer(
+        type(None), lambda r, _: r.represent_scalar('tag:yaml.org,2002:null', 'null'))
+    return y
+
+
+def _flat_keys(node: Any, prefix: str = '') -> list[str]:
+    """All dotted key paths of a nested mapping (mappings only, not list items)."""
+    keys: list[str] = []
+    if isinstance(node, Mapping):
+        for k, v in node.items():
+            path = f'{prefix}{k}'
+            keys.append(path)
+            keys.extend(_flat_keys(v, path + '.'))
+    return keys
+
+
+def _unknown_key(key: str, config: Any, source: str) -> ConfigError:
+    close = difflib.get_close_matches(key, _flat_keys(config), n=1, cutoff=0.6)
+    hint = f" (did you mean '{close[0]}'?)" if close else ''
+    return ConfigError(f"unknown config key '{key}'{hint} in {source}")
+
+
+def _walk(config: Any, key: str, source: str) -> tuple[Any, str | int]:
+    """Return (container, last_key) for dotted `key`; every part must already exist."""
+    parts = key.split('.')
+    node = config
+    for i, part in enumerate(parts):
+        is_last = i == len(parts) - 1
+        if isinstance(node, Mapping) and part in node:
+            sel: str | int = part
+        elif isinstance(node, list) and part.lstrip('-').isdigit() and -len(node) <= int(part) < len(node):
+            sel = int(part)
+        else:
+            raise _unknown_key(key, config, source)
+        if is_last:
+            return node, sel
+        node = node[sel]
+    raise _unknown_key(key, config, source)  # empty key
+
+
+def parse_yaml_value(text: str) -> Any:
+    """Parse an override value as YAML 1.2: 'false', '1e-4' (float), '[a, b]' (list), 'null' (None)."""
+    try:
+        return _yaml().load(text)
+    except YAMLError as e:
+        raise ConfigError(f'cannot parse override value {text!r} as YAML: {e}') from e
+
+
+def load_config(path: str | os.PathLike, overrides: Sequence[str] | None = None) -> CommentedMap:
+    """Load a YAML config (round-trip: comments kept, acts as a dict), then apply `a.b=value` overrides."""
+    path = str(path)
+    if not os.path.isfile(path):
+        raise FileNotFoundError(f'config file not found: {path}')
+    try:
+        with open(path, encoding='utf-8') as f:
+            config = _yaml().load(f)
+    except YAMLError as e:
+        raise ConfigError(f'cannot parse config file {path}: {e}') from e
+    if config is None:
+        config = CommentedMap()
+    if not isinstance(config, Mapping):
+        raise ConfigError(f'config file {path} must hold a mapping at top level, not {type(config).__name__}')
+    apply_overrides(config, overrides or [], source=path)
+    return config
+
+
+def apply_overrides(config: MutableMapping, overrides: Sequence[str], source: str = 'config') -> None:
+    """Set each `a.b.c=value` (value parsed as YAML) in place; the key must already exist."""
+    for item in overrides:
+        key, sep, text = item.partition('=')
+        key = key.strip()
+        if not sep or not key:
+            raise ConfigError(f"override {item!r} must look like key=value (e.g. grit.enabled=false)")
+        container, last = _walk(config, key, source)
+        container[last] = parse_yaml_value(text)
+
+
+def apply_cli_overrides(config: MutableMapping, args: argparse.Namespace) -> None:
+    """Copy --text_encoder and --seed into config keys text_encoder / seed when given on the command line."""
+    for name in ('text_encoder', 'seed'):
+        value = getattr(args, name, None)
+        if value is not None:
+            config[name] = value
+
+
+def config_from_args(args: argparse.Namespace) -> CommentedMap:
+    """load_config(args.config, args.set) followed by apply_cli_overrides (CLI flags win over --set)."""
+    config = load_config(args.config, getattr(args, 'set', None) or [])
+    apply_cli_overrides(config, args)
+    return config
+
+
+def save_config(config: Mapping, path: str | os.PathLike) -> None:
+    """Write `config` as YAML; a round-trip CommentedMap keeps its comments."""
+    buf = io.StringIO()
+    _yaml().dump(config, buf)
+    atomic_write_text(str(path), buf.getvalue())
+
+
+def get_key(config: Mapping, key: str, default: Any = None) -> Any:
+    """config['a']['b'] for key 'a.b', or `default` when any part is missing."""
+    node: Any = config
+    for part in key.split('.'):
+        if not isinstance(node, Mapping) or part not in node:
+            return default
+        node = node[part]
+    return node
+
+
+def require_keys(config: Mapping, keys: Iterable[str], source: str = 'config') -> None:
+    """Raise ConfigError naming the first missing (dotted) key and the config file `source`."""
+    missing = object()
+    for key in keys:
+        if get_key(config, key, missing) is missing:
+            raise ConfigError(f"config key '{key}' is required but missing in {source}")
+
+
+def to_plain(obj: Any) -> Any:
+    """Recursively turn ruamel/numpy/argparse containers and scalars into plain Python (weights_only-safe)."""
+    if isinstance(obj, argparse.Namespace):
+        return to_plain(vars(obj))
+    if isinstance(obj, CommentedMap) or type(obj) is dict:  # OrderedDict state dicts keep their type
+        return {to_plain(k): to_plain(v) for k, v in obj.items()}
+    if isinstance(obj, (CommentedSeq, list)):
+        return [to_plain(v) for v in obj]
+    if isinstance(obj, tuple):
+        return tuple(to_plain(v) for v in obj)
+    if isinstance(obj, (bool, ScalarBoolean, np.bool_)):
+        return bool(obj)
+    if isinstance(obj, (int, np.integer)):
+        return int(obj)
+    if isinstance(obj, (float, np.floating)):
+        return float(obj)
+    if isinstance(obj, str):
+        return str(obj)
+    if isinstance(obj, Path):
+        return str(obj)
+    return obj  # tensors, OrderedDict state dicts, None, ...
+
+
+def get_max_epoch(config: Mapping) -> int:
+    """Training length: top-level `max_epoch`, else schedular.epochs (ALBEF, where horizon = length)."""
+    if 'max_epoch' in config:
+        return int(config['max_epoch'])
+    sched = schedule_block(config)
+    if 'epochs' not in sched:
+        raise ConfigError("config needs 'max_epoch' (or schedular.epochs)")
+    return int(sched['epochs'])
+
+
+def schedule_block(config: Mapping) -> Mapping:
+    """The schedule block: config itself if it has 'sched', else config['schedular'|'scheduler']."""
+    if 'sched' in config:
+        return config
+    for key in ('schedular', 'scheduler'):
+        if key in config:
+            return config[key]
+    raise ConfigError("config has no 'schedular' (or 'scheduler') block")
+
+
+def atomic_write_text(path: str, text: str) -> None:
+    tmp = f'{path}.tmp{os.getpid()}'
+    with open(tmp, 'w', encoding='utf-8') as f:
+        f.write(text)
+    os.replace(tmp, path)

@@ -1,0 +1,148 @@
+"""Distributed: process-group start (torchrun / launch) and device choice, rank queries, the
+reductions of logged metrics, and the DDP wrapper. Every function works unchanged in a single process.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+
+@dataclass
+class DistInfo:
+    """Where this process sits in the job."""
+
+    rank: int
+    world_size: int
+    local_rank: int
+    device: torch.device
+    distributed: bool
+
+
+def _resolve_device(name: str | None, local_rank: int, distributed: bool) -> torch.device:
+    if name is None:
+        name = 'cuda' if torch.cuda.is_available() else 'cpu'
+    try:
+        device = torch.device(name)
+    except RuntimeError as e:
+        raise ValueError(f'--device {name!r} is not a valid device (use cpu, cuda or cuda:N)') from e
+    if device.type == 'cuda':
+        if not torch.cuda.is_available():
+            raise ValueError(f'--device {name} requested but CUDA is not available (use --device cpu)')
+        if distributed or device.index is None:
+            # one process per GPU: the launcher's local rank picks the GPU
+            device = torch.device('cuda', local_rank if distributed else torch.cuda.current_device())
+    elif device.type != 'cpu':
+        raise ValueError(f'--device {name!r} is not supported (use cpu, cuda or cuda:N)')
+    return device
+
+
+def init_distributed(args: argparse.Namespace) -> DistInfo:
+    """Start the process group when launched with WORLD_SIZE > 1 (torchrun / launch), else single process."""
+    world_size = int(os.environ.get('WORLD_SIZE', '1'))
+    local_rank = os.environ.get('LOCAL_RANK')
+    local_rank = int(local_rank) if local_rank is not None else int(getattr(args, 'local_rank', None) or 0)
+    distributed = world_size > 1
+    device = _resolve_device(getattr(args, 'device', None), local_rank, distributed)
+    if not distributed:
+        return DistInfo(rank=0, world_size=1, local_rank=local_rank, device=device, distributed=False)
+    if 'RANK' not in os.environ:
+        raise ValueError('WORLD_SIZE > 1 but RANK is not set: launch with torchrun or '
+                         'torch.distributed.launch (which set RANK, MASTER_ADDR and MASTER_PORT)')
+    rank = int(os.environ['RANK'])
+    if device.type == 'cuda':
+        torch.cuda.set_device(device)
+        dist.init_process_group('nccl', init_method='env://', world_size=world_size, rank=rank,
+                                device_id=device)
+    else:
+        dist.init_process_group('gloo', init_method='env://', world_size=world_size, rank=rank)
+    return DistInfo(rank=rank, world_size=world_size, local_rank=local_rank, device=device, distributed=True)
+
+
+def is_dist() -> bool:
+    """True when a process group is initialised."""
+    return dist.is_available() and dist.is_initialized()
+
+
+def get_rank() -> int:
+    """Global rank (0 without a process group)."""
+    return dist.get_rank() if is_dist() else 0
+
+
+def get_world_size() -> int:
+    """Number of processes (1 without a process group)."""
+    return dist.get_world_size() if is_dist() else 1
+
+
+def is_main_process() -> bool:
+    """True on global rank 0."""
+    return get_rank() == 0
+
+
+def barrier() -> None:
+    """Wait for all ranks (no-op in a single process)."""
+    if is_dist():
+        dist.barrier()
+
+
+def cleanup() -> None:
+    """Destroy the process group if one was started."""
+    if is_dist():
+        dist.destroy_process_group()
+
+
+def print_main(*values: Any, **kwargs: Any) -> None:
+    """print() on the main process only (flushes, so lines interleave correctly in job logs)."""
+    if is_main_process():
+        kwargs.setdefault('flush', True)
+        print(*values, **kwargs)
+
+
+def reduce_sum(t: torch.Tensor) -> torch.Tensor:
+    """All-reduce (sum) a float tensor on the backend's device; identity without a process group."""
+    if not is_dist():
+        return t
+    if dist.get_backend() == 'nccl':
+        t = t.to(torch.device('cuda', torch.cuda.current_device()))
+    else:
+        t = t.cpu()
+    dist.all_reduce(t, op=dist.ReduceOp.SUM)
+    return t
+
+
+def stack_values(values: Sequence[Any]) -> torch.Tensor:
+    """(K,) float64 tensor from 0-dim tensors / numbers, on the first tensor's device (no host sync)."""
+    device = next((v.device for v in values if isinstance(v, torch.Tensor)), torch.device('cpu'))
+    return torch.stack([v.detach().to(device, torch.float64).reshape(()) if isinstance(v, torch.Tensor)
+                        else torch.tensor(float(v), dtype=torch.float64, device=device) for v in values])
+
+
+def all_reduce_mean(values: Mapping[str, torch.Tensor | float]) -> dict[str, float]:
+    """Mean over ranks of each 0-dim tensor / number -> python floats, with a single host sync."""
+    if not values:
+        return {}
+    keys = sorted(values)  # same order on every rank
+    total = reduce_sum(stack_values([values[k] for k in keys])) / get_world_size()
+    return dict(zip(keys, total.tolist()))
+
+
+def unwrap(model: nn.Module) -> nn.Module:
+    """The module inside DistributedDataParallel, or the model itself."""
+    return model.module if isinstance(model, nn.parallel.DistributedDataParallel) else model
+
+
+def wrap_ddp(model: nn.Module, info: DistInfo, find_unused_parameters: bool = False,
+             broadcast_buffers: bool = True) -> nn.Module:
+    """DistributedDataParallel when running distributed, else the model unchanged."""
+    if not info.distributed:
+        return model
+    ids = [info.device.index] if info.device.type == 'cuda' else None
+    return nn.parallel.DistributedDataParallel(model, device_ids=ids, broadcast_buffers=broadcast_buffers,
+                                               find_unused_parameters=find_unused_parameters)

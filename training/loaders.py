@@ -1,0 +1,65 @@
+"""Data loaders: DataLoader settings shared by all scripts, and the seeded, resumable per-rank sampler
+that fine-tuning uses (pre-training uses grit.GritSampler instead).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+from torch.utils.data import DataLoader, Dataset, DistributedSampler, Sampler
+
+from training.distributed import DistInfo
+from training.reproducibility import worker_init_fn
+
+
+class ResumableSampler(DistributedSampler):
+    """DistributedSampler for fine-tuning that can start an epoch after `start_batch` batches (resume)."""
+
+    def __init__(self, *args: Any, batch_size: int, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.batch_size = batch_size
+        self.start_batch = 0
+        self.loader_generator = torch.Generator()  # for the DataLoader, see set_epoch
+
+    def set_epoch(self, epoch: int) -> None:
+        super().set_epoch(epoch)
+        # The loader draws its workers' base seed from this generator, reseeded per (epoch, rank), not
+        # from the global RNG: a run resumed mid-epoch then sees the same random numbers.
+        self.loader_generator.manual_seed(self.seed * 1_000_003 + epoch * 10_007 + self.rank)
+
+    def __iter__(self) -> Iterator[int]:
+        return iter(list(super().__iter__())[self.start_batch * self.batch_size:])
+
+    def __len__(self) -> int:
+        return super().__len__() - self.start_batch * self.batch_size
+
+
+def finetune_loader(dataset: Dataset, info: DistInfo, *, seed: int, batch_size: int, num_workers: int,
+                    collate_fn: Any = None) -> tuple[ResumableSampler, DataLoader]:
+    """Seeded, resumable per-rank sampler and its loader for fine-tuning (no GRIT there, as in the paper)."""
+    sampler = ResumableSampler(dataset, num_replicas=info.world_size, rank=info.rank, shuffle=True, seed=seed,
+                               drop_last=True, batch_size=batch_size)
+    loader = create_loader(dataset, sampler, batch_size, num_workers, collate_fn=collate_fn, drop_last=True,
+                           generator=sampler.loader_generator)
+    return sampler, loader
+
+
+def create_loader(dataset: Dataset, sampler: Sampler | None, batch_size: int, num_workers: int,
+                  collate_fn: Any = None, drop_last: bool = True, shuffle: bool = False,
+                  generator: torch.Generator | None = None) -> DataLoader:
+    """DataLoader with pinned memory on CUDA, persistent seeded workers; `shuffle` only without a sampler."""
+    return DataLoader(
+        dataset,
+        batch_size=batch_size,
+        sampler=sampler,
+        shuffle=shuffle if sampler is None else False,
+        num_workers=num_workers,
+        collate_fn=collate_fn,
+        drop_last=drop_last,
+        pin_memory=torch.cuda.is_available(),
+        persistent_workers=num_workers > 0,
+        worker_init_fn=worker_init_fn if num_workers > 0 else None,
+        generator=generator,
+    )

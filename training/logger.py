@@ -1,0 +1,162 @@
+"""Logging: TrainLogger (per-step metrics kept on the device, progress lines, the epoch means over all
+ranks), log.txt (one JSON line per record) and the run's output directory with its config.yaml.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import sys
+import time
+from collections.abc import Iterable, Iterator, Mapping
+from typing import Any
+
+import numpy as np
+import torch
+
+from training.config import save_config, to_plain
+from training.distributed import is_main_process, reduce_sum, stack_values
+
+
+def _fmt(name: str, value: float) -> str:
+    return f'{value:.3e}' if name.startswith('lr') else f'{value:.4f}'
+
+
+class TrainLogger:
+    """Accumulates per-step metrics on device without host syncs; prints every `print_freq` steps.
+
+    Usage: `for batch in log.log_every(loader): ...; log.update(loss_itc=loss, lr=lr)`, then
+    `log.epoch_summary()` (collective: every rank calls it, with the same metric names).
+    """
+
+    def __init__(self, header: str = '', print_freq: int = 50, enabled: bool | None = None,
+                 use_tqdm: bool | None = None) -> None:
+        self.header = header
+        self.print_freq = max(1, int(print_freq))
+        self.enabled = is_main_process() if enabled is None else enabled
+        self.use_tqdm = (sys.stderr.isatty() if use_tqdm is None else use_tqdm) and self.enabled
+        self._sum: dict[str, Any] = {}   # running sums: 0-dim tensors (device) or floats
+        self._count: dict[str, int] = {}
+        self._last: dict[str, Any] = {}
+        self.step = 0
+        self.start_time = time.time()
+
+    def update(self, **metrics: torch.Tensor | float) -> None:
+        """Add one value per metric (0-dim tensor kept on device, or a number); no host sync."""
+        for k, v in metrics.items():
+            if isinstance(v, torch.Tensor):
+                v = v.detach().float().reshape(())
+            else:
+                v = float(v)
+            self._sum[k] = self._sum[k] + v if k in self._sum else v
+            self._count[k] = self._count.get(k, 0) + 1
+            self._last[k] = v
+
+    def local_means(self) -> dict[str, float]:
+        """This rank's means so far (one host sync)."""
+        keys = sorted(self._sum)
+        if not keys:
+            return {}
+        sums = stack_values([self._sum[k] for k in keys]).tolist()
+        return {k: s / self._count[k] for k, s in zip(keys, sums)}
+
+    def _line(self) -> str:
+        keys = sorted(self._last)
+        if not keys:
+            return ''
+        vals = stack_values([self._last[k] for k in keys] + [self._sum[k] for k in keys]).tolist()
+        n = len(keys)
+        return '  '.join(f'{k}: {_fmt(k, vals[i])} ({_fmt(k, vals[n + i] / self._count[k])})'
+                         for i, k in enumerate(keys))
+
+    def log_every(self, iterable: Iterable, total: int | None = None, start: int = 0) -> Iterator:
+        """Yield from `iterable`, counting steps and printing (rank 0) a progress line every print_freq."""
+        if total is None:
+            try:
+                total = len(iterable)  # type: ignore[arg-type]
+            except TypeError:
+                total = None
+        end = None if total is None else start + total
+        self.step = start
+        bar = None
+        if self.use_tqdm:
+            from tqdm import tqdm
+            bar = tqdm(total=end, initial=start, desc=self.header, dynamic_ncols=True, file=sys.stderr)
+        width = len(str(end)) if end is not None else 0
+        t_window, data_time, iter_time, n_window = time.time(), 0.0, 0.0, 0
+        t_end = time.time()
+        try:
+            for obj in iterable:
+                data_time += time.time() - t_end
+                yield obj
+                self.step += 1
+                n_window += 1
+                now = time.time()
+                iter_time = now - t_window
+                t_end = now
+                if bar is not None:
+                    bar.update(1)
+                if self.enabled and (self.step % self.print_freq == 0 or self.step == end):
+                    line = self._line()
+                    if bar is not None:
+                        bar.set_postfix_str(line, refresh=True)
+                    else:
+                        eta = ''
+                        if end is not None:
+                            left = (end - self.step) * iter_time / max(n_window, 1)
+                            eta = f'eta: {datetime.timedelta(seconds=int(left))}  '
+                        of = f'/{end}' if end is not None else ''
+                        print(f'{self.header} [{self.step:>{width}}{of}]  {eta}{line}  '
+                              f'time: {iter_time / n_window:.3f}s/it  data: {data_time / n_window:.3f}s/it',
+                              flush=True)
+                    t_window, data_time, n_window = time.time(), 0.0, 0
+                    t_end = t_window
+        finally:
+            if bar is not None:
+                bar.close()
+
+    def epoch_summary(self) -> dict[str, float]:
+        """Mean of each metric over all steps of all ranks (collective; one host sync)."""
+        keys = sorted(self._sum)
+        if not keys:
+            return {}
+        packed = stack_values([self._sum[k] for k in keys] + [float(self._count[k]) for k in keys])
+        packed = reduce_sum(packed).tolist()
+        n = len(keys)
+        return {k: packed[i] / packed[n + i] for i, k in enumerate(keys)}
+
+    @property
+    def elapsed(self) -> float:
+        """Seconds since the logger was created."""
+        return time.time() - self.start_time
+
+
+def _json_default(obj: Any) -> Any:
+    if isinstance(obj, torch.Tensor):
+        return obj.tolist()
+    if isinstance(obj, np.ndarray):
+        return obj.tolist()
+    return str(obj)
+
+
+def append_log(output_dir: str | os.PathLike, record: Mapping) -> None:
+    """Append `record` as one JSON line to output_dir/log.txt (main process only)."""
+    if not is_main_process():
+        return
+    os.makedirs(str(output_dir), exist_ok=True)
+    line = json.dumps(to_plain(dict(record)), default=_json_default)
+    with open(os.path.join(str(output_dir), 'log.txt'), 'a', encoding='utf-8') as f:
+        f.write(line + '\n')
+
+
+def setup_output_dir(args: argparse.Namespace, config: Mapping) -> str:
+    """Create args.output_dir and write config.yaml there (main process); returns the directory."""
+    output_dir = getattr(args, 'output_dir', None)
+    if not output_dir:
+        raise ValueError('--output_dir is required')
+    if is_main_process():
+        os.makedirs(output_dir, exist_ok=True)
+        save_config(config, os.path.join(output_dir, 'config.yaml'))
+    return str(output_dir)

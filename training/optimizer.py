@@ -1,0 +1,142 @@
+"""Optimiser and schedule: AdamW with the no-decay parameter groups, the authors' warm-up + per-epoch
+cosine learning rate, and mixed precision (autocast dtype, GradScaler).
+"""
+
+from __future__ import annotations
+
+import math
+import warnings
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+from torch import nn
+
+from training.config import ConfigError, schedule_block
+
+# Parameters that get no weight decay, matched on dotted-name components: embedding tables and
+# tokens (decay would shrink them toward zero for no regularisation benefit) and the ITC temperature.
+_NO_DECAY_NAMES = {'word_embeddings', 'position_embeddings', 'token_type_embeddings',
+                   'cls_token', 'pos_embed', 'temp', 'bias'}
+
+
+def _no_decay(name: str, p: torch.Tensor) -> bool:
+    parts = name.split('.')
+    if p.ndim <= 1:  # biases, norm weights, scalars
+        return True
+    return any(part in _NO_DECAY_NAMES or 'norm' in part.lower() for part in parts)
+
+
+def split_decay_params(model: nn.Module) -> tuple[dict[str, nn.Parameter], dict[str, nn.Parameter]]:
+    """Trainable parameters split into (decay, no_decay) by name; frozen ones (momentum copies) left out."""
+    no_decay_ids: set[int] = set()
+    # A tied weight (MLM decoder = word embeddings) is no-decay if any of its names is.
+    for name, p in model.named_parameters(remove_duplicate=False):
+        if _no_decay(name, p):
+            no_decay_ids.add(id(p))
+    decay: dict[str, nn.Parameter] = {}
+    no_decay: dict[str, nn.Parameter] = {}
+    for name, p in model.named_parameters():
+        if p.requires_grad:
+            (no_decay if id(p) in no_decay_ids else decay)[name] = p
+    return decay, no_decay
+
+
+def _num(cfg: Mapping, key: str, source: str, default: Any = ...) -> float:
+    """cfg[key] as float; strings such as '1e-4' (YAML 1.1 habit) are accepted."""
+    if key not in cfg:
+        if default is ...:
+            raise ConfigError(f"config key '{source}.{key}' is required")
+        return default
+    value = cfg[key]
+    try:
+        return float(value)
+    except (TypeError, ValueError) as e:
+        raise ConfigError(f"config key '{source}.{key}' must be a number, got {value!r}") from e
+
+
+def build_optimizer(model: nn.Module, config: Mapping) -> torch.optim.AdamW:
+    """AdamW over trainable params: weight decay except norms, biases, embeddings, cls/pos tokens and temp.
+
+    config (the `optimizer` block): {opt: adamW, lr, weight_decay, betas: [0.9, 0.999], eps: 1e-8}.
+    """
+    opt = str(config.get('opt', 'adamW')).lower()
+    if opt != 'adamw':
+        raise ConfigError(f"optimizer.opt {config.get('opt')!r} is not supported (use adamW)")
+    lr = _num(config, 'lr', 'optimizer')
+    wd = _num(config, 'weight_decay', 'optimizer', 0.0)
+    betas = tuple(float(b) for b in config.get('betas', (0.9, 0.999)))
+    if len(betas) != 2:
+        raise ConfigError(f"optimizer.betas must have two values, got {list(betas)}")
+    eps = _num(config, 'eps', 'optimizer', 1e-8)
+    decay, no_decay = split_decay_params(model)
+    groups = [{'params': list(ps.values()), 'weight_decay': w, 'name': n}
+              for n, ps, w in (('decay', decay, wd), ('no_decay', no_decay, 0.0)) if ps]
+    if not groups:
+        raise ValueError('build_optimizer: the model has no trainable parameters')
+    return torch.optim.AdamW(groups, lr=lr, betas=betas, eps=eps, weight_decay=wd)
+
+
+def schedule_lr(step: int, steps_per_epoch: int, lr: float, epochs: int, min_lr: float = 0.0,
+                warmup_lr: float | None = None, warmup_steps: int = 0) -> float:
+    """Learning rate for optimiser step `step` (0-based): linear warm-up, then per-epoch cosine."""
+    if step < warmup_steps:
+        start = min_lr if warmup_lr is None else warmup_lr
+        return start + (lr - start) * step / warmup_steps
+    epoch = min(step // steps_per_epoch, epochs)  # past the horizon the rate stays at min_lr
+    return min_lr + 0.5 * (lr - min_lr) * (1.0 + math.cos(math.pi * epoch / epochs))
+
+
+def build_scheduler(optimizer: torch.optim.Optimizer, config: Mapping,
+                    steps_per_epoch: int) -> torch.optim.lr_scheduler.LambdaLR:
+    """LambdaLR stepped once per optimiser step, implementing the authors' warm-up + per-epoch cosine.
+
+    config: the `schedular` block (ALBEF's spelling; `scheduler` or the whole config also work):
+      sched: cosine, lr, epochs, min_lr (0), warmup_lr (min_lr), warmup_steps (0).
+    `epochs` is the cosine horizon: lr(e) = min_lr + (lr - min_lr)(1 + cos(pi e / epochs)) / 2 for epoch e,
+    constant within an epoch. The paper's pre-training uses a 30-epoch horizon but stops at top-level
+    `max_epoch` = 20 (see get_max_epoch). The first `warmup_steps` optimiser steps ramp linearly from
+    warmup_lr to lr (ALBEF: warmup_epochs 20 x step_size 100 = 2000 steps); if they outlast epoch 0 the
+    ramp continues. After the ramp epoch 0 runs at `lr`. ALBEF keys decay_rate / cooldown_epochs are
+    ignored; warmup_epochs is ignored with a warning (its unit differs between ALBEF scripts).
+    """
+    cfg = schedule_block(config)
+    sched = str(cfg.get('sched', 'cosine')).lower()
+    if sched != 'cosine':
+        raise ConfigError(f"schedular.sched {cfg.get('sched')!r} is not supported (use cosine)")
+    if steps_per_epoch <= 0:
+        raise ValueError(f'build_scheduler: steps_per_epoch must be positive, got {steps_per_epoch}')
+    base_lr = optimizer.param_groups[0].get('initial_lr', optimizer.param_groups[0]['lr'])
+    lr = _num(cfg, 'lr', 'schedular', base_lr)
+    if not math.isclose(lr, base_lr, rel_tol=1e-9):
+        raise ConfigError(f'schedular.lr ({lr}) differs from the optimizer lr ({base_lr}); set them equal')
+    if lr <= 0:
+        raise ConfigError(f'schedular.lr must be positive, got {lr}')
+    epochs = int(_num(cfg, 'epochs', 'schedular'))
+    if epochs <= 0:
+        raise ConfigError(f'schedular.epochs must be positive, got {epochs}')
+    min_lr = _num(cfg, 'min_lr', 'schedular', 0.0)
+    warmup_lr = _num(cfg, 'warmup_lr', 'schedular', min_lr)
+    warmup_steps = int(_num(cfg, 'warmup_steps', 'schedular', 0))
+    if 'warmup_epochs' in cfg and 'warmup_steps' not in cfg:
+        warnings.warn('schedular.warmup_epochs is ignored; set schedular.warmup_steps (optimiser steps, '
+                      'ALBEF pre-training: 2000)', stacklevel=2)
+
+    # A closure (not a callable object) keeps the settings out of state_dict, so a resumed run
+    # uses its own config and steps_per_epoch and only restores the step counter.
+    def factor(step: int) -> float:
+        return schedule_lr(step, steps_per_epoch, lr, epochs, min_lr, warmup_lr, warmup_steps) / lr
+
+    return torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
+
+
+def autocast_dtype(config: Mapping, device: torch.device) -> torch.dtype | None:
+    """Mixed-precision dtype for `amp: true` on CUDA (bf16 where supported, else fp16); None = fp32."""
+    if not config.get('amp', False) or device.type != 'cuda':
+        return None
+    return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
+
+
+def build_scaler(config: Mapping, device: torch.device) -> torch.amp.GradScaler:
+    """GradScaler, enabled only for fp16 autocast (bf16 and fp32 need no loss scaling)."""
+    return torch.amp.GradScaler(device.type, enabled=autocast_dtype(config, device) == torch.float16)

@@ -1,0 +1,65 @@
+"""Reproducibility: seeds per rank, deterministic kernels, the reseed at checkpoints and on resume
+(a resumed run draws the same random numbers as an unbroken one), and DataLoader worker seeds.
+"""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Mapping
+from typing import Any
+
+import numpy as np
+import torch
+
+
+def seed_everything(seed: int, rank: int = 0) -> int:
+    """Seed python, numpy and torch (all devices) with seed + rank, as ALBEF; returns the seed used."""
+    s = int(seed) + int(rank)
+    random.seed(s)
+    np.random.seed(s % 2**32)
+    torch.manual_seed(s)
+    return s
+
+
+def use_deterministic_kernels(config: Mapping) -> None:
+    """Config key `deterministic` (default false): torch's deterministic kernels, so a run repeats bitwise.
+
+    Without them, the backward of indexing with repeated indices (CPU index_put with accumulate, as in
+    NLVR text assignment's `tokens[first]`) sums in a thread-dependent order: two identical tiny text-
+    assignment runs differed by up to 1.5e-4 in a weight. Off by default, as ALBEF: on GPUs the
+    deterministic kernels are slower; ops that have none only warn (warn_only).
+    """
+    # Set both ways: the flag is process-wide, and one process may run several configs (tests).
+    torch.use_deterministic_algorithms(bool(config.get('deterministic', False)), warn_only=True)
+
+
+def build_on_every_rank(build: Any, seed: int, rank: int) -> Any:
+    """build() under the same seed on every rank (so un-loaded weights agree), then reseed for this rank."""
+    seed_everything(seed, 0)
+    try:
+        return build()
+    finally:
+        seed_everything(seed, rank)
+
+
+def reseed(seed: int, rank: int, step: int) -> None:
+    """Reseed python, numpy and torch from (seed, rank, step): called at every checkpoint and on resume,
+    so a resumed run draws the same random numbers (MLM masks, augmentation, dropout) as an unbroken one."""
+    value = (int(seed) * 1_000_003 + int(rank) * 7_919 + int(step)) % (2**31 - 1)
+    random.seed(value)
+    np.random.seed(value)
+    torch.manual_seed(value)
+
+
+def worker_init_fn(worker_id: int) -> None:
+    """Seed python and numpy in a DataLoader worker from its torch seed (base seed + worker id)."""
+    s = torch.initial_seed() % 2**32
+    np.random.seed(s)
+    random.seed(s)
+
+
+def make_generator(seed: int) -> torch.Generator:
+    """CPU torch.Generator for a DataLoader, so worker base seeds follow `seed`."""
+    g = torch.Generator()
+    g.manual_seed(int(seed))
+    return g
