@@ -26,16 +26,8 @@ from torch import Tensor, nn
 
 from dataset import ImageTextCollate, RetrievalEvalDataset, create_dataset, prepare_data
 from models.loading import load_weights, read_checkpoint
-from models.retrieval import (
-    MOMENTUM_PREFIXES,
-    QUEUE_KEYS,
-    RETRIEVAL_IGNORED_PREFIXES,
-    ALBEF_Retrieval,
-    compute_itr_scores,
-    dense_scores,
-    itr_metrics,
-    topk_rankings,
-)
+from models.retrieval import MOMENTUM_PREFIXES, QUEUE_KEYS, RETRIEVAL_IGNORED_PREFIXES, ALBEF_Retrieval
+from models.retrieval_eval import compute_itr_scores, dense_scores, itr_metrics, topk_rankings
 from models.tokenization import build_tokenizer
 from training.checkpoints import resolve_resume
 from training.cli import build_parser, run_main, start

@@ -12,9 +12,9 @@ import torch
 import torch.multiprocessing as mp
 
 from dataset import create_dataset, ensure_synthetic
-from models.retrieval import (
+from models.retrieval import ALBEF_Retrieval
+from models.retrieval_eval import (
     MISSED_RANK,
-    ALBEF_Retrieval,
     compute_itr_scores,
     encode_eval_set,
     itr_metrics,
