@@ -10,7 +10,7 @@ from torch.utils.data import Dataset
 
 from .utils import load_json_list, pre_caption, read_image, resolve_image
 
-__all__ = ["PretrainDataset", "check_caption"]
+__all__ = ["PretrainDataset", "check_caption", "image_and_caption"]
 
 
 def check_caption(entry: dict, key: str = "caption") -> None:
@@ -21,6 +21,16 @@ def check_caption(entry: dict, key: str = "caption") -> None:
     if isinstance(cap, list) and cap and all(isinstance(c, str) for c in cap):
         return
     raise ValueError(f"'{key}' must be a string or a non-empty list of strings, got {cap!r}")
+
+
+def image_and_caption(ann: dict, transform: Callable, image_root: str, max_words: int):
+    """An image-caption entry -> (transformed image Tensor (3,H,W), cleaned caption); a list caption
+    gives a random member (python ``random``, which DataLoader seeds per worker)."""
+    caption = ann["caption"]
+    if isinstance(caption, list):
+        caption = random.choice(caption)
+    image = transform(read_image(resolve_image(image_root, ann["image"])))
+    return image, pre_caption(caption, max_words)
 
 
 class PretrainDataset(Dataset):
@@ -50,9 +60,5 @@ class PretrainDataset(Dataset):
         return len(self.ann)
 
     def __getitem__(self, index: int):
-        ann = self.ann[index]
-        caption = ann["caption"]
-        if isinstance(caption, list):
-            caption = random.choice(caption)
-        image = self.transform(read_image(resolve_image(self.image_root, ann["image"])))
-        return image, pre_caption(caption, self.max_words), index
+        image, caption = image_and_caption(self.ann[index], self.transform, self.image_root, self.max_words)
+        return image, caption, index

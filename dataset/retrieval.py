@@ -2,12 +2,11 @@
 
 from __future__ import annotations
 
-import random
 from collections.abc import Callable, Sequence
 
 from torch.utils.data import Dataset
 
-from .pretrain import check_caption
+from .pretrain import check_caption, image_and_caption
 from .utils import load_json_list, pre_caption, read_image, resolve_image
 
 __all__ = ["RetrievalEvalDataset", "RetrievalTrainDataset"]
@@ -35,11 +34,8 @@ class RetrievalTrainDataset(Dataset):
 
     def __getitem__(self, index: int):
         ann = self.ann[index]
-        caption = ann["caption"]
-        if isinstance(caption, list):
-            caption = random.choice(caption)
-        image = self.transform(read_image(resolve_image(self.image_root, ann["image"])))
-        return image, pre_caption(caption, self.max_words), self.img_ids[ann["image_id"]]
+        image, caption = image_and_caption(ann, self.transform, self.image_root, self.max_words)
+        return image, caption, self.img_ids[ann["image_id"]]
 
 
 def _check_train(entry: dict) -> None:
