@@ -10,7 +10,6 @@ from __future__ import annotations
 import json
 import logging
 import os
-import re
 from collections.abc import Sequence
 
 import torch
@@ -18,12 +17,12 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from transformers import BertConfig
 
-from models.state_dicts import check_shapes
+from models.bert_weights import normalise_bert_keys, read_bert_weights, resolve_bert_weights
+from models.state_dicts import check_shapes, missing_after_tying, summarise_keys
 
 logger = logging.getLogger(__name__)
 
 _MODES = ("text", "fusion", "multimodal")
-_WEIGHT_FILES = ("model.safetensors", "pytorch_model.bin")
 
 
 def load_bert_config(path: str) -> BertConfig:
@@ -367,9 +366,9 @@ class BertEncoder(nn.Module):
         cls, name_or_dir: str, config: BertConfig, mlm_head: bool = True, **kwargs
     ) -> BertEncoder:
         """Build from `config` and load transformers BERT weights (BertModel / BertForMaskedLM layout)."""
-        path = _resolve_weights_file(name_or_dir)  # before building: fail fast on a bad path
+        path = resolve_bert_weights(name_or_dir)  # before building: fail fast on a bad path
         model = cls(config, mlm_head=mlm_head, **kwargs)
-        state = _normalise_bert_keys(_read_state_dict(path))
+        state = normalise_bert_keys(read_bert_weights(path))
         own = model.state_dict()
         word_key = "bert.embeddings.word_embeddings.weight"
         if word_key in state and state[word_key].shape[0] != config.vocab_size:
@@ -383,7 +382,7 @@ class BertEncoder(nn.Module):
         unused = sorted(k for k in state if k not in own)
         loaded = {k: v for k, v in state.items() if k in own}
         model.load_state_dict(loaded, strict=False)
-        fresh = _missing_after_tying(model, set(loaded))
+        fresh = missing_after_tying(model, set(loaded))
         logger.info(
             "BERT weights from %s: freshly initialised: %s; unused from checkpoint: %s",
             name_or_dir,
@@ -391,119 +390,6 @@ class BertEncoder(nn.Module):
             summarise_keys(unused) or "none",
         )
         return model
-
-
-def _missing_after_tying(model: nn.Module, loaded: set[str]) -> list[str]:
-    """Model keys not loaded, counting a tied tensor as loaded when any of its names was."""
-    by_storage: dict[int, list[str]] = {}
-    state = model.state_dict(keep_vars=True)
-    for name, tensor in state.items():
-        by_storage.setdefault(id(tensor), []).append(name)
-    missing = []
-    for names in by_storage.values():
-        if not any(n in loaded for n in names):
-            missing.extend(names)
-    order = {name: i for i, name in enumerate(state)}
-    return sorted(missing, key=order.__getitem__)
-
-
-def summarise_keys(keys: Sequence[str]) -> str:
-    """Group parameter names for one log line: 'bert.encoder.layer.{6-11}.crossattention, cls.predictions'."""
-    layered: dict[str, list[int]] = {}
-    modules: list[str] = []
-    for key in keys:
-        match = re.match(r"(.*?\b(?:layer|blocks))\.(\d+)\.([^.]+)", key)
-        if match:
-            layered.setdefault(f"{match[1]}.{{}}.{match[3]}", []).append(int(match[2]))
-        else:
-            # Module path without the parameter name (unless that would hide it), at most 3 levels deep.
-            parts = key.split(".")
-            if len(parts) > 2 or parts[-1] in ("weight", "bias"):
-                parts = parts[:-1] or parts
-            module = ".".join(parts[:3])
-            if module not in modules:
-                modules.append(module)
-    # A module whose parent is listed too is folded into the parent.
-    out = [m for m in modules if not any(m.startswith(p + ".") for p in modules)]
-    for pattern, layers in layered.items():
-        layers = sorted(set(layers))
-        out.append(pattern.format(str(layers[0]) if len(layers) == 1 else "{" + _ranges(layers) + "}"))
-    return ", ".join(out)
-
-
-def _ranges(values: list[int]) -> str:
-    spans, start, prev = [], values[0], values[0]
-    for v in values[1:] + [None]:
-        if v is not None and v == prev + 1:
-            prev = v
-            continue
-        spans.append(f"{start}" if start == prev else f"{start}-{prev}")
-        if v is not None:
-            start = prev = v
-    return ",".join(spans)
-
-
-def _resolve_weights_file(name_or_dir: str) -> str:
-    """Local dir / file -> its weights file; otherwise treat as a hub id and let transformers fetch it."""
-    if os.path.isdir(name_or_dir):
-        for fname in _WEIGHT_FILES:
-            path = os.path.join(name_or_dir, fname)
-            if os.path.isfile(path):
-                return path
-        raise FileNotFoundError(f"text_encoder directory {name_or_dir!r} has none of {list(_WEIGHT_FILES)}")
-    if os.path.isfile(name_or_dir):
-        return name_or_dir
-    # Hub ids are 'name' or 'org/name'; anything else that does not exist is a missing local path.
-    looks_local = name_or_dir.startswith((".", "/", "~")) or name_or_dir.count("/") > 1
-    if looks_local or name_or_dir.endswith((".bin", ".safetensors", ".pth", ".pt")):
-        raise FileNotFoundError(f"text_encoder: no such directory or file: {name_or_dir!r}")
-    from transformers.utils import cached_file
-
-    errors = []
-    for fname in _WEIGHT_FILES:
-        try:
-            path = cached_file(name_or_dir, fname)
-        except (OSError, ValueError) as err:
-            errors.append(str(err).splitlines()[0] if str(err) else type(err).__name__)
-            continue
-        if path:
-            return path
-    raise FileNotFoundError(
-        f"text_encoder {name_or_dir!r} is not a local directory and its weights could not be fetched from "
-        f"the Hugging Face hub ({'; '.join(errors)}); download it and pass the local directory"
-    )
-
-
-def _read_state_dict(path: str) -> dict[str, Tensor]:
-    if path.endswith(".safetensors"):
-        from safetensors.torch import load_file
-
-        return load_file(path)
-    try:
-        state = torch.load(path, map_location="cpu", weights_only=True)
-    except Exception as err:  # not a weights pickle: name the file, keep the cause
-        raise ValueError(f"text_encoder weights {path!r} could not be read: {err}") from err
-    if isinstance(state, dict) and isinstance(state.get("model"), dict):
-        state = state["model"]
-    if not isinstance(state, dict):
-        raise ValueError(f"{path!r} does not hold a state dict")
-    return state
-
-
-def _normalise_bert_keys(state: dict[str, Tensor]) -> dict[str, Tensor]:
-    """transformers BERT keys (any of BertModel / BertFor* layouts, old gamma/beta) -> our names."""
-    out = {}
-    for key, value in state.items():
-        if key.startswith(("cls.seq_relationship", "pooler.", "bert.pooler.")) or key.endswith(
-            "position_ids"
-        ):
-            continue
-        key = re.sub(r"LayerNorm\.gamma$", "LayerNorm.weight", key)
-        key = re.sub(r"LayerNorm\.beta$", "LayerNorm.bias", key)
-        if not key.startswith(("bert.", "cls.")):
-            key = "bert." + key
-        out[key] = value
-    return out
 
 
 def build_text_encoder(
@@ -530,4 +416,4 @@ def build_text_encoder(
     return BertEncoder.from_pretrained(text_encoder, bert_config, mlm_head=mlm_head, **kwargs)
 
 
-__all__ = ["BertEncoder", "build_text_encoder", "load_bert_config", "summarise_keys"]
+__all__ = ["BertEncoder", "build_text_encoder", "load_bert_config"]

@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor, nn
 
-from models.bert import _missing_after_tying, summarise_keys
+from models.state_dicts import missing_after_tying, summarise_keys
 from models.vit import resample_pos_embed_report
 
 logger = logging.getLogger(__name__)
@@ -123,7 +123,7 @@ def load_weights(
         else:
             report.unexpected.append(key)
     model.load_state_dict(usable, strict=False)
-    report.missing = _missing_after_tying(model, set(usable))
+    report.missing = missing_after_tying(model, set(usable))
     logger.info(
         "loaded %s: %s", checkpoint if isinstance(checkpoint, str) else "state dict", report.summary()
     )
