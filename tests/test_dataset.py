@@ -34,6 +34,8 @@ from dataset import (
     pre_question,
     read_image,
     synthetic,
+    synthetic_tasks,
+    synthetic_world,
     train_transform,
     vqa_collate,
 )
@@ -482,8 +484,8 @@ _REL_WORD = {"left of": "left", "to the left of": "left", "on the left of": "lef
              "below": "below", "under": "below", "beneath": "below"}
 _ORDER_WORD = {"from left to right": ("row", False), "from right to left": ("row", True),
                "from top to bottom": ("column", False), "from bottom to top": ("column", True)}
-_COLOUR = "|".join(synthetic.COLOURS)
-_SHAPE = "|".join(synthetic.SHAPES)
+_COLOUR = "|".join(synthetic_world.COLOURS)
+_SHAPE = "|".join(synthetic_world.SHAPES)
 _NOUN = rf"({'|'.join(_SIZE_WORD)}) ({_COLOUR}) ({_SHAPE})"
 _NOUN_RE = re.compile(rf"\b(an? )?{_NOUN}\b")
 _REL = "|".join(sorted(_REL_WORD, key=len, reverse=True))  # longest first: 'to the left of' before 'left of'
@@ -615,13 +617,13 @@ class _Corpus:
         wording. (A three-object scene's count negative names two of its objects, in their order: false
         only as the corpus's captions always name every object.)"""
         assert [e["image"] for e in self.probe] == [e["image"] for e in self.eval["test"]]
-        word_kind = {"colour": set(synthetic.COLOURS), "shape": set(synthetic.SHAPES),
+        word_kind = {"colour": set(synthetic_world.COLOURS), "shape": set(synthetic_world.SHAPES),
                      "size": set(_SIZE_WORD)}
         for e in self.probe:
             truth = self.scenes[e["image"]]
             n_objects = len(truth[0])
             assert [x["kind"] for x in e["negatives"]] == \
-                [k for k in synthetic.PROBE_KINDS if n_objects > 1 or k != "relation"], e
+                [k for k in synthetic_world.PROBE_KINDS if n_objects > 1 or k != "relation"], e
             words = _words(e["caption"])
             for x in e["negatives"]:
                 kind, negative = x["kind"], _read_caption(x["caption"])
@@ -678,7 +680,7 @@ def test_every_caption_is_true_of_its_image_and_of_no_other_scene(corpus):
 
 def test_probe_negatives_change_exactly_the_declared_thing(corpus):
     corpus.check_probe_negatives()
-    assert {x["kind"] for e in corpus.probe for x in e["negatives"]} == set(synthetic.PROBE_KINDS)
+    assert {x["kind"] for e in corpus.probe for x in e["negatives"]} == set(synthetic_world.PROBE_KINDS)
 
 
 def test_pretraining_images_repeat_no_scene(corpus):
@@ -737,7 +739,7 @@ def test_scenes_json_is_true_of_the_images(corpus, data_root):
             pixels = np.asarray(im.convert("RGB"))
         axis = 0 if layout in ("column", "above") else 1  # the axis objects are listed along: y or x
         found: dict[tuple, tuple[float, float]] = {}
-        for colour, rgb in synthetic.COLOURS.items():
+        for colour, rgb in synthetic_world.COLOURS.items():
             parts = sorted(_components((pixels == rgb).all(-1)), key=lambda c: c[axis].mean())
             named = [o for o in objects if o[0] == colour]
             if len(parts) < len(named) and len(parts) >= 1 and len(named) >= 2:
@@ -776,7 +778,7 @@ def test_neighbour_statistic_counts_one_thing_off_scenes(corpus):
     scenes = sorted(set(corpus.scenes.values()))
     negatives = {_read_caption(x["caption"]) for e in corpus.probe for x in e["negatives"]}
     scenes += sorted(negatives - set(scenes))
-    codes = synthetic._attribute_codes([synthetic.Scene(o, None if lay == "alone" else lay)
+    codes = synthetic._attribute_codes([synthetic_world.Scene(o, None if lay == "alone" else lay)
                                         for o, lay in scenes])
     got = synthetic._neighbours(codes)
     want = np.array([[_one_thing_off(a, b) for b in scenes] for a in scenes])
@@ -789,7 +791,7 @@ def test_neighbour_statistic_counts_one_thing_off_scenes(corpus):
 def _nlvr_truth(sentence: str, scenes) -> bool:
     """An independent reading of a synthetic NLVR sentence against its two canonical scenes."""
     side = {"left": 0, "right": 1}
-    shapes = "|".join(synthetic.SHAPES)
+    shapes = "|".join(synthetic_world.SHAPES)
 
     def obj(m, i: int) -> tuple:
         return m[i + 1], m[i + 2], _SIZE_WORD[m[i]]
@@ -812,10 +814,10 @@ def _nlvr_truth(sentence: str, scenes) -> bool:
 def test_nlvr_sentences_are_true_of_their_images_and_text_alone_predicts_nothing():
     # Scenes without rendering: the sentence generator only needs them and a name per image.
     rng = np.random.default_rng(0)
-    pools = {split: [(f"{split}/{i}", sc) for i, sc in enumerate(synthetic._sample_scenes(rng, count))]
+    pools = {split: [(f"{split}/{i}", sc) for i, sc in enumerate(synthetic_world.sample_scenes(rng, count))]
              for split, count in (("train", 600), ("dev", 100))}
-    train = synthetic._nlvr_split(rng, pools["train"], 4000)
-    dev = synthetic._nlvr_split(rng, pools["dev"], 1000)
+    train = synthetic_tasks.nlvr_split(rng, pools["train"], 4000)
+    dev = synthetic_tasks.nlvr_split(rng, pools["dev"], 1000)
     for split, pairs in (("train", train), ("dev", dev)):
         scene = {p: _scene_of_key(sc.key()) for p, sc in pools[split]}
         wrong = [e for e in pairs
@@ -824,7 +826,7 @@ def test_nlvr_sentences_are_true_of_their_images_and_text_alone_predicts_nothing
 
     # Every sentence form is balanced, and a text-only guess (the majority label of that very sentence
     # in train) is at chance on dev: only the images decide.
-    words = {"left", "right", "a", "an", *synthetic.COLOURS, *synthetic.SHAPES, *_SIZE_WORD}
+    words = {"left", "right", "a", "an", *synthetic_world.COLOURS, *synthetic_world.SHAPES, *_SIZE_WORD}
     form = [" ".join("_" if w in words else w for w in _REL_RE.sub("REL", e["sentence"]).split())
             for e in train]
     by_form = Counter(zip(form, (e["label"] for e in train)))
