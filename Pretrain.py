@@ -108,18 +108,18 @@ def main(argv: list[str] | None = None) -> None:
 
     def step_fn(net, batch):
         image, text, idx = batch
-        out = net(image.to(device, non_blocking=True), text.to(device),
-                  image_key=image_keys[idx.to(device, non_blocking=True)])
+        idx = idx.to(device, non_blocking=True)  # once per step: the guard's lookup and GRIT's collect
+        out = net(image.to(device, non_blocking=True), text.to(device), image_key=image_keys[idx])
         loss = out['loss_itc'] + out['loss_cons'] + out['loss_itm'] + out['loss_mlm']
         metrics = {k: out[k].detach() for k in LOSSES}
         metrics['grit_hardness'] = out['hardness']
-        feats.update(image=out['image_feat'], text=out['text_feat'])
+        feats.update(image=out['image_feat'], text=out['text_feat'], idx=idx)
         return loss, metrics
 
     def after_step(metrics, batch):
         # Phase 1 (and, when the queue is full, phases 2-3) on the step's detached CLS projections.
         t0 = time.perf_counter()
-        sampler.collect(feats['image'], feats['text'], batch[2].to(device, non_blocking=True))
+        sampler.collect(feats['image'], feats['text'], feats['idx'])
         grit_seconds[0] += time.perf_counter() - t0
 
     max_epoch = get_max_epoch(config)
