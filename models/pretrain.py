@@ -89,6 +89,14 @@ class ALBEF_Base(nn.Module):  # noqa: N801 (the paper's name)
         text_feat = F.normalize(self.text_proj(text_embeds[:, 0]), dim=-1)
         return image_feat, text_feat
 
+    def itm_logits(self, text_embeds: Tensor, text_mask: Tensor, image_embeds: Tensor) -> Tensor:
+        """Pairs: text hidden (B,L,H), mask (B,L), image tokens (B,1+P,Dv) -> ITM logits (B,2) (1 = match)."""
+        fused = self.text_encoder(
+            mode="fusion", hidden_states=text_embeds, attention_mask=text_mask,
+            encoder_hidden_states=image_embeds,
+        )
+        return self.itm_head(fused[:, 0])
+
     @torch.no_grad()
     def unimodal_features(self, image: Tensor, text) -> tuple[Tensor, Tensor]:
         """image (B,3,H,W), text (B,L) -> detached ITC projections (B,d) each, fp32 (GRIT's naive pass)."""
@@ -173,13 +181,11 @@ class ALBEF_Base(nn.Module):  # noqa: N801 (the paper's name)
             )
 
         # One fusion pass over [positives, (image, negative text), (negative image, text)].
-        fused = self.text_encoder(
-            mode="fusion",
-            hidden_states=torch.cat([text_embeds, text_embeds[neg_text_idx], text_embeds]),
-            attention_mask=torch.cat([attention_mask, attention_mask[neg_text_idx], attention_mask]),
-            encoder_hidden_states=torch.cat([image_embeds, image_embeds, image_embeds[neg_image_idx]]),
+        itm_logits = self.itm_logits(
+            torch.cat([text_embeds, text_embeds[neg_text_idx], text_embeds]),
+            torch.cat([attention_mask, attention_mask[neg_text_idx], attention_mask]),
+            torch.cat([image_embeds, image_embeds, image_embeds[neg_image_idx]]),
         )
-        itm_logits = self.itm_head(fused[:, 0])
         itm_labels = torch.cat(
             [
                 torch.ones(batch, dtype=torch.long, device=itm_logits.device),

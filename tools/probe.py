@@ -152,13 +152,10 @@ def itm_match_prob(model: ALBEF_Base, image_embeds: Tensor, input_ids: Tensor, a
                    counts: Tensor) -> Tensor:
     """Image tokens (I,1+P,Dv), captions (T,L) with counts (I,) captions per image, in image order
     -> ITM match probabilities (T,) fp32."""
-    text_embeds = model.encode_text(input_ids, attention_mask)
-    fused = model.text_encoder(
-        mode="fusion", hidden_states=text_embeds, attention_mask=attention_mask,
-        # Each image was encoded once; its tokens are repeated for its true caption and negatives.
-        encoder_hidden_states=image_embeds.repeat_interleave(counts, dim=0),
-    )
-    return model.itm_head(fused[:, 0]).float().softmax(dim=-1)[:, 1]
+    # Each image was encoded once; its tokens are repeated for its true caption and negatives.
+    logits = model.itm_logits(model.encode_text(input_ids, attention_mask), attention_mask,
+                              image_embeds.repeat_interleave(counts, dim=0))
+    return logits.float().softmax(dim=-1)[:, 1]
 
 
 def _chunks(entries: Sequence[dict], max_captions: int) -> Iterator[Sequence[dict]]:
