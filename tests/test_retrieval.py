@@ -232,7 +232,7 @@ def test_rerank_batching_does_not_change_scores(data):
 # From random init the momentum copy is random too, and with momentum 0.995 it would lag hundreds
 # of steps behind; momentum 0 makes it track the online model, so that a CPU-seconds fine-tune
 # learns. lr 1e-4: higher rates collapse the tiny random-init ViT's CLS features.
-FT_EPOCHS = 8
+FT_EPOCHS = 3  # bookkeeping only (see the test below), so a few epochs suffice
 FT_SETTINGS = {"max_epoch": FT_EPOCHS, "schedular.epochs": FT_EPOCHS, "optimizer.lr": 1e-4,
                "schedular.lr": 1e-4, "schedular.min_lr": 1e-5, "momentum": 0.0, "queue_size": 16,
                "batch_size_train": 8}
