@@ -78,7 +78,7 @@ def evaluate_split(model: ALBEF_Retrieval, dataset: RetrievalEvalDataset, split:
         model, loader, dataset.text, tokenizer, device, int(config["k_test"]),
         text_batch_size=int(config.get("text_batch_size", 256)),
         rerank_pairs=int(config.get("rerank_pairs", 256)), max_tokens=int(config.get("max_tokens", 40)),
-        amp=bool(config.get("amp", False)),
+        amp=bool(config.get("amp", False)), rerank=bool(config.get("itm", True)),
     )
     metrics = itr_metrics(dense_scores(result["i2t_idx"], result["i2t_score"], len(dataset.text)),
                           dense_scores(result["t2i_idx"], result["t2i_score"], len(dataset)), dataset.txt2img)

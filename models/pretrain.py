@@ -32,6 +32,12 @@ class ALBEF_Base(nn.Module):  # noqa: N801 (the paper's name)
                 "ALBEF_Base needs the tokenizer (for the vocabulary size and MLM special tokens)"
             )
         self.use_itc = bool(config.get("itc", True))
+        # itm / mlm false (with itc true): the dual encoder of Table 5, trained with ITC alone; the
+        # fusion layers and heads are then built but never run (their losses are exact zeros).
+        self.use_itm = bool(config.get("itm", True))
+        self.use_mlm = bool(config.get("mlm", True))
+        if not (self.use_itc or self.use_itm or self.use_mlm):
+            raise ValueError("config: 'itc', 'itm' and 'mlm' are all false: nothing to train")
         self.itm_negatives = config.get("itm_negatives", "hard")
         self.hard_sampling = config.get("hard_sampling", "argmax")
         if self.itm_negatives not in _NEGATIVES:
@@ -42,7 +48,7 @@ class ALBEF_Base(nn.Module):  # noqa: N801 (the paper's name)
             raise ValueError(
                 f"config key 'hard_sampling' must be one of {_SAMPLINGS}, got {self.hard_sampling!r}"
             )
-        if not self.use_itc and self.itm_negatives == "hard":
+        if self.use_itm and not self.use_itc and self.itm_negatives == "hard":
             raise ValueError(
                 "config: 'itc: false' with 'itm_negatives: hard' is not supported: hard ITM negatives are "
                 "mined from ITC similarities; set itm_negatives: random or enable itc"
@@ -74,6 +80,11 @@ class ALBEF_Base(nn.Module):  # noqa: N801 (the paper's name)
         self.mask_token_id = tokenizer.mask_token_id
         # ALBEF never masks [PAD] or [CLS]; [SEP] stays maskable.
         self.special_ids = [tokenizer.pad_token_id, tokenizer.cls_token_id]
+
+    @property
+    def uses_every_parameter(self) -> bool:
+        """False when an objective is switched off: its modules get no gradient (DDP must be told)."""
+        return self.use_itc and self.use_itm and self.use_mlm
 
     def encode_image(self, image: Tensor) -> Tensor:
         """image (B,3,H,W), already normalised -> tokens (B,1+P,Dv) (final LayerNorm applied)."""
@@ -135,6 +146,42 @@ class ALBEF_Base(nn.Module):  # noqa: N801 (the paper's name)
         positive_mining = local & ~full_row[:, None] & ~full_row[None, :]
         return positive_itc, positive_mining
 
+    def _itm_loss(self, image_embeds: Tensor, text_embeds: Tensor, attention_mask: Tensor,
+                  neg_text_idx: Tensor, neg_image_idx: Tensor) -> Tensor:
+        """ITM cross-entropy over B positives and 2B mined negatives (image tokens, text states, (B,) idx)."""
+        batch = text_embeds.shape[0]
+        # One fusion pass over [positives, (image, negative text), (negative image, text)].
+        itm_logits = self.itm_logits(
+            torch.cat([text_embeds, text_embeds[neg_text_idx], text_embeds]),
+            torch.cat([attention_mask, attention_mask[neg_text_idx], attention_mask]),
+            torch.cat([image_embeds, image_embeds, image_embeds[neg_image_idx]]),
+        )
+        itm_labels = torch.cat(
+            [
+                torch.ones(batch, dtype=torch.long, device=itm_logits.device),
+                torch.zeros(2 * batch, dtype=torch.long, device=itm_logits.device),
+            ]
+        )
+        return F.cross_entropy(itm_logits, itm_labels)
+
+    def _mlm_loss(self, image_embeds: Tensor, input_ids: Tensor, attention_mask: Tensor) -> Tensor:
+        """MLM cross-entropy of the fusion encoder over the masked tokens of input_ids (B,L), 0-dim."""
+        masked_ids, labels = mask_tokens(
+            input_ids.clone(), self.vocab_size, self.mask_token_id, self.special_ids, self.mlm_probability
+        )
+        hidden = self.text_encoder(
+            masked_ids, attention_mask, mode="multimodal", encoder_hidden_states=image_embeds
+        )
+        # Logits at every position instead of only the masked ones: selecting hidden[labels != -100]
+        # has a data-dependent shape (a host sync per step). With the paper's 50 % masking at most
+        # ~2x of the head's work is wasted, which is cheaper than stalling the pipeline. Summing and
+        # dividing by a clamped count keeps the loss finite when nothing was masked.
+        mlm_logits = self.text_encoder.mlm_logits(hidden)
+        loss_sum = F.cross_entropy(
+            mlm_logits.flatten(0, 1), labels.flatten(), ignore_index=-100, reduction="sum"
+        )
+        return loss_sum / (labels != -100).sum().clamp(min=1)
+
     def forward(self, image: Tensor, text, image_key: Tensor | None = None) -> dict[str, Tensor]:
         """image (B,3,H,W), text (tokenizer output, (B,L)), image_key (B,) int -> losses (0-dim), feats (B,d).
 
@@ -145,7 +192,6 @@ class ALBEF_Base(nn.Module):  # noqa: N801 (the paper's name)
             self.temp.clamp_(0.001, 0.5)
         # Item access works for a BatchEncoding and for a plain dict.
         input_ids, attention_mask = text["input_ids"], text["attention_mask"]
-        batch = input_ids.shape[0]
 
         image_embeds = self.encode_image(image)
         text_embeds = self.encode_text(input_ids, attention_mask)
@@ -174,41 +220,16 @@ class ALBEF_Base(nn.Module):  # noqa: N801 (the paper's name)
         with torch.no_grad():
             cosine = image_feat.detach() @ text_feat.detach().t()
             hardness = hardest_negative_similarity(cosine, positive_mining)
-            logits_i2t = cosine / self.temp
-            neg_text_idx, neg_image_idx = mine_negatives(
-                logits_i2t, logits_i2t.t(), positive_mining,
-                mode=self.itm_negatives, sampling=self.hard_sampling,
-            )
-
-        # One fusion pass over [positives, (image, negative text), (negative image, text)].
-        itm_logits = self.itm_logits(
-            torch.cat([text_embeds, text_embeds[neg_text_idx], text_embeds]),
-            torch.cat([attention_mask, attention_mask[neg_text_idx], attention_mask]),
-            torch.cat([image_embeds, image_embeds, image_embeds[neg_image_idx]]),
-        )
-        itm_labels = torch.cat(
-            [
-                torch.ones(batch, dtype=torch.long, device=itm_logits.device),
-                torch.zeros(2 * batch, dtype=torch.long, device=itm_logits.device),
-            ]
-        )
-        loss_itm = F.cross_entropy(itm_logits, itm_labels)
-
-        masked_ids, labels = mask_tokens(
-            input_ids.clone(), self.vocab_size, self.mask_token_id, self.special_ids, self.mlm_probability
-        )
-        hidden = self.text_encoder(
-            masked_ids, attention_mask, mode="multimodal", encoder_hidden_states=image_embeds
-        )
-        # Logits at every position instead of only the masked ones: selecting hidden[labels != -100]
-        # has a data-dependent shape (a host sync per step). With the paper's 50 % masking at most
-        # ~2x of the head's work is wasted, which is cheaper than stalling the pipeline. Summing and
-        # dividing by a clamped count keeps the loss finite when nothing was masked.
-        mlm_logits = self.text_encoder.mlm_logits(hidden)
-        loss_sum = F.cross_entropy(
-            mlm_logits.flatten(0, 1), labels.flatten(), ignore_index=-100, reduction="sum"
-        )
-        loss_mlm = loss_sum / (labels != -100).sum().clamp(min=1)
+        loss_itm = zero
+        if self.use_itm:
+            with torch.no_grad():
+                logits_i2t = cosine / self.temp
+                neg_text_idx, neg_image_idx = mine_negatives(
+                    logits_i2t, logits_i2t.t(), positive_mining,
+                    mode=self.itm_negatives, sampling=self.hard_sampling,
+                )
+            loss_itm = self._itm_loss(image_embeds, text_embeds, attention_mask, neg_text_idx, neg_image_idx)
+        loss_mlm = self._mlm_loss(image_embeds, input_ids, attention_mask) if self.use_mlm else zero
 
         return {
             "loss_itc": loss_itc,

@@ -60,6 +60,8 @@ class ALBEF_Retrieval(FeatureQueue):  # noqa: N801 (ALBEF's naming)
         self.lambda_cons = float(config.get("lambda_cons", 0.0))
         self.itm_negatives = config.get("itm_negatives", "hard")
         self.hard_sampling = config.get("hard_sampling", "multinomial")
+        # itm false: a dual encoder fine-tuned with ITC alone and ranked by ITC alone (paper Table 5).
+        self.use_itm = bool(config.get("itm", True))
         if self.itm_negatives not in _NEGATIVES:
             raise ValueError(f"config key 'itm_negatives' must be one of {_NEGATIVES}, "
                              f"got {self.itm_negatives!r}")
@@ -119,6 +121,31 @@ class ALBEF_Retrieval(FeatureQueue):  # noqa: N801 (ALBEF's naming)
         )
         return self.itm_head(fused[:, 0])
 
+    @property
+    def uses_every_parameter(self) -> bool:
+        """False with itm: false (the fusion layers and ITM head get no gradient; DDP must be told)."""
+        return self.use_itm
+
+    def itm_loss(self, image_embeds: Tensor, text_embeds: Tensor, attention_mask: Tensor, itc: dict,
+                 in_batch: Tensor) -> Tensor:
+        """ITM cross-entropy: B positives and 2B negatives mined from itc's in-batch sims (B,B) -> 0-dim."""
+        batch = text_embeds.shape[0]
+        # Hard negatives from the in-batch block of the ITC similarities; every caption of the same
+        # image is a positive, never a negative.
+        with torch.no_grad():
+            neg_text_idx, neg_image_idx = mine_negatives(
+                itc["sim_i2t"][:, :batch].detach(), itc["sim_t2i"][:, :batch].detach(), positive=in_batch,
+                mode=self.itm_negatives, sampling=self.hard_sampling,
+            )
+        itm_logits = self.itm_logits(
+            torch.cat([text_embeds, text_embeds[neg_text_idx], text_embeds]),
+            torch.cat([attention_mask, attention_mask[neg_text_idx], attention_mask]),
+            torch.cat([image_embeds, image_embeds, image_embeds[neg_image_idx]]),
+        )
+        itm_labels = torch.zeros(3 * batch, dtype=torch.long, device=itm_logits.device)
+        itm_labels[:batch] = 1
+        return F.cross_entropy(itm_logits, itm_labels)
+
     def forward(self, image: Tensor, text, idx: Tensor) -> dict[str, Tensor]:
         """image (B,3,H,W), text (tokenizer output (B,L)), idx (B,) image ids -> losses (0-dim) and feats."""
         with torch.no_grad():
@@ -143,22 +170,8 @@ class ALBEF_Retrieval(FeatureQueue):  # noqa: N801 (ALBEF's naming)
                        image_bank=image_bank, text_bank=text_bank)
         self.enqueue(image_feat_m, text_feat_m, idx)
 
-        # Hard negatives from the in-batch block of the ITC similarities; every caption of the same
-        # image is a positive, never a negative.
-        with torch.no_grad():
-            in_batch = positive[:, :batch]
-            neg_text_idx, neg_image_idx = mine_negatives(
-                itc["sim_i2t"][:, :batch].detach(), itc["sim_t2i"][:, :batch].detach(), positive=in_batch,
-                mode=self.itm_negatives, sampling=self.hard_sampling,
-            )
-        itm_logits = self.itm_logits(
-            torch.cat([text_embeds, text_embeds[neg_text_idx], text_embeds]),
-            torch.cat([attention_mask, attention_mask[neg_text_idx], attention_mask]),
-            torch.cat([image_embeds, image_embeds, image_embeds[neg_image_idx]]),
-        )
-        itm_labels = torch.zeros(3 * batch, dtype=torch.long, device=itm_logits.device)
-        itm_labels[:batch] = 1
-        loss_itm = F.cross_entropy(itm_logits, itm_labels)
+        loss_itm = self.itm_loss(image_embeds, text_embeds, attention_mask, itc, positive[:, :batch]) \
+            if self.use_itm else itc["loss_itc"].new_zeros(())
         return {
             "loss_itc": itc["loss_itc"],
             "loss_cons": itc["loss_cons"],

@@ -194,8 +194,10 @@ def encode_eval_set(model: ALBEF_Retrieval, image_loader, texts: Sequence[str], 
 @torch.no_grad()
 def compute_itr_scores(model: ALBEF_Retrieval, image_loader, texts: Sequence[str], tokenizer,
                        device: torch.device, k_test: int, text_batch_size: int = 256, rerank_pairs: int = 256,
-                       max_tokens: int = 40, amp: bool = False) -> dict:
+                       max_tokens: int = 40, amp: bool = False, rerank: bool = True) -> dict:
     """ITC top-k per image and per text, re-ranked by ITM; collective over all ranks, same result on each.
+
+    rerank=False (a model trained without ITM, config key itm: false): the ITC cosines alone rank.
 
     Returns CPU tensors i2t_idx, i2t_score (Ni,k) and t2i_idx, t2i_score (Nt,k) (candidate ids and
     score = ITM match logit + ITC cosine, as ALBEF; not sorted), and timing: itm_pairs (all ranks),
@@ -244,6 +246,10 @@ def compute_itr_scores(model: ALBEF_Retrieval, image_loader, texts: Sequence[str
                                    image)
         return out[:, 1].float().view(-1, k)
 
+    if not rerank:
+        return {"i2t_idx": i2t_idx.cpu(), "i2t_score": i2t_sim.cpu(), "t2i_idx": t2i_idx.cpu(),
+                "t2i_score": t2i_sim.cpu(), "itm_pairs": 0, "encode_seconds": encode_seconds,
+                "rerank_seconds": 0.0}
     _sync(device)
     start = time.perf_counter()
     per_forward = lambda k: max(1, rerank_pairs // max(k, 1))

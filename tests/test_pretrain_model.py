@@ -367,3 +367,26 @@ def test_guard_with_itc_gather_single_process(tokenizer):
     assert not torch.equal(out["loss_itc"], seeded_forward(off, images, text, keys)["loss_itc"])
     for name in LOSS_KEYS:
         assert torch.isfinite(out[name]), name
+
+
+def test_itc_only_dual_encoder(tokenizer):
+    """itm/mlm false (Table 5): exact-zero ITM and MLM losses, no gradient into the fusion layers or
+    heads, the same ITC loss as the full model, and a training signal for the uni-modal encoders."""
+    torch.manual_seed(0)
+    full = ALBEF_Base(config(), tokenizer=tokenizer)
+    torch.manual_seed(0)
+    dual = ALBEF_Base(config(itm=False, mlm=False), tokenizer=tokenizer)
+    assert not dual.uses_every_parameter and full.uses_every_parameter
+    images, text = synthetic_batch(tokenizer)
+    out, ref = dual(images, text), full(images, text)
+    assert out["loss_itm"].item() == 0.0 and out["loss_mlm"].item() == 0.0
+    assert torch.equal(out["loss_itc"], ref["loss_itc"]) and torch.equal(out["hardness"], ref["hardness"])
+    (out["loss_itc"] + out["loss_cons"] + out["loss_itm"] + out["loss_mlm"]).backward()
+    grads = {n for n, p in dual.named_parameters() if p.grad is not None}
+    assert "itm_head.weight" not in grads and not any("crossattention" in n for n in grads)
+    assert not any(n.startswith("text_encoder.cls.") for n in grads)
+    assert {"vision_proj.weight", "text_proj.weight", "visual_encoder.patch_embed.proj.weight"} <= grads
+    with pytest.raises(ValueError, match="nothing to train"):
+        ALBEF_Base(config(itc=False, itm=False, mlm=False), tokenizer=tokenizer)
+    # Hard negatives come from ITC, but without ITM no negative is mined: itc off + hard is then fine.
+    ALBEF_Base(config(itc=False, itm=False), tokenizer=tokenizer)

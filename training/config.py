@@ -78,9 +78,20 @@ def parse_yaml_value(text: str) -> Any:
         raise ConfigError(f'cannot parse override value {text!r} as YAML: {e}') from e
 
 
+BASE_KEY = 'base'
+
+
 def load_config(path: str | os.PathLike, overrides: Sequence[str] | None = None) -> CommentedMap:
-    """Load a YAML config (round-trip: comments kept, acts as a dict), then apply `a.b=value` overrides."""
-    path = str(path)
+    """Load a YAML config (round-trip: comments kept, acts as a dict), then apply `a.b=value` overrides.
+
+    A file with a top-level `base: OTHER.yaml` (relative to the file) is that config with the rest of
+    the file laid over it (configs/ablation/): every key it sets must exist in the base, nested
+    mappings merge key by key, and the result holds no `base` key. Bases may chain.
+    """
+    return _load(str(path), overrides or [], chain=())
+
+
+def _read_yaml(path: str) -> CommentedMap:
     if not os.path.isfile(path):
         raise FileNotFoundError(f'config file not found: {path}')
     try:
@@ -92,8 +103,35 @@ def load_config(path: str | os.PathLike, overrides: Sequence[str] | None = None)
         config = CommentedMap()
     if not isinstance(config, Mapping):
         raise ConfigError(f'config file {path} must hold a mapping at top level, not {type(config).__name__}')
-    apply_overrides(config, overrides or [], source=path)
     return config
+
+
+def _load(path: str, overrides: Sequence[str], chain: tuple[str, ...]) -> CommentedMap:
+    config = _read_yaml(path)
+    if BASE_KEY in config:
+        base_name = config.pop(BASE_KEY)
+        if not isinstance(base_name, str) or not base_name:
+            raise ConfigError(f"config key '{BASE_KEY}' in {path} must be a file path, got {base_name!r}")
+        base_path = os.path.normpath(os.path.join(os.path.dirname(path), base_name))
+        if os.path.abspath(base_path) in chain:
+            raise ConfigError(f"config {path}: '{BASE_KEY}' chain loops back to {base_path}")
+        base = _load(base_path, [], (*chain, os.path.abspath(path)))
+        _lay_over(base, config, source=path)
+        config = base
+    apply_overrides(config, overrides, source=path)
+    return config
+
+
+def _lay_over(base: MutableMapping, top: Mapping, source: str, prefix: str = '') -> None:
+    """Set every key of `top` in `base` (in place); each must exist there; mappings merge recursively."""
+    for key, value in top.items():
+        dotted = f'{prefix}{key}'
+        if key not in base:
+            raise _unknown_key(dotted, base, f'{source} (not in its base config)')
+        if isinstance(value, Mapping) and isinstance(base[key], MutableMapping):
+            _lay_over(base[key], value, source, prefix=dotted + '.')
+        else:
+            base[key] = value
 
 
 def apply_overrides(config: MutableMapping, overrides: Sequence[str], source: str = 'config') -> None:

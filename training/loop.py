@@ -109,7 +109,9 @@ def run_finetune(model: nn.Module, train_set: Dataset, *, info: DistInfo, config
     if steps_per_epoch == 0:
         raise ValueError(f"train_file has {len(train_set)} {unit}: fewer than one batch of {batch_size} "
                          "per rank")
-    model_ddp = wrap_ddp(model, info, broadcast_buffers=broadcast_buffers)
+    # A model with an objective switched off (e.g. retrieval with itm: false) leaves modules unused.
+    model_ddp = wrap_ddp(model, info, broadcast_buffers=broadcast_buffers,
+                         find_unused_parameters=not getattr(model, 'uses_every_parameter', True))
     optimizer = build_optimizer(model, config['optimizer'])
     scheduler = build_scheduler(optimizer, config, steps_per_epoch)
     scaler = build_scaler(config, info.device)

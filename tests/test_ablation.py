@@ -1,0 +1,150 @@
+"""Ablation configs (`base:` overlays), the ITC-only retrieval path, and tools.ablate end to end (micro)."""
+
+from __future__ import annotations
+
+import glob
+import json
+import os
+
+import pytest
+import torch
+
+from grit.sampler import parse_grit_config
+from tools import ablate
+from training.config import ConfigError, load_config, to_plain
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ABLATION = os.path.join(ROOT, "configs", "ablation")
+
+
+def test_base_overlay_merges_nested_keys(tmp_path):
+    (tmp_path / "base.yaml").write_text("a: 1\nb: {c: 2, d: 3}\nlst: [1, 2]\n")
+    (tmp_path / "sub").mkdir()
+    (tmp_path / "sub" / "mid.yaml").write_text("base: ../base.yaml\nb: {d: 30}\n")
+    (tmp_path / "top.yaml").write_text("base: sub/mid.yaml\na: 10\nlst: [5]\n")
+    config = to_plain(load_config(tmp_path / "top.yaml", ["b.c=20"]))
+    assert config == {"a": 10, "b": {"c": 20, "d": 30}, "lst": [5]}
+
+
+def test_base_overlay_errors_name_the_file_and_key(tmp_path):
+    (tmp_path / "base.yaml").write_text("a: 1\nb: {c: 2}\n")
+    (tmp_path / "typo.yaml").write_text("base: base.yaml\nb: {cc: 3}\n")
+    with pytest.raises(ConfigError, match=r"'b\.cc'.*typo\.yaml"):
+        load_config(tmp_path / "typo.yaml")
+    (tmp_path / "missing.yaml").write_text("base: nowhere.yaml\n")
+    with pytest.raises(FileNotFoundError, match="nowhere.yaml"):
+        load_config(tmp_path / "missing.yaml")
+    (tmp_path / "x.yaml").write_text("base: y.yaml\n")
+    (tmp_path / "y.yaml").write_text("base: x.yaml\n")
+    with pytest.raises(ConfigError, match="loops"):
+        load_config(tmp_path / "x.yaml")
+
+
+def _row_files() -> list[str]:
+    paper = glob.glob(os.path.join(ABLATION, "*.yaml"))
+    return sorted(paper + glob.glob(os.path.join(ABLATION, "tiny", "*.yaml")))
+
+
+def test_every_table_row_has_a_config_in_both_presets():
+    names = {os.path.basename(p)[:-5] for p in glob.glob(os.path.join(ABLATION, "*.yaml"))}
+    tiny = {os.path.basename(p)[:-5] for p in glob.glob(os.path.join(ABLATION, "tiny", "*.yaml"))}
+    rows = {row for table in ablate.TABLES.values() for row, _ in table}
+    assert rows == names == tiny
+
+
+@pytest.mark.parametrize("path", _row_files(), ids=lambda p: os.path.relpath(p, ABLATION))
+def test_ablation_config_loads_and_validates(path):
+    config = to_plain(load_config(path))
+    assert "base" not in config
+    grit = parse_grit_config(config["grit"], int(config["batch_size"]))
+    name = os.path.basename(path)[:-5]
+    # The switches each row stands for (paper Tables 1, 2, 4, 5).
+    expect_grit = name.startswith(("grit", "itc_grit", "itc_cons"))
+    assert grit["enabled"] == expect_grit
+    assert (config["itm"], config["mlm"]) == ((False, False) if name.startswith("itc") else (True, True))
+    assert config["itc"] == (name != "mlm_itm_rand")
+    assert (config["lambda_cons"] > 0) == (name in ("grit_cons15", "grit_vlp", "itc_cons_grit"))
+    masking = {"albef_base": 0.15, "albef_base35": 0.35, "albef_base50": 0.5, "albef_base75": 0.75,
+               "grit_cons15": 0.15, "mlm_itm_rand": 0.15, "mlm_itm_rand_itc": 0.15}
+    if config["mlm"]:
+        assert config["mlm_probability"] == masking.get(name, 0.5)
+    if name == "grit_naive":
+        assert grit["mode"] == "naive"
+    if name in ("grit_naive", "grit_no_shuffle"):
+        assert not grit["example_shuffle"] and not grit["batch_shuffle"]
+    if name.startswith("mlm_itm_rand"):
+        assert config["itm_negatives"] == "random"
+
+
+def test_tiny_ablation_models_build(tmp_path):
+    from transformers import BertTokenizerFast
+
+    from models.pretrain import ALBEF_Base
+
+    vocab = tmp_path / "vocab.txt"
+    vocab.write_text("\n".join(["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]", "a", "red", "circle"]) + "\n")
+    tokenizer = BertTokenizerFast(vocab_file=str(vocab))
+    for path in glob.glob(os.path.join(ABLATION, "tiny", "*.yaml")):
+        config = to_plain(load_config(path))
+        config["bert_config"] = os.path.join(ROOT, config["bert_config"])
+        model = ALBEF_Base(config, tokenizer=tokenizer)
+        assert model.uses_every_parameter == (config["itm"] and config["mlm"] and config["itc"])
+
+
+def test_itc_only_retrieval_ranks_by_itc():
+    """compute_itr_scores(rerank=False) returns the ITC top-k cosines: no ITM forward at all."""
+    from models.retrieval_eval import compute_itr_scores
+
+    class NoFusion(torch.nn.Module):
+        def itm_logits(self, *args):
+            raise AssertionError("ITM must not run without rerank")
+
+    gen = torch.Generator().manual_seed(0)
+    feats = torch.nn.functional.normalize(torch.randn(5, 4, generator=gen), dim=1)
+    enc = {"image_feat": feats, "text_feat": feats.flip(0), "image_embeds": None, "text_embeds": None,
+           "text_mask": None}
+    import models.retrieval_eval as re_mod
+
+    original = re_mod.encode_eval_set
+    re_mod.encode_eval_set = lambda *a, **k: enc
+    try:
+        out = compute_itr_scores(NoFusion(), None, ["t"] * 5, None, torch.device("cpu"), k_test=3,
+                                 rerank=False)
+    finally:
+        re_mod.encode_eval_set = original
+    sim = feats @ feats.flip(0).t()
+    top, idx = sim.topk(3, dim=1)
+    assert torch.equal(out["i2t_idx"], idx) and torch.allclose(out["i2t_score"], top)
+    assert out["itm_pairs"] == 0
+
+
+@pytest.fixture()
+def micro_env(in_repo, monkeypatch):
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")
+
+
+def test_ablate_micro_end_to_end_and_reuse(micro_env, tmp_path, monkeypatch):
+    """Table 5 (the ITC-only dual encoder) on the micro preset: pre-train, zero-shot and fine-tuned
+    retrieval, one markdown row per config; a second call reuses every step; other settings are refused."""
+    out = str(tmp_path / "abl")
+    args = ["--preset", "micro", "--table", "5", "--seeds", "1", "--rows", "itc", "itc_grit",
+            "--output_dir", out]
+    record = ablate.main(args)
+    metrics = record["rows"]["itc_grit"]["1"]
+    for key in ("zs_tr_r1", "zs_ir_r1", "ft_tr_r1", "ft_ir_r1", "epoch_seconds"):
+        assert isinstance(metrics[key], float) and metrics[key] >= 0, key
+    assert metrics["loss_itm"] is None and "probe" not in metrics  # no ITM head to probe
+    log_path = os.path.join(out, "micro", "itc_grit", "seed1", "pretrain", "log.txt")
+    log = [json.loads(line) for line in open(log_path)]
+    assert len(log) == 2 and all(r["loss_itm"] == 0 and r["loss_mlm"] == 0 for r in log)
+    assert log[1]["grit_hardness"] > 0  # epoch 1 is a GRIT epoch
+    table = open(os.path.join(out, "micro", "table5.md")).read()
+    assert "| ITC |" in table and "| ITC + GRIT |" in table and "ITC_cons" not in table
+
+    def no_run(cmd):
+        raise AssertionError(f"reused results must not rerun {cmd}")
+
+    monkeypatch.setattr(ablate, "run", no_run)
+    assert ablate.main(args)["rows"] == record["rows"]
+    with pytest.raises(SystemExit, match="another --output_dir"):
+        ablate.main([*args, "--set", "lambda_cons=0.5"])

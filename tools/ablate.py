@@ -1,0 +1,277 @@
+"""The paper's ablation tables (1, 2, 4, 5) in miniature: every row pre-trained, evaluated, tabulated.
+
+    python -m tools.ablate --preset tiny --table 4 --seeds 1 2 3 [--output_dir output/ablation]
+        [--rows grit grit_vlp] [--no-finetune] [--set key=value ...] [--pretrain-set key=value ...]
+
+Each row is one config in configs/ablation/ (preset `paper`) or configs/ablation/tiny/ (`tiny`,
+`micro`): a few overrides of the pre-training config (training.config's `base:` key). For every row
+and seed the tool runs, each in its own directory <output_dir>/<preset>/<row>/seed<S>/:
+
+  pretrain/   Pretrain.py (resumed from its latest checkpoint when a run was cut short)
+  zeroshot/   Retrieval.py --evaluate on the retrieval config's test split (ITC rows rank by ITC alone)
+  finetune/   Retrieval.py fine-tuning from the last pre-training checkpoint (not with --no-finetune)
+  probe.json  tools.probe, the compositional ITM probe (rows with an ITM head; synthetic presets)
+  uov.json    tools.uov at masking 0.15/0.35/0.5/0.75 (Table 2 rows)
+
+A step whose result is already on disk is reused, so a table is never recomputed from scratch and
+rows shared between tables (ALBEF_Base is in Tables 1, 2 and 4) are trained once. The table is
+written to <output_dir>/<preset>/table<N>.md with mean and spread (sample standard deviation) over
+seeds, and every per-seed number to table<N>.json. Presets: `paper` (configs/Pretrain.yaml sizes,
+configs/Retrieval_coco.yaml), `tiny` (the synthetic world, minutes per row on a CPU), `micro` (the
+tiny rows on 100 images for 2 epochs: a smoke test of the whole pipeline in about a minute).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import statistics
+import sys
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+from tools.compare import fresh, read_log, run
+from training.config import get_max_epoch, load_config
+
+# The rows of each table, in the paper's order: (config name, the paper's label).
+TABLES: dict[int, list[tuple[str, str]]] = {
+    1: [("mlm_itm_rand", "MLM + ITM_rand"), ("mlm_itm_rand_itc", "MLM + ITM_rand + ITC"),
+        ("albef_base", "ALBEF_Base")],
+    2: [("albef_base", "ALBEF_Base (15 %)"), ("albef_base35", "ALBEF_Base35"),
+        ("albef_base50", "ALBEF_Base50"), ("albef_base75", "ALBEF_Base75")],
+    4: [("albef_base", "ALBEF_Base"), ("albef_base50", "ALBEF_Base50"),
+        ("grit", "+ GRIT (shuffles)"), ("grit_naive", "+ GRIT (naive)"),
+        ("grit_no_shuffle", "+ GRIT (no shuffles)"), ("grit_cons15", "+ GRIT + cons, 15 %"),
+        ("grit_vlp", "+ GRIT + cons, 50 % (GRIT-VLP)")],
+    5: [("itc", "ITC"), ("itc_grit", "ITC + GRIT"), ("itc_cons_grit", "ITC_cons + GRIT")],
+}
+UOV_PROBS = ("0.15", "0.35", "0.5", "0.75")
+
+
+@dataclass(frozen=True)
+class Preset:
+    """Where a preset's row configs live, its retrieval config, and overrides that shrink the runs."""
+
+    config_dir: str
+    retrieval_config: str
+    pretrain_set: tuple[str, ...] = ()
+    retrieval_set: tuple[str, ...] = ()
+    finetune_set: tuple[str, ...] = ()
+    limit: int | None = None  # probe / UoV examples
+    finetune_subset: int | None = None  # fine-tune on the first this many entries of the train file
+    synthetic: bool = True
+
+
+_MICRO_DATA = "data/synthetic/retrieval_val.json"
+PRESETS = {
+    "paper": Preset("configs/ablation", "configs/Retrieval_coco.yaml", synthetic=False),
+    "tiny": Preset("configs/ablation/tiny", "configs/tiny/Retrieval.yaml"),
+    # 100 images (12 batches of 8) for 2 epochs, so that epoch 1 is a GRIT epoch; GRIT's queues shrink
+    # to fit; evaluation on the same 100 images; one fine-tuning epoch.
+    "micro": Preset(
+        "configs/ablation/tiny", "configs/tiny/Retrieval.yaml",
+        pretrain_set=(f"train_file=[{_MICRO_DATA}]", "max_epoch=2", "schedular.epochs=2",
+                      "grit.queue_size=32", "grit.search_space=16", "schedular.warmup_steps=2"),
+        retrieval_set=(f"test_file={_MICRO_DATA}", f"val_file={_MICRO_DATA}"),
+        finetune_set=("max_epoch=1", "schedular.epochs=1"), limit=40, finetune_subset=96),
+}
+
+
+@dataclass
+class RowResult:
+    """One row's numbers for one seed (None where a step does not apply)."""
+
+    metrics: dict[str, float | None] = field(default_factory=dict)
+
+
+def _has_record(log: str, key: str) -> bool:
+    return os.path.isfile(log) and any(key in r for r in read_log(log))
+
+
+def pretrain(row_dir: str, config: str, seed: int, sets: Sequence[str]) -> str:
+    """Pre-train (or finish, or reuse) one row; returns the last checkpoint's path."""
+    out = os.path.join(row_dir, "pretrain")
+    epochs = get_max_epoch(load_config(config, list(sets)))
+    log = os.path.join(out, "log.txt")
+    done = len(read_log(log)) if os.path.isfile(log) else 0
+    if done < epochs:
+        cmd = ["Pretrain.py", "--config", config, "--output_dir", out, "--seed", str(seed)]
+        if os.path.isfile(os.path.join(out, "latest.json")):
+            cmd.append("--resume")  # a run cut short continues from its latest checkpoint
+        run([*cmd, *(["--set", *sets] if sets else [])])
+    last = read_log(log)[-1]["epoch"]
+    return os.path.join(out, f"checkpoint_{last:02d}.pth")
+
+
+def retrieval(out: str, config: str, checkpoint: str, sets: Sequence[str], evaluate: bool) -> dict:
+    """Zero-shot (evaluate=True) or fine-tuned retrieval of a checkpoint; its test-split record."""
+    log = os.path.join(out, "log.txt")
+    if not _has_record(log, "test_txt_r1"):
+        cmd = ["Retrieval.py", "--config", config, "--checkpoint", checkpoint, "--output_dir", fresh(out)]
+        run(cmd + (["--evaluate"] if evaluate else []) + (["--set", *sets] if sets else []))
+    rows = read_log(log)
+    if evaluate:
+        return rows[-1]
+    best = rows[-1].get("best_epoch")
+    return next((r for r in rows if r.get("epoch") == best and "test_txt_r1" in r), rows[-1])
+
+
+def json_step(path: str, cmd: list[str]) -> dict:
+    """Run a tool that writes JSON to `path` unless that file exists; return its content."""
+    if not os.path.isfile(path):
+        run(cmd)
+    with open(path, encoding="utf-8") as f:
+        return json.load(f)
+
+
+def train_subset(preset: Preset, out_dir: str) -> str:
+    """The first preset.finetune_subset entries of the retrieval train files, written into out_dir."""
+    from dataset import load_json_list
+
+    files = load_config(preset.retrieval_config)["train_file"]
+    path = os.path.join(out_dir, f"retrieval_train_first{preset.finetune_subset}.json")
+    if not os.path.isfile(path):
+        entries = load_json_list(list(files))[: preset.finetune_subset]
+        with open(path, "w", encoding="utf-8") as f:
+            json.dump(entries, f)
+    return path
+
+
+def check_settings(row_dir: str, settings: dict) -> None:
+    """Record what a row directory is trained with; refuse to reuse it for other settings."""
+    path = os.path.join(row_dir, "ablate.json")
+    if os.path.isfile(path):
+        with open(path, encoding="utf-8") as f:
+            old = json.load(f)
+        if old != settings:
+            raise SystemExit(f"{path}: this row was run with {old}, not {settings}; its results would be "
+                             "mixed with other settings: use another --output_dir (or delete the directory)")
+        return
+    os.makedirs(row_dir, exist_ok=True)
+    with open(path, "w", encoding="utf-8") as f:
+        json.dump(settings, f, indent=1)
+
+
+def run_row(row_dir: str, row: str, seed: int, preset: Preset, table: int, finetune: bool,
+            sets: Sequence[str]) -> RowResult:
+    """Every step of one (row, seed); returns its numbers."""
+    config = os.path.join(preset.config_dir, f"{row}.yaml")
+    pre_sets = [*preset.pretrain_set, *sets]
+    check_settings(row_dir, {"config": config, "seed": seed, "set": pre_sets, "finetune_set": list(
+        preset.finetune_set), "retrieval_config": preset.retrieval_config})
+    row_config = load_config(config, pre_sets)
+    itm = bool(row_config.get("itm", True))
+    checkpoint = pretrain(row_dir, config, seed, pre_sets)
+    log = read_log(os.path.join(row_dir, "pretrain", "log.txt"))
+    # ITC-only rows have no ITM head to re-rank with or to probe.
+    ret_sets = [*preset.retrieval_set, *([] if itm else ["itm=false"])]
+    zs = retrieval(os.path.join(row_dir, "zeroshot"), preset.retrieval_config, checkpoint, ret_sets, True)
+    m: dict[str, float | None] = {
+        "zs_tr_r1": zs["test_txt_r1"], "zs_ir_r1": zs["test_img_r1"], "zs_r_mean": zs["test_r_mean"],
+        "loss_itm": log[-1]["loss_itm"] if itm else None,
+        "grit_hardness": log[-1]["grit_hardness"],
+        # Table 4's time per epoch: the whole epoch, GRIT's work outside the steps included.
+        "epoch_seconds": statistics.fmean(r.get("epoch_seconds", r["seconds"]) for r in log),
+    }
+    if finetune:
+        ft_sets = [*ret_sets, *preset.finetune_set]
+        if preset.finetune_subset:
+            ft_sets.append(f"train_file=[{train_subset(preset, os.path.dirname(os.path.dirname(row_dir)))}]")
+        ft = retrieval(os.path.join(row_dir, "finetune"), preset.retrieval_config, checkpoint, ft_sets, False)
+        m.update(ft_tr_r1=ft["test_txt_r1"], ft_ir_r1=ft["test_img_r1"], ft_r_mean=ft["test_r_mean"])
+    limit = ["--limit", str(preset.limit)] if preset.limit else []
+    if itm and preset.synthetic:
+        probe = json_step(os.path.join(row_dir, "probe.json"),
+                          ["-m", "tools.probe", "--config", config, "--checkpoint", checkpoint,
+                           "--output", os.path.join(row_dir, "probe.json"), *limit])
+        m["probe"] = probe["overall"]
+    if table == 2 and bool(row_config.get("mlm", True)):
+        uov = json_step(os.path.join(row_dir, "uov.json"),
+                        ["-m", "tools.uov", "--config", config, "--checkpoint", checkpoint,
+                         "--probs", *UOV_PROBS, "--output", os.path.join(row_dir, "uov.json"), *limit])
+        for entry in uov["results"]:
+            p = f'{float(entry["prob"]):g}'
+            m[f"uov1@{p}"], m[f"uov5@{p}"] = entry["uov1"], entry["uov5"]
+    return RowResult(m)
+
+
+COLUMNS = [("zs_tr_r1", "ZS TR R@1"), ("zs_ir_r1", "ZS IR R@1"), ("zs_r_mean", "ZS r_mean"),
+           ("ft_tr_r1", "FT TR R@1"), ("ft_ir_r1", "FT IR R@1"), ("ft_r_mean", "FT r_mean"),
+           ("probe", "probe"), ("loss_itm", "loss_itm"), ("grit_hardness", "hardness"),
+           *((f"uov{k}@{p}", f"UoV@{k} (p {p})") for p in ("0.15", "0.5", "0.75") for k in (1, 5)),
+           ("epoch_seconds", "s / epoch")]
+
+
+def mean_spread(values: Sequence[float]) -> str:
+    """'m ± s' (sample standard deviation over seeds), or 'm' for one value."""
+    if len(values) == 1:
+        return f"{values[0]:.3f}" if abs(values[0]) < 10 else f"{values[0]:.2f}"
+    mean, sd = statistics.fmean(values), statistics.stdev(values)
+    return f"{mean:.3f} ± {sd:.3f}" if abs(mean) < 10 else f"{mean:.2f} ± {sd:.2f}"
+
+
+def markdown_table(table: int, results: dict[str, dict[int, RowResult]], seeds: Sequence[int]) -> str:
+    """The paper's columns that any row has, one line per row, mean ± spread over seeds."""
+    labels = dict(TABLES[table])
+    every = [r for per_seed in results.values() for r in per_seed.values()]
+    present = [(k, h) for k, h in COLUMNS if any(r.metrics.get(k) is not None for r in every)]
+    lines = [f"Table {table} (seeds {', '.join(map(str, seeds))}; mean ± sample std over seeds)", "",
+             "| row | " + " | ".join(h for _, h in present) + " |",
+             "|---|" + "---|" * len(present)]
+    for row, per_seed in results.items():
+        cells = []
+        for key, _ in present:
+            values = [r.metrics[key] for r in per_seed.values() if r.metrics.get(key) is not None]
+            cells.append(mean_spread(values) if values and all(math.isfinite(v) for v in values) else "–")
+        lines.append(f"| {labels[row]} | " + " | ".join(cells) + " |")
+    return "\n".join(lines) + "\n"
+
+
+def main(argv: Sequence[str] | None = None) -> dict:
+    """Run (or reuse) every row and seed of a table, write table<N>.md / .json; returns the JSON."""
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--preset", choices=sorted(PRESETS), default="tiny")
+    parser.add_argument("--table", type=int, choices=sorted(TABLES), required=True)
+    parser.add_argument("--seeds", type=int, nargs="+", default=[1, 2, 3])
+    parser.add_argument("--rows", nargs="+", default=None, help="a subset of the table's rows (config names)")
+    parser.add_argument("--output_dir", default="output/ablation")
+    parser.add_argument("--no-finetune", dest="finetune", action="store_false",
+                        help="skip retrieval fine-tuning (zero-shot, probe and UoV only)")
+    parser.add_argument("--set", dest="sets", nargs="*", action="extend", default=[], metavar="KEY=VALUE",
+                        help="pre-training config overrides applied to every row (e.g. max_epoch=5)")
+    args = parser.parse_args(argv)
+    preset = PRESETS[args.preset]
+    rows = [r for r, _ in TABLES[args.table]]
+    if args.rows:
+        unknown = sorted(set(args.rows) - set(rows))
+        if unknown:
+            parser.error(f"--rows {unknown} are not rows of table {args.table}; its rows: {rows}")
+        rows = [r for r in rows if r in args.rows]
+    if preset.synthetic:
+        from dataset import ensure_synthetic
+
+        ensure_synthetic("data/synthetic")
+    base = os.path.join(args.output_dir, args.preset)
+    results: dict[str, dict[int, RowResult]] = {}
+    for row in rows:
+        results[row] = {}
+        for seed in args.seeds:
+            row_dir = os.path.join(base, row, f"seed{seed}")
+            results[row][seed] = run_row(row_dir, row, seed, preset, args.table, args.finetune, args.sets)
+    text = markdown_table(args.table, results, args.seeds)
+    record = {"table": args.table, "preset": args.preset, "seeds": args.seeds, "set": args.sets,
+              "rows": {row: {str(s): r.metrics for s, r in per.items()} for row, per in results.items()}}
+    os.makedirs(base, exist_ok=True)
+    with open(os.path.join(base, f"table{args.table}.md"), "w", encoding="utf-8") as f:
+        f.write(text)
+    with open(os.path.join(base, f"table{args.table}.json"), "w", encoding="utf-8") as f:
+        json.dump(record, f, indent=1)
+    print("\n" + text)
+    print(f"written: {base}/table{args.table}.md, {base}/table{args.table}.json")
+    return record
+
+
+if __name__ == "__main__":
+    sys.exit(main() and 0)
