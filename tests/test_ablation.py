@@ -140,6 +140,8 @@ def test_ablate_micro_end_to_end_and_reuse(micro_env, tmp_path, monkeypatch):
     assert log[1]["grit_hardness"] > 0  # epoch 1 is a GRIT epoch
     table = open(os.path.join(out, "micro", "table5.md")).read()
     assert "| ITC |" in table and "| ITC + GRIT |" in table and "ITC_cons" not in table
+    report = open(os.path.join(out, "micro", "table5_report", "report.md")).read()
+    assert "ITC + GRIT (seed 1)" in report and "grit_hardness" in report
 
     def no_run(cmd):
         raise AssertionError(f"reused results must not rerun {cmd}")

@@ -13,6 +13,8 @@ and seed the tool runs, each in its own directory <output_dir>/<preset>/<row>/se
   probe.json  tools.probe, the compositional ITM probe (rows with an ITM head; synthetic presets)
   uov.json    tools.uov at masking 0.15/0.35/0.5/0.75 (Table 2 rows)
 
+and table<N>_report/ holds tools.report's per-epoch tables and overlaid plots of the first seed's runs.
+
 A step whose result is already on disk is reused, so a table is never recomputed from scratch and
 rows shared between tables (ALBEF_Base is in Tables 1, 2 and 4) are trained once. The table is
 written to <output_dir>/<preset>/table<N>.md with mean and spread (sample standard deviation) over
@@ -33,6 +35,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from tools.compare import fresh, read_log, run
+from tools.report import load_runs, write_report
 from training.config import get_max_epoch, load_config
 
 # The rows of each table, in the paper's order: (config name, the paper's label).
@@ -268,8 +271,14 @@ def main(argv: Sequence[str] | None = None) -> dict:
         f.write(text)
     with open(os.path.join(base, f"table{args.table}.json"), "w", encoding="utf-8") as f:
         json.dump(record, f, indent=1)
+    # Per-epoch curves of every row, overlaid (first seed): losses, hardness, speed, GRIT time.
+    labels = dict(TABLES[args.table])
+    seed = args.seeds[0]
+    runs = load_runs([os.path.join(base, row, f"seed{seed}", "pretrain") for row in rows],
+                     names=[f"{labels[row]} (seed {seed})" for row in rows])
+    report, _ = write_report(runs, os.path.join(base, f"table{args.table}_report"))
     print("\n" + text)
-    print(f"written: {base}/table{args.table}.md, {base}/table{args.table}.json")
+    print(f"written: {base}/table{args.table}.md, {base}/table{args.table}.json, {report}")
     return record
 
 

@@ -19,9 +19,7 @@ The default probe file is <synthetic_root>/probe_test.json when the config names
 from __future__ import annotations
 
 import argparse
-import json
 import os
-import sys
 from collections.abc import Iterator, Sequence
 
 import torch
@@ -30,9 +28,8 @@ from torch import Tensor
 from dataset import prepare_data
 from dataset.transforms import test_transform
 from dataset.utils import ImageReadError, load_json_list, pre_caption, read_image, resolve_image
-from models.loading import load_weights
 from models.pretrain import ALBEF_Base
-from models.tokenization import build_tokenizer
+from tools.checkpoint_tool import load_pretrain_checkpoint, run_cli, write_record
 from training.config import ConfigError, load_config, require_keys
 
 __all__ = ["ImageScores", "ProbeFileError", "cli", "default_probe_file", "format_table", "itm_match_prob",
@@ -252,12 +249,7 @@ def main(argv: Sequence[str] | None = None) -> dict:
     image_root = str(config.get("image_root") or "")
     entries = load_probe_file(probe_file, image_root=image_root)[: args.limit]
 
-    tokenizer = build_tokenizer(config)
-    torch.manual_seed(int(config.get("seed", 42)))  # weights the checkpoint lacks are at least repeatable
-    model = ALBEF_Base(config, text_encoder=config.get("text_encoder"), tokenizer=tokenizer)
-    print(f"loaded {args.checkpoint}: {load_weights(model, args.checkpoint).summary()}", flush=True)
-    model.to(device)
-
+    model, tokenizer = load_pretrain_checkpoint(config, args.checkpoint, device)
     try:
         scores = score_probe(model, entries, tokenizer, image_root=image_root,
                              image_res=int(config["image_res"]), max_words=int(config.get("max_words", 30)),
@@ -269,22 +261,13 @@ def main(argv: Sequence[str] | None = None) -> dict:
     record = {"probe_file": probe_file, "checkpoint": args.checkpoint,
               **{k: accuracy[k] for k in ("overall", "per_kind", "image_all", "pairs", "images")}}
     print(format_table(accuracy))
-    print(json.dumps(record), flush=True)
-    if args.output:
-        os.makedirs(os.path.dirname(os.path.abspath(args.output)), exist_ok=True)
-        with open(args.output, "w", encoding="utf-8") as f:
-            json.dump(record, f, indent=2)
-            f.write("\n")
+    write_record(record, args.output)
     return record
 
 
 def cli(argv: Sequence[str] | None = None) -> None:
     """main(argv); a bad config or probe file or a missing file ends in a one-line error (exit 2)."""
-    try:
-        main(argv)
-    except (ConfigError, FileNotFoundError, ProbeFileError) as err:
-        print(f"error: {err}", file=sys.stderr)
-        sys.exit(2)
+    run_cli(main, (ConfigError, FileNotFoundError, ProbeFileError), argv)
 
 
 if __name__ == "__main__":

@@ -1,0 +1,52 @@
+"""What the checkpoint tools (probe, uov, warmstart) share: the pre-training model loaded from a checkpoint,
+the JSON record they print and write, and their command line's one-line errors."""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from collections.abc import Callable, Mapping, Sequence
+
+import torch
+
+from models.loading import load_weights
+from models.pretrain import ALBEF_Base
+from models.tokenization import build_tokenizer
+
+__all__ = ["load_pretrain_checkpoint", "run_cli", "write_record"]
+
+
+def load_pretrain_checkpoint(config: Mapping, checkpoint: str, device: torch.device, seed: int | None = None,
+                             log=None) -> tuple[ALBEF_Base, object]:
+    """ALBEF_Base from the config with `checkpoint` loaded, on `device`, and its tokenizer.
+
+    The seed (default: the config's) makes the weights the checkpoint lacks at least repeatable; the
+    load summary goes to `log` (stdout by default).
+    """
+    tokenizer = build_tokenizer(config)
+    torch.manual_seed(int(config.get("seed", 42)) if seed is None else seed)
+    model = ALBEF_Base(dict(config), text_encoder=config.get("text_encoder"), tokenizer=tokenizer)
+    print(f"loaded {checkpoint}: {load_weights(model, checkpoint).summary()}", file=log or sys.stdout,
+          flush=True)
+    return model.to(device), tokenizer
+
+
+def write_record(record: Mapping, output: str | None) -> None:
+    """Print the record as one JSON line and, with `output`, write it (indented) to that file too."""
+    print(json.dumps(record), flush=True)
+    if output:
+        os.makedirs(os.path.dirname(os.path.abspath(output)), exist_ok=True)
+        with open(output, "w", encoding="utf-8") as f:
+            json.dump(record, f, indent=2)
+            f.write("\n")
+
+
+def run_cli(main: Callable[[Sequence[str] | None], object], errors: tuple[type[BaseException], ...],
+            argv: Sequence[str] | None = None) -> None:
+    """main(argv); an exception of `errors` (bad input, missing file) ends in 'error: ...', exit 2."""
+    try:
+        main(argv)
+    except errors as err:
+        print(f"error: {err}", file=sys.stderr)
+        sys.exit(2)

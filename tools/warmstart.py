@@ -1,0 +1,219 @@
+"""Warm-start indices for GRIT's first epoch (paper S.M. C.3): group the data set with a trained model.
+
+    python -m tools.warmstart --config configs/tiny/Pretrain.yaml --checkpoint CKPT --output warmstart.pt \
+        [--device cpu] [--batch_size 256] [--seed S] [--set key=value ...]
+
+GRIT groups epoch e+1 by the features it collected in epoch e, so epoch 0 is random. With a model
+that is already trained (the paper used ALBEF_Base50 after one epoch), one no-grad pass of its
+uni-modal encoders over the whole pre-training set gives the features to group epoch 0 as well.
+The pass feeds GRIT's own collector (grit.GritCollector: queues of grit.queue_size, example shuffle,
+sub-queues of grit.search_space, greedy_chain) with the data set in a seeded random order, exactly as
+training feeds it, and writes the resulting G: a 1-D int64 tensor holding every dataset index once, in
+grouped order. Point grit.warmstart_indices at the file; GritSampler composes epoch 0 from it as it
+composes any later epoch from the G of the one before (cut into chunks of batch_size, shuffled).
+
+The pass is deterministic for a seed: eval mode, the test transform (resize, no random crop), one
+caption per entry drawn by a seeded `random`. --batch_size only sets the pass's throughput: the
+collector's result depends on the order of the examples, not on how they are batched. Prints one JSON
+line: the number of indices, the mean hardest in-batch negative cosine similarity of the grouped
+batches of the config's batch_size and of the same indices in a random order, and the seconds taken.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import random
+import sys
+import time
+from collections.abc import Iterable, Iterator, Sequence
+
+import torch
+from torch import Tensor
+from torch.utils.data import DataLoader
+
+from dataset import ImageTextCollate, PretrainDataset, create_dataset, prepare_data
+from dataset.transforms import test_transform
+from grit import GritCollector, parse_grit_config
+from models.objectives import caption_keys, false_negative_mask, hardest_negative_similarity
+from models.pretrain import ALBEF_Base
+from models.tokenization import build_tokenizer
+from tools.checkpoint_tool import load_pretrain_checkpoint, run_cli, write_record
+from training.config import ConfigError, load_config, require_keys, to_plain
+
+__all__ = ["batch_hardness", "build_parser", "cli", "encode_batches", "group_features", "main"]
+
+# One batch of the pass: image_feat (B, d), text_feat (B, d), dataset index (B,), caption key (B,).
+Batch = tuple[Tensor, Tensor, Tensor, Tensor]
+
+# Chunks of batch_size scored at once by batch_hardness: bounds the (chunks, N, N) similarity tensor.
+_HARDNESS_CHUNKS = 4096
+
+
+@torch.no_grad()
+def encode_batches(model: ALBEF_Base, dataset: PretrainDataset, collate: ImageTextCollate,
+                   order: Sequence[int], batch_size: int, device: torch.device | str,
+                   num_workers: int = 0, seed: int = 0) -> Iterator[Batch]:
+    """Uni-modal ITC projections of dataset[order] in order -> batches (image (B,d), text (B,d), idx (B,),
+    caption key (B,)), all on `device`; model in eval mode for the pass."""
+    loader = DataLoader(dataset, batch_size=batch_size, sampler=list(order), num_workers=num_workers,
+                        collate_fn=collate, generator=torch.Generator().manual_seed(seed))
+    was_training = model.training
+    model.eval()
+    try:
+        for image, text, idx in loader:
+            text = text.to(device)
+            image_feat, text_feat = model.unimodal_features(image.to(device), text)
+            # The training guard's caption key (padding zeroed), so the hardness skips the same pairs.
+            keys = caption_keys(text.input_ids.masked_fill(text.attention_mask == 0, 0))
+            yield image_feat, text_feat, idx.to(device), keys
+    finally:
+        model.train(was_training)
+
+
+@torch.no_grad()
+def group_features(batches: Iterable[tuple[Tensor, ...]], dataset_len: int, dim: int, *, queue_size: int,
+                   search_space: int, example_shuffle: bool = True, seed: int = 0,
+                   device: torch.device | str = "cpu") -> Tensor:
+    """Batches (image (B,d), text (B,d), index (B,), ...) -> G: LongTensor (n,) on CPU, the collected
+    dataset indices in GRIT's grouped order (GritCollector phases 1-3, partial last queue included)."""
+    collector = GritCollector(queue_size, search_space, dim, dataset_len, device, example_shuffle)
+    collector.reset(seed)
+    for image_feat, text_feat, index, *_ in batches:
+        collector.add(image_feat, text_feat, index)
+    return collector.finalize()
+
+
+@torch.no_grad()
+def batch_hardness(image_feat: Tensor, text_feat: Tensor, order: Tensor, batch_size: int,
+                   image_keys: Tensor | None = None, text_keys: Tensor | None = None) -> float:
+    """Features (D, d) indexed by dataset index, order (n,) -> mean over the n // batch_size consecutive
+    batches of hardest_negative_similarity of each batch's image-text cosine matrix (N, N).
+
+    With image_keys and text_keys (D,) int64, pairs that share an image or a caption are not negatives
+    (the false-negative guard of training). The n % batch_size trailing indices are left out, as the
+    sampler leaves them out of an epoch.
+    """
+    n_chunks = order.numel() // batch_size
+    if n_chunks == 0:
+        raise ValueError(f"batch_hardness: {order.numel()} indices make no batch of {batch_size}")
+    chunks = order[:n_chunks * batch_size].view(n_chunks, batch_size).to(image_feat.device)
+    per_batch = []
+    # vmap runs the training diagnostic on all batches of a slice at once, without a Python loop.
+    hardness = torch.vmap(hardest_negative_similarity)
+    for part in chunks.split(_HARDNESS_CHUNKS):
+        sim = torch.bmm(image_feat[part].float(), text_feat[part].float().transpose(1, 2))  # (C, N, N)
+        if image_keys is not None and text_keys is not None:
+            positive = torch.vmap(false_negative_mask)(image_keys[part], text_keys[part])
+            per_batch.append(hardness(sim, positive))
+        else:
+            per_batch.append(hardness(sim))
+    # A batch whose pairs are all positives has no negative (NaN): left out, as in the diagnostic.
+    return float(torch.cat(per_batch).nanmean())
+
+
+# ----------------------------------------------------------------------------------------------
+# Command line
+# ----------------------------------------------------------------------------------------------
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The tool's command line."""
+    p = argparse.ArgumentParser(prog="python -m tools.warmstart", description=__doc__.splitlines()[0])
+    p.add_argument("--config", required=True, help="the pre-training YAML config (data, model, grit block)")
+    p.add_argument("--checkpoint", required=True, help="trained weights (.pth, raw or under 'model')")
+    p.add_argument("--output", required=True, help="where to write the index array (.pt)")
+    p.add_argument("--device", default=None, help="cpu | cuda | cuda:N (default: cuda if available)")
+    p.add_argument("--batch_size", type=int, default=256, help="examples per encoder pass (throughput only)")
+    p.add_argument("--seed", type=int, default=None, help="overrides config key seed")
+    p.add_argument("--set", dest="set", nargs="*", action="extend", default=[], metavar="KEY=VALUE",
+                   help="config overrides, as in the training scripts (e.g. --set grit.search_space=256)")
+    return p
+
+
+def main(argv: Sequence[str] | None = None) -> dict:
+    """Run the tool from the command line; returns the record that is printed as JSON."""
+    args = build_parser().parse_args(argv)
+    # Fail on a bad path before minutes of data loading and model building.
+    if not os.path.isfile(args.checkpoint):
+        raise FileNotFoundError(f"--checkpoint: no such file: {args.checkpoint}")
+    config = load_config(args.config, args.set)
+    require_keys(config, ("train_file", "image_res", "embed_dim", "batch_size", "grit"), args.config)
+    if args.batch_size < 1:
+        raise ConfigError("--batch_size must be >= 1")
+    seed = int(args.seed if args.seed is not None else config.get("seed", 42))
+    batch_size = int(config["batch_size"])
+    try:
+        # Sizes are checked as for an enabled GRIT: the file is only read when it is enabled.
+        grit = parse_grit_config(dict(to_plain(config["grit"]), enabled=True), batch_size)
+    except ValueError as err:
+        raise ConfigError(f"{args.config}: {err}") from None
+    device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    t0 = time.perf_counter()
+
+    prepare_data(config)
+    tokenizer = build_tokenizer(config)
+    dataset = create_dataset("pretrain", config)
+    # The features should describe the example, not one random crop of it.
+    dataset.transform = test_transform(int(config["image_res"]))
+    collate = ImageTextCollate(tokenizer, int(config.get("max_tokens", 40)))
+    D, dim = len(dataset), int(config["embed_dim"])
+    if D < batch_size:
+        raise ConfigError(f"the data set has {D} examples, fewer than one batch of {batch_size}")
+
+    model, _ = load_pretrain_checkpoint(config, args.checkpoint, device, seed=seed, log=sys.stderr)
+
+    random.seed(seed)  # list captions: one seeded draw per entry (num_workers 0; workers seed from it)
+    gen = torch.Generator().manual_seed(seed)
+    # A random arrival order, as in a training epoch: queue fills must not follow the files' order.
+    order = torch.randperm(D, generator=gen)
+    # float16 on CPU: 4 bytes per (image, text) dimension pair keep a 4M-pair set at 4 GB for d=256;
+    # the hardness is a diagnostic, and cosines in [-1, 1] lose < 1e-3.
+    image_all = torch.zeros(D, dim, dtype=torch.float16)
+    text_all = torch.zeros(D, dim, dtype=torch.float16)
+    text_keys = torch.zeros(D, dtype=torch.long)
+
+    def recorded(batches: Iterable[Batch]) -> Iterator[Batch]:
+        for image_feat, text_feat, idx, keys in batches:
+            cpu_idx = idx.cpu()
+            image_all[cpu_idx] = image_feat.cpu().half()
+            text_all[cpu_idx] = text_feat.cpu().half()
+            text_keys[cpu_idx] = keys.cpu()
+            yield image_feat, text_feat, idx, keys
+
+    batches = encode_batches(model, dataset, collate, order.tolist(), args.batch_size, device,
+                             num_workers=int(config.get("num_workers", 0)), seed=seed)
+    G = group_features(recorded(batches), D, dim, queue_size=grit["queue_size"],
+                       search_space=grit["search_space"], example_shuffle=grit["example_shuffle"],
+                       seed=seed, device=device)
+    seconds = time.perf_counter() - t0
+
+    out_dir = os.path.dirname(os.path.abspath(args.output))
+    os.makedirs(out_dir, exist_ok=True)
+    torch.save(G.long().contiguous(), args.output)
+
+    guard = bool(config.get("guard_false_negatives", False))
+    keys = (torch.as_tensor(dataset.image_keys, dtype=torch.long), text_keys) if guard else (None, None)
+    random_order = G[torch.randperm(G.numel(), generator=gen)]
+    record = {
+        "output": args.output,
+        "checkpoint": args.checkpoint,
+        "indices": int(G.numel()),
+        "dataset_len": D,
+        "batch_size": batch_size,
+        "hardness_grouped": batch_hardness(image_all, text_all, G, batch_size, *keys),
+        "hardness_random": batch_hardness(image_all, text_all, random_order, batch_size, *keys),
+        "guard_false_negatives": guard,
+        "seconds": round(seconds, 3),
+    }
+    write_record(record, None)
+    return record
+
+
+def cli(argv: Sequence[str] | None = None) -> None:
+    """main(argv); a bad config, a missing file or unusable features end in a one-line error (exit 2)."""
+    run_cli(main, (ConfigError, FileNotFoundError, ValueError), argv)
+
+
+if __name__ == "__main__":
+    cli()
