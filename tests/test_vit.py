@@ -104,3 +104,34 @@ def test_wrong_size_checkpoint_is_a_clear_error(tmp_path):
         build_vision_encoder(vit_config(image_res=36))
     with pytest.raises(ValueError, match="deit.pth"):
         build_vision_encoder(vit_config(vision_width=32, vision_init=str(path)))
+
+
+def test_conv_stem_replaces_the_patch_projection(tmp_path):
+    """vision_stem conv: log2(patch) stride-2 convolutions give the same token grid as the linear stem;
+    its weights round-trip through vision_init; bad values name the key."""
+    torch.manual_seed(0)
+    linear = build_vision_encoder(vit_config())
+    conv = build_vision_encoder(vit_config(vision_stem="conv"))
+    x = torch.randn(2, 3, 32, 32)
+    assert conv.forward_features(x).shape == linear.forward_features(x).shape == (2, 1 + 16, 64)
+    convs = [m for m in conv.patch_embed.proj if isinstance(m, nn.Conv2d)]
+    assert [(c.in_channels, c.out_channels, c.stride) for c in convs] == [
+        (3, 24, (2, 2)), (24, 48, (2, 2)), (48, 64, (2, 2))]
+    # The convolutions see across a patch border (receptive field 15 px > 8): a pixel of patch (0, 0)
+    # moves the token of patch (0, 1); the linear stem's token of patch (0, 1) stays put.
+    y = x.clone()
+    y[:, :, 3, 7] += 1.0
+    for stem, moves in ((conv, True), (linear, False)):
+        tokens_x, tokens_y = stem.patch_embed(x), stem.patch_embed(y)
+        assert (not torch.equal(tokens_x[:, 1], tokens_y[:, 1])) == moves
+    path = tmp_path / "stem.pth"
+    torch.save(conv.state_dict(), path)
+    again = build_vision_encoder(vit_config(vision_stem="conv", vision_init=str(path)))
+    assert torch.equal(again.forward_features(x), conv.forward_features(x))
+    with pytest.raises(ValueError, match="vision_init"):  # a linear-stem checkpoint does not fit
+        torch.save(linear.state_dict(), tmp_path / "linear.pth")
+        build_vision_encoder(vit_config(vision_stem="conv", vision_init=str(tmp_path / "linear.pth")))
+    with pytest.raises(ValueError, match="vision_stem"):
+        build_vision_encoder(vit_config(vision_stem="cnn"))
+    with pytest.raises(ValueError, match="power of two"):
+        build_vision_encoder(vit_config(vision_stem="conv", patch_size=6, image_res=36))

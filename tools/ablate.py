@@ -36,7 +36,7 @@ from dataclasses import dataclass, field
 
 from tools.compare import fresh, read_log, run
 from tools.report import load_runs, write_report
-from training.config import get_max_epoch, load_config
+from training.config import get_max_epoch, load_config, to_plain
 
 # The rows of each table, in the paper's order: (config name, the paper's label).
 TABLES: dict[int, list[tuple[str, str]]] = {
@@ -149,8 +149,10 @@ def check_settings(row_dir: str, settings: dict) -> None:
         with open(path, encoding="utf-8") as f:
             old = json.load(f)
         if old != settings:
-            raise SystemExit(f"{path}: this row was run with {old}, not {settings}; its results would be "
-                             "mixed with other settings: use another --output_dir (or delete the directory)")
+            changed = sorted(k for k in set(old) | set(settings) if old.get(k) != settings.get(k))
+            raise SystemExit(f"{path}: this row was run with other settings ({', '.join(changed)} differ); "
+                             "its results would be mixed with the new ones: use another --output_dir (or "
+                             "delete the directory)")
         return
     os.makedirs(row_dir, exist_ok=True)
     with open(path, "w", encoding="utf-8") as f:
@@ -162,8 +164,11 @@ def run_row(row_dir: str, row: str, seed: int, preset: Preset, table: int, finet
     """Every step of one (row, seed); returns its numbers."""
     config = os.path.join(preset.config_dir, f"{row}.yaml")
     pre_sets = [*preset.pretrain_set, *sets]
-    check_settings(row_dir, {"config": config, "seed": seed, "set": pre_sets, "finetune_set": list(
-        preset.finetune_set), "retrieval_config": preset.retrieval_config})
+    # The resolved configs, not only their names: an edited base config must not reuse old runs.
+    check_settings(row_dir, {"config": config, "seed": seed, "set": pre_sets,
+                             "resolved": to_plain(load_config(config, pre_sets)),
+                             "retrieval": to_plain(load_config(preset.retrieval_config)),
+                             "finetune_set": list(preset.finetune_set)})
     row_config = load_config(config, pre_sets)
     itm = bool(row_config.get("itm", True))
     checkpoint = pretrain(row_dir, config, seed, pre_sets)
