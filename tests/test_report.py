@@ -25,7 +25,8 @@ PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 # What Pretrain.py appends to log.txt per epoch, in its order.
 PRETRAIN_KEYS = ("epoch", "step", "lr", "loss_itc", "loss_cons", "loss_itm", "loss_mlm", "seconds",
                  "samples_per_s", "grit_hardness", "grit_seconds", "epoch_seconds")
-PLOTTED = ["loss_itc", "loss_cons", "loss_itm", "loss_mlm", "grit_hardness", "samples_per_s", "grit_seconds"]
+PLOTTED = ["loss_itc", "loss_cons", "loss_itm", "loss_mlm", "grit_hardness", "samples_per_s", "grit_seconds",
+           "epoch_seconds"]
 
 
 def pretrain_record(epoch: int, scale: float) -> dict:
@@ -104,7 +105,7 @@ def test_format_value():
 def test_plots_overlay_the_runs_and_are_linked(two_runs, tmp_path, capsys):
     pytest.importorskip("matplotlib")
     grit, rand = two_runs
-    # Any other loss key is plotted too; lr, step and epoch_seconds are not.
+    # Any other loss key is plotted too; lr and step are not.
     write_log(rand, [dict(pretrain_record(e, 1.2), loss_extra=0.1 * e) for e in range(2)])
     path = main([grit, rand, "--names", "GRIT-VLP", "random batches"])
     assert path == os.path.join(grit, "report.md")  # --out defaults to the first run directory

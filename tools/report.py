@@ -7,7 +7,7 @@ JSON object per line (training.logger.append_log). The tool writes DIR/report.md
 first OUTPUT_DIR): per run, a table with one row per epoch and a column per numeric key, and a table
 of the `--evaluate` records (which have no 'epoch'). When matplotlib is installed it also writes one
 PNG per metric with the runs overlaid (x = epoch): every loss (a key naming `loss`), grit_hardness,
-samples_per_s and grit_seconds, e.g. DIR/loss_itm.png, linked from report.md. Run names are the
+samples_per_s, grit_seconds and epoch_seconds, e.g. DIR/loss_itm.png, linked from report.md. Run names are the
 directories' basenames, lengthened by parent folders where two would clash (seed1/pretrain,
 seed2/pretrain), unless --names gives them.
 
@@ -31,7 +31,7 @@ __all__ = ["PLOT_EXTRA", "ReportError", "Run", "load_runs", "main", "markdown_re
 LOG_NAME = "log.txt"
 REPORT_NAME = "report.md"
 # Plotted besides the losses, in this order: GRIT's batch hardness and the two costs it trades off.
-PLOT_EXTRA = ("grit_hardness", "samples_per_s", "grit_seconds")
+PLOT_EXTRA = ("grit_hardness", "samples_per_s", "grit_seconds", "epoch_seconds")
 _LOSS = re.compile(r"(^|_)loss(_|$)")  # loss_itm (Pretrain, Retrieval), train_loss_vqa (VQA), train_loss_itm
 NO_MATPLOTLIB = "plots skipped: matplotlib is not installed (pip install matplotlib to get them)"
 
