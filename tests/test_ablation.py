@@ -150,3 +150,19 @@ def test_ablate_micro_end_to_end_and_reuse(micro_env, tmp_path, monkeypatch):
     assert ablate.main(args)["rows"] == record["rows"]
     with pytest.raises(SystemExit, match="another --output_dir"):
         ablate.main([*args, "--set", "lambda_cons=0.5"])
+
+
+def test_ablate_micro_table2_reads_uov(micro_env, tmp_path):
+    """Table 2 rows also run tools.uov; its UoV@1/@5 per masking probability reach the table."""
+    out = str(tmp_path / "abl2")
+    record = ablate.main(["--preset", "micro", "--table", "2", "--seeds", "1", "--rows", "albef_base",
+                          "--no-finetune", "--output_dir", out])
+    metrics = record["rows"]["albef_base"]["1"]
+    with open(os.path.join(out, "micro", "albef_base", "seed1", "uov.json")) as f:
+        uov = {f'{float(e["prob"]):g}': e for e in json.load(f)["results"]}
+    assert sorted(uov) == ["0.15", "0.35", "0.5", "0.75"]
+    for p, entry in uov.items():
+        assert metrics[f"uov1@{p}"] == entry["uov1"] == pytest.approx(entry["acc1"] - entry["acc1_no_image"])
+        assert metrics[f"uov5@{p}"] == entry["uov5"]
+    assert "ft_tr_r1" not in metrics and 0 <= metrics["probe"] <= 1
+    assert "UoV@1 (p 0.5)" in open(os.path.join(out, "micro", "table2.md")).read()
