@@ -93,10 +93,9 @@ def _has_record(log: str, key: str) -> bool:
     return os.path.isfile(log) and any(key in r for r in read_log(log))
 
 
-def pretrain(row_dir: str, config: str, seed: int, sets: Sequence[str]) -> str:
-    """Pre-train (or finish, or reuse) one row; returns the last checkpoint's path."""
+def pretrain(row_dir: str, config: str, seed: int, sets: Sequence[str], epochs: int) -> str:
+    """Pre-train (or finish, or reuse) one row for `epochs` epochs; returns the last checkpoint's path."""
     out = os.path.join(row_dir, "pretrain")
-    epochs = get_max_epoch(load_config(config, list(sets)))
     log = os.path.join(out, "log.txt")
     done = len(read_log(log)) if os.path.isfile(log) else 0
     if done < epochs:
@@ -164,14 +163,13 @@ def run_row(row_dir: str, row: str, seed: int, preset: Preset, table: int, finet
     """Every step of one (row, seed); returns its numbers."""
     config = os.path.join(preset.config_dir, f"{row}.yaml")
     pre_sets = [*preset.pretrain_set, *sets]
+    row_config = to_plain(load_config(config, pre_sets))
     # The resolved configs, not only their names: an edited base config must not reuse old runs.
-    check_settings(row_dir, {"config": config, "seed": seed, "set": pre_sets,
-                             "resolved": to_plain(load_config(config, pre_sets)),
+    check_settings(row_dir, {"config": config, "seed": seed, "set": pre_sets, "resolved": row_config,
                              "retrieval": to_plain(load_config(preset.retrieval_config)),
                              "finetune_set": list(preset.finetune_set)})
-    row_config = load_config(config, pre_sets)
     itm = bool(row_config.get("itm", True))
-    checkpoint = pretrain(row_dir, config, seed, pre_sets)
+    checkpoint = pretrain(row_dir, config, seed, pre_sets, get_max_epoch(row_config))
     log = read_log(os.path.join(row_dir, "pretrain", "log.txt"))
     # ITC-only rows have no ITM head to re-rank with or to probe.
     ret_sets = [*preset.retrieval_set, *([] if itm else ["itm=false"])]

@@ -1,8 +1,9 @@
-"""What the checkpoint tools (probe, uov, warmstart) share: the pre-training model loaded from a checkpoint,
-the JSON record they print and write, and their command line's one-line errors."""
+"""What the checkpoint tools (probe, uov, warmstart) share: their common flags, the pre-training model
+loaded from a checkpoint, the JSON record they print and write, and their command line's one-line errors."""
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import sys
@@ -14,7 +15,24 @@ from models.loading import load_weights
 from models.pretrain import ALBEF_Base
 from models.tokenization import build_tokenizer
 
-__all__ = ["load_pretrain_checkpoint", "run_cli", "write_record"]
+__all__ = ["checkpoint_parser", "load_pretrain_checkpoint", "resolve_device", "run_cli", "write_record"]
+
+
+def checkpoint_parser(prog: str, description: str, config_help: str, checkpoint_help: str,
+                      ) -> argparse.ArgumentParser:
+    """A parser with the flags every checkpoint tool takes: --config, --checkpoint, --device, --set."""
+    p = argparse.ArgumentParser(prog=prog, description=description)
+    p.add_argument("--config", required=True, help=config_help)
+    p.add_argument("--checkpoint", required=True, help=checkpoint_help)
+    p.add_argument("--device", default=None, help="cpu | cuda | cuda:N (default: cuda if available)")
+    p.add_argument("--set", dest="set", nargs="*", action="extend", default=[], metavar="KEY=VALUE",
+                   help="config overrides, as in the training scripts (e.g. --set image_root=data/x)")
+    return p
+
+
+def resolve_device(name: str | None) -> torch.device:
+    """--device, or cuda when available, else cpu."""
+    return torch.device(name or ("cuda" if torch.cuda.is_available() else "cpu"))
 
 
 def load_pretrain_checkpoint(config: Mapping, checkpoint: str, device: torch.device, seed: int | None = None,

@@ -29,7 +29,13 @@ from dataset import prepare_data
 from dataset.transforms import test_transform
 from dataset.utils import ImageReadError, load_json_list, pre_caption, read_image, resolve_image
 from models.pretrain import ALBEF_Base
-from tools.checkpoint_tool import load_pretrain_checkpoint, run_cli, write_record
+from tools.checkpoint_tool import (
+    checkpoint_parser,
+    load_pretrain_checkpoint,
+    resolve_device,
+    run_cli,
+    write_record,
+)
 from training.config import ConfigError, load_config, require_keys
 
 __all__ = ["ImageScores", "ProbeFileError", "cli", "default_probe_file", "format_table", "itm_match_prob",
@@ -221,17 +227,14 @@ def format_table(result: dict) -> str:
 
 def build_parser() -> argparse.ArgumentParser:
     """The probe's command line."""
-    p = argparse.ArgumentParser(prog="python -m tools.probe", description=__doc__.splitlines()[0])
-    p.add_argument("--config", required=True, help="the YAML config the checkpoint was trained with")
-    p.add_argument("--checkpoint", required=True, help="weights to probe (.pth, raw or under 'model')")
+    p = checkpoint_parser("python -m tools.probe", __doc__.splitlines()[0],
+                          "the YAML config the checkpoint was trained with",
+                          "weights to probe (.pth, raw or under 'model')")
     p.add_argument("--probe_file", default=None,
                    help=f"probe json list (default: <synthetic_root>/{PROBE_FILE_NAME})")
     p.add_argument("--output", default=None, help="also write the result JSON to this file")
-    p.add_argument("--device", default=None, help="cpu | cuda | cuda:N (default: cuda if available)")
     p.add_argument("--batch_size", type=int, default=256, help="captions per fusion pass")
     p.add_argument("--limit", type=int, default=None, help="probe only the first N images")
-    p.add_argument("--set", dest="set", nargs="*", action="extend", default=[], metavar="KEY=VALUE",
-                   help="config overrides, as in the training scripts (e.g. --set image_root=data/x)")
     return p
 
 
@@ -242,7 +245,7 @@ def main(argv: Sequence[str] | None = None) -> dict:
     require_keys(config, ("image_res",), args.config)
     if args.batch_size < 1 or (args.limit is not None and args.limit < 1):
         raise ConfigError("--batch_size and --limit must be >= 1")
-    device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    device = resolve_device(args.device)
 
     prepare_data(config)  # generates the synthetic data, whose folder holds the default probe file
     probe_file = args.probe_file or default_probe_file(config, args.config)

@@ -47,7 +47,13 @@ from dataset.retrieval import RetrievalEvalDataset
 from dataset.transforms import test_transform
 from dataset.utils import ImageReadError, resolve_image
 from models.pretrain import ALBEF_Base
-from tools.checkpoint_tool import load_pretrain_checkpoint, run_cli, write_record
+from tools.checkpoint_tool import (
+    checkpoint_parser,
+    load_pretrain_checkpoint,
+    resolve_device,
+    run_cli,
+    write_record,
+)
 from training.config import ConfigError, load_config, require_keys
 
 __all__ = ["CaptionFileError", "blank_image", "cli", "default_captions_file", "format_table",
@@ -265,20 +271,17 @@ def format_table(result: dict) -> str:
 
 def build_parser() -> argparse.ArgumentParser:
     """The UoV command line."""
-    p = argparse.ArgumentParser(prog="python -m tools.uov", description=__doc__.splitlines()[0])
-    p.add_argument("--config", required=True, help="the YAML config the checkpoint was trained with")
-    p.add_argument("--checkpoint", required=True, help="weights to evaluate (.pth, raw or under 'model')")
+    p = checkpoint_parser("python -m tools.uov", __doc__.splitlines()[0],
+                          "the YAML config the checkpoint was trained with",
+                          "weights to evaluate (.pth, raw or under 'model')")
     p.add_argument("--probs", type=float, nargs="+", default=[0.15, 0.35, 0.5, 0.75],
                    help="masking probabilities in (0, 1] (default: 0.15 0.35 0.5 0.75)")
     p.add_argument("--captions", default=None,
                    help=f"retrieval-format json list (default: <synthetic_root>/{CAPTIONS_FILE_NAME})")
     p.add_argument("--output", default=None, help="also write the result JSON to this file")
-    p.add_argument("--device", default=None, help="cpu | cuda | cuda:N (default: cuda if available)")
     p.add_argument("--batch_size", type=int, default=256, help="captions per fusion pass")
     p.add_argument("--limit", type=int, default=None, help="only the first N images (all their captions)")
     p.add_argument("--seed", type=int, default=0, help="seed of the masked-position draws")
-    p.add_argument("--set", dest="set", nargs="*", action="extend", default=[], metavar="KEY=VALUE",
-                   help="config overrides, as in the training scripts (e.g. --set image_root=data/x)")
     return p
 
 
@@ -292,7 +295,7 @@ def main(argv: Sequence[str] | None = None) -> dict:
     bad = [p for p in args.probs if not (math.isfinite(p) and 0.0 < p <= 1.0)]
     if bad:
         raise ConfigError(f"--probs must lie in (0, 1], got {bad} (0 masks nothing: no accuracy to compare)")
-    device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    device = resolve_device(args.device)
 
     prepare_data(config)  # generates the synthetic data, whose folder holds the default caption file
     captions_file = args.captions or default_captions_file(config, args.config)

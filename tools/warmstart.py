@@ -38,7 +38,13 @@ from grit import GritCollector, parse_grit_config
 from models.objectives import caption_keys, false_negative_mask, hardest_negative_similarity
 from models.pretrain import ALBEF_Base
 from models.tokenization import build_tokenizer
-from tools.checkpoint_tool import load_pretrain_checkpoint, run_cli, write_record
+from tools.checkpoint_tool import (
+    checkpoint_parser,
+    load_pretrain_checkpoint,
+    resolve_device,
+    run_cli,
+    write_record,
+)
 from training.config import ConfigError, load_config, require_keys, to_plain
 
 __all__ = ["batch_hardness", "build_parser", "cli", "encode_batches", "group_features", "main"]
@@ -119,15 +125,12 @@ def batch_hardness(image_feat: Tensor, text_feat: Tensor, order: Tensor, batch_s
 
 def build_parser() -> argparse.ArgumentParser:
     """The tool's command line."""
-    p = argparse.ArgumentParser(prog="python -m tools.warmstart", description=__doc__.splitlines()[0])
-    p.add_argument("--config", required=True, help="the pre-training YAML config (data, model, grit block)")
-    p.add_argument("--checkpoint", required=True, help="trained weights (.pth, raw or under 'model')")
+    p = checkpoint_parser("python -m tools.warmstart", __doc__.splitlines()[0],
+                          "the pre-training YAML config (data, model, grit block)",
+                          "trained weights (.pth, raw or under 'model')")
     p.add_argument("--output", required=True, help="where to write the index array (.pt)")
-    p.add_argument("--device", default=None, help="cpu | cuda | cuda:N (default: cuda if available)")
     p.add_argument("--batch_size", type=int, default=256, help="examples per encoder pass (throughput only)")
     p.add_argument("--seed", type=int, default=None, help="overrides config key seed")
-    p.add_argument("--set", dest="set", nargs="*", action="extend", default=[], metavar="KEY=VALUE",
-                   help="config overrides, as in the training scripts (e.g. --set grit.search_space=256)")
     return p
 
 
@@ -148,7 +151,7 @@ def main(argv: Sequence[str] | None = None) -> dict:
         grit = parse_grit_config(dict(to_plain(config["grit"]), enabled=True), batch_size)
     except ValueError as err:
         raise ConfigError(f"{args.config}: {err}") from None
-    device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    device = resolve_device(args.device)
     t0 = time.perf_counter()
 
     prepare_data(config)
