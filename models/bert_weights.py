@@ -6,8 +6,9 @@ from __future__ import annotations
 import os
 import re
 
-import torch
 from torch import Tensor
+
+from torch_files import load_torch_file
 
 _WEIGHT_FILES = ("model.safetensors", "pytorch_model.bin")
 
@@ -51,10 +52,7 @@ def read_bert_weights(path: str) -> dict[str, Tensor]:
         from safetensors.torch import load_file
 
         return load_file(path)
-    try:
-        state = torch.load(path, map_location="cpu", weights_only=True)
-    except Exception as err:  # not a weights pickle: name the file, keep the cause
-        raise ValueError(f"text_encoder weights {path!r} could not be read: {err}") from err
+    state = load_torch_file(path, what="text_encoder weights")
     if isinstance(state, dict) and isinstance(state.get("model"), dict):
         state = state["model"]
     if not isinstance(state, dict):

@@ -7,11 +7,11 @@ import os
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
-import torch
 from torch import Tensor, nn
 
 from models.state_dicts import missing_after_tying, summarise_keys
 from models.vit import resample_pos_embed_report
+from torch_files import load_torch_file
 
 logger = logging.getLogger(__name__)
 
@@ -50,12 +50,7 @@ def read_checkpoint(checkpoint: str | dict) -> dict[str, Tensor]:
 
             checkpoint = load_file(path)
         else:
-            try:
-                checkpoint = torch.load(path, map_location="cpu", weights_only=True)
-            except Exception as err:  # unpicklable content: name the file and keep the cause
-                raise ValueError(
-                    f"checkpoint {path!r} could not be loaded with weights_only=True: {err}"
-                ) from err
+            checkpoint = load_torch_file(path)
     if isinstance(checkpoint, dict) and isinstance(checkpoint.get("model"), dict):
         checkpoint = checkpoint["model"]
     if not isinstance(checkpoint, dict) or not all(isinstance(v, Tensor) for v in checkpoint.values()):

@@ -14,6 +14,7 @@ from timm.models.vision_transformer import VisionTransformer
 from torch import Tensor, nn
 
 from models.state_dicts import check_shapes
+from torch_files import load_torch_file
 
 logger = logging.getLogger(__name__)
 
@@ -111,10 +112,7 @@ def read_vit_state_dict(path: str) -> dict[str, Tensor]:
 
         state = load_file(path)
     else:
-        try:
-            state = torch.load(path, map_location="cpu", weights_only=True)
-        except Exception as err:  # corrupt / non-tensor pickles: name the file, keep the cause
-            raise ValueError(f"vision_init {path!r} could not be read as a weights file: {err}") from err
+        state = load_torch_file(path, what="vision_init")
     for key in ("model", "state_dict"):
         if isinstance(state, dict) and isinstance(state.get(key), dict):
             state = state[key]

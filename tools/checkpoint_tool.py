@@ -14,17 +14,22 @@ import torch
 from models.loading import load_weights
 from models.pretrain import ALBEF_Base
 from models.tokenization import build_tokenizer
+from torch_files import TRUST_FLAG, UntrustedCheckpointError
 
 __all__ = ["checkpoint_parser", "load_pretrain_checkpoint", "resolve_device", "run_cli", "write_record"]
 
 
 def checkpoint_parser(prog: str, description: str, config_help: str, checkpoint_help: str,
                       ) -> argparse.ArgumentParser:
-    """A parser with the flags every checkpoint tool takes: --config, --checkpoint, --device, --set."""
+    """A parser with the flags every checkpoint tool takes: --config, --checkpoint, --device, --set,
+    --trust-checkpoint (the tool's main passes it to torch_files.set_trust_checkpoint)."""
     p = argparse.ArgumentParser(prog=prog, description=description)
     p.add_argument("--config", required=True, help=config_help)
     p.add_argument("--checkpoint", required=True, help=checkpoint_help)
     p.add_argument("--device", default=None, help="cpu | cuda | cuda:N (default: cuda if available)")
+    p.add_argument(TRUST_FLAG, dest="trust_checkpoint", action="store_true",
+                   help="also load weight files that a weights-only load refuses (they hold pickled "
+                        "objects; unpickling can execute arbitrary code: trusted sources only)")
     p.add_argument("--set", dest="set", nargs="*", action="extend", default=[], metavar="KEY=VALUE",
                    help="config overrides, as in the training scripts (e.g. --set image_root=data/x)")
     return p
@@ -62,9 +67,10 @@ def write_record(record: Mapping, output: str | None) -> None:
 
 def run_cli(main: Callable[[Sequence[str] | None], object], errors: tuple[type[BaseException], ...],
             argv: Sequence[str] | None = None) -> None:
-    """main(argv); an exception of `errors` (bad input, missing file) ends in 'error: ...', exit 2."""
+    """main(argv); an exception of `errors` (bad input, missing file) or a refused untrusted checkpoint
+    ends in 'error: ...', exit 2."""
     try:
         main(argv)
-    except errors as err:
+    except (*errors, UntrustedCheckpointError) as err:
         print(f"error: {err}", file=sys.stderr)
         sys.exit(2)

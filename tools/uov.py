@@ -54,6 +54,7 @@ from tools.checkpoint_tool import (
     run_cli,
     write_record,
 )
+from torch_files import set_trust_checkpoint
 from training.config import ConfigError, load_config, require_keys
 
 __all__ = ["CaptionFileError", "blank_image", "cli", "default_captions_file", "format_table",
@@ -288,6 +289,7 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: Sequence[str] | None = None) -> dict:
     """Run UoV from the command line; returns the result record that is printed as JSON."""
     args = build_parser().parse_args(argv)
+    set_trust_checkpoint(args.trust_checkpoint)  # set on every call: no leak between in-process runs
     config = load_config(args.config, args.set)
     require_keys(config, ("image_res",), args.config)
     if args.batch_size < 1 or (args.limit is not None and args.limit < 1):

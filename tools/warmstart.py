@@ -45,6 +45,7 @@ from tools.checkpoint_tool import (
     run_cli,
     write_record,
 )
+from torch_files import set_trust_checkpoint
 from training.config import ConfigError, load_config, require_keys, to_plain
 
 __all__ = ["batch_hardness", "build_parser", "cli", "encode_batches", "group_features", "main"]
@@ -137,6 +138,7 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: Sequence[str] | None = None) -> dict:
     """Run the tool from the command line; returns the record that is printed as JSON."""
     args = build_parser().parse_args(argv)
+    set_trust_checkpoint(args.trust_checkpoint)  # set on every call: no leak between in-process runs
     # Fail on a bad path before minutes of data loading and model building.
     if not os.path.isfile(args.checkpoint):
         raise FileNotFoundError(f"--checkpoint: no such file: {args.checkpoint}")

@@ -1,0 +1,80 @@
+"""Reading torch.save files: the repository's one torch.load, weights-only unless the run trusts its files.
+
+A .pth/.pt/.bin file is a pickle, and unpickling can execute arbitrary code. torch.load(weights_only=True)
+only rebuilds tensors and plain containers; a file that needs more (an argparse.Namespace or a custom
+class, as some released checkpoints hold) is refused with UntrustedCheckpointError, unless
+the run passed --trust-checkpoint. This module sits at the top level, importing nothing of the
+repository, so that models/, grit/, training/ and tools/ can all use it without an import cycle.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from typing import Any
+
+import torch
+
+__all__ = ["TRUST_FLAG", "UntrustedCheckpointError", "load_torch_file", "set_trust_checkpoint",
+           "trust_checkpoint_enabled"]
+
+TRUST_FLAG = "--trust-checkpoint"
+
+# Process-wide on purpose: the loads happen deep inside model constructors (vision_init, text_encoder
+# weights) and samplers (grit.warmstart_indices) built from the config, so threading a flag through
+# every constructor would touch every script and model. The scripts (training.cli.start) and the
+# checkpoint tools set it once from the parsed arguments; tests reset it with set_trust_checkpoint.
+_trusted = False
+
+
+class UntrustedCheckpointError(ValueError):
+    """A file that a weights-only load refuses: loading it needs arbitrary unpickling."""
+
+
+def set_trust_checkpoint(enabled: bool) -> bool:
+    """Allow (True) or refuse (False) files that need arbitrary unpickling; returns the previous setting."""
+    global _trusted
+    previous, _trusted = _trusted, bool(enabled)
+    return previous
+
+
+def trust_checkpoint_enabled() -> bool:
+    """Whether this process loads files that need arbitrary unpickling (--trust-checkpoint)."""
+    return _trusted
+
+
+def _first_line(err: BaseException) -> str:
+    text = str(err).strip()  # torch's messages run to paragraphs; the first line says what broke
+    return f"{type(err).__name__}: {text.splitlines()[0]}" if text else type(err).__name__
+
+
+def load_torch_file(path: str | os.PathLike, what: str = "checkpoint") -> Any:
+    """torch.load(path, map_location='cpu', weights_only=True); `what` names the file's role in errors.
+
+    Raises UntrustedCheckpointError for a file that needs arbitrary unpickling (loaded, with a warning,
+    when --trust-checkpoint is set) and ValueError for a truncated or corrupt one.
+    """
+    path = os.fspath(path)
+    try:
+        return torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as err:  # torch raises many exception types for bad files
+        refused = err
+    # Only now, on failure, tell the two cases apart: the zip's pickle names the globals it needs.
+    try:
+        unsafe = torch.serialization.get_unsafe_globals_in_checkpoint(path)
+    except Exception as err:  # not a readable torch.save zip at all
+        raise ValueError(f"{what} {path!r} could not be read (truncated, corrupt, or not a torch.save "
+                         f"file of torch >= 1.6): {_first_line(err)}") from refused
+    if not unsafe:  # the pickle is fine, the failure lies elsewhere (e.g. a damaged tensor record)
+        raise ValueError(f"{what} {path!r} could not be read (truncated or corrupt?): "
+                         f"{_first_line(refused)}") from refused
+    needs = ", ".join(unsafe)
+    if not _trusted:
+        raise UntrustedCheckpointError(
+            f"{what} {path!r} holds pickled Python objects ({needs}) that a weights-only load refuses: "
+            f"unpickling can execute arbitrary code, so only load files from sources you trust. "
+            f"If you trust this file, pass {TRUST_FLAG} to allow it for this run."
+        ) from None
+    print(f"warning: {TRUST_FLAG}: fully unpickling {what} {path!r} (it holds {needs}); this can "
+          f"execute arbitrary code", file=sys.stderr, flush=True)
+    return torch.load(path, map_location="cpu", weights_only=False)
