@@ -10,7 +10,7 @@ import argparse
 import difflib
 import io
 import os
-from collections.abc import Iterable, Mapping, MutableMapping, Sequence
+from collections.abc import Collection, Iterable, Mapping, MutableMapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -46,13 +46,18 @@ def _flat_keys(node: Any, prefix: str = '') -> list[str]:
     return keys
 
 
-def _unknown_key(key: str, config: Any, source: str) -> ConfigError:
-    close = difflib.get_close_matches(key, _flat_keys(config), n=1, cutoff=0.6)
+def unknown_key_message(key: str, candidates: Iterable[str]) -> str:
+    """"unknown config key 'key'", with the closest of `candidates` (difflib) as a hint."""
+    close = difflib.get_close_matches(key, list(candidates), n=1, cutoff=0.6)
     hint = f" (did you mean '{close[0]}'?)" if close else ''
-    return ConfigError(f"unknown config key '{key}'{hint} in {source}")
+    return f"unknown config key '{key}'{hint}"
 
 
-def _walk(config: Any, key: str, source: str) -> tuple[Any, str | int]:
+def _unknown_key(key: str, candidates: Iterable[str], source: str) -> ConfigError:
+    return ConfigError(f'{unknown_key_message(key, candidates)} in {source}')
+
+
+def _walk(config: Any, key: str, source: str, known: Collection[str] = ()) -> tuple[Any, str | int]:
     """Return (container, last_key) for dotted `key`; every part must already exist."""
     parts = key.split('.')
     node = config
@@ -63,11 +68,25 @@ def _walk(config: Any, key: str, source: str) -> tuple[Any, str | int]:
         elif isinstance(node, list) and part.lstrip('-').isdigit() and -len(node) <= int(part) < len(node):
             sel = int(part)
         else:
-            raise _unknown_key(key, config, source)
+            raise _unknown_key(key, known or _flat_keys(config), source)
         if is_last:
             return node, sel
         node = node[sel]
-    raise _unknown_key(key, config, source)  # empty key
+    raise _unknown_key(key, known or _flat_keys(config), source)  # empty key
+
+
+def _make_path(config: MutableMapping, key: str, source: str) -> tuple[MutableMapping, str]:
+    """Return (container, last_key) for dotted `key`, creating missing (or null) mappings on the way."""
+    *parents, last = key.split('.')
+    node = config
+    for i, part in enumerate(parents):
+        if node.get(part) is None:
+            node[part] = CommentedMap()
+        node = node[part]
+        if not isinstance(node, MutableMapping):
+            parent = '.'.join(parents[:i + 1])
+            raise ConfigError(f"cannot set '{key}' in {source}: '{parent}' is not a mapping")
+    return node, last
 
 
 def parse_yaml_value(text: str) -> Any:
@@ -79,6 +98,7 @@ def parse_yaml_value(text: str) -> Any:
 
 
 BASE_KEY = 'base'
+_MISSING = object()
 
 
 def load_config(path: str | os.PathLike, overrides: Sequence[str] | None = None) -> CommentedMap:
@@ -127,21 +147,33 @@ def _lay_over(base: MutableMapping, top: Mapping, source: str, prefix: str = '')
     for key, value in top.items():
         dotted = f'{prefix}{key}'
         if key not in base:
-            raise _unknown_key(dotted, base, f'{source} (not in its base config)')
+            raise _unknown_key(dotted, _flat_keys(base), f'{source} (not in its base config)')
         if isinstance(value, Mapping) and isinstance(base[key], MutableMapping):
             _lay_over(base[key], value, source, prefix=dotted + '.')
         else:
             base[key] = value
 
 
-def apply_overrides(config: MutableMapping, overrides: Sequence[str], source: str = 'config') -> None:
-    """Set each `a.b.c=value` (value parsed as YAML) in place; the key must already exist."""
+def split_override(item: str) -> tuple[str, str]:
+    """'a.b=value' -> ('a.b', 'value'); ConfigError unless it looks like key=value."""
+    key, sep, text = item.partition('=')
+    key = key.strip()
+    if not sep or not key:
+        raise ConfigError(f"override {item!r} must look like key=value (e.g. grit.enabled=false)")
+    return key, text
+
+
+def apply_overrides(config: MutableMapping, overrides: Sequence[str], source: str = 'config',
+                    known: Collection[str] = ()) -> None:
+    """Set each `a.b.c=value` (value parsed as YAML) in place; the key must already exist, or be one of
+    `known` (a schema's dotted keys: set even when the file lacks it); unknown keys are hinted from
+    `known`, else from the config's keys."""
     for item in overrides:
-        key, sep, text = item.partition('=')
-        key = key.strip()
-        if not sep or not key:
-            raise ConfigError(f"override {item!r} must look like key=value (e.g. grit.enabled=false)")
-        container, last = _walk(config, key, source)
+        key, text = split_override(item)
+        if key in known and get_key(config, key, _MISSING) is _MISSING:
+            container, last = _make_path(config, key, source)
+        else:
+            container, last = _walk(config, key, source, known)
         container[last] = parse_yaml_value(text)
 
 
