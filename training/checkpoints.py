@@ -11,15 +11,17 @@ from __future__ import annotations
 import json
 import os
 import re
+import zipfile
 from collections.abc import Mapping
 from typing import Any
 
 import torch
 from torch import nn
 
+from torch_files import load_torch_file
 from training.config import atomic_write_text, to_plain
-from training.distributed import is_main_process, print_main
-from training.reproducibility import reseed
+from training.distributed import get_world_size, is_dist, is_main_process, print_main
+from training.reproducibility import reseed, rng_state, set_rng_state
 
 _CKPT_RE = re.compile(r'^checkpoint_(?:\d+|step_\d+)\.pth$')
 _LATEST = 'latest.json'
@@ -53,6 +55,14 @@ def save_checkpoint(path: str | os.PathLike, **state: Any) -> str | None:
     finally:
         if os.path.exists(tmp):
             os.remove(tmp)
+    try:  # POSIX: the rename survives a power loss only once the directory is synced too
+        fd = os.open(os.path.dirname(path) or '.', os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+    except OSError:
+        pass  # directories cannot be opened or synced everywhere (Windows); the rename is atomic anyway
     if _CKPT_RE.match(os.path.basename(path)):
         record = {'path': os.path.basename(path), 'epoch': state.get('epoch'), 'step': state.get('step')}
         atomic_write_text(os.path.join(os.path.dirname(path) or '.', _LATEST), json.dumps(record) + '\n')
@@ -60,19 +70,44 @@ def save_checkpoint(path: str | os.PathLike, **state: Any) -> str | None:
 
 
 def find_latest_checkpoint(output_dir: str | os.PathLike) -> str | None:
-    """Most recently saved checkpoint in output_dir (latest.json, else newest checkpoint_*.pth), or None."""
+    """Newest complete checkpoint in output_dir (latest.json's, else by file time), or None.
+
+    Temp files (checkpoint_03.pth.tmp1234) never match; a missing or truncated file is skipped, saying why.
+    """
     output_dir = str(output_dir)
     if not os.path.isdir(output_dir):
         return None
+
+    def incomplete(path: str) -> str | None:
+        # Cheap: torch.save writes the zip's central directory last, so reading it (not the tensors)
+        # tells a complete file from one cut short; the full load comes once, in restore_training.
+        try:
+            with zipfile.ZipFile(path) as z:
+                return None if any(n.endswith('data.pkl') for n in z.namelist()) else 'not a torch.save file'
+        except FileNotFoundError:
+            return 'missing'
+        except (OSError, zipfile.BadZipFile) as e:
+            return f'truncated or corrupt ({e})'
+
+    found = sorted((os.path.join(output_dir, n) for n in os.listdir(output_dir) if _CKPT_RE.match(n)),
+                   key=lambda p: (os.path.getmtime(p), p), reverse=True)
     try:
         with open(os.path.join(output_dir, _LATEST), encoding='utf-8') as f:
-            candidate = os.path.join(output_dir, json.load(f)['path'])
-        if os.path.isfile(candidate):
-            return candidate
-    except (OSError, ValueError, KeyError, TypeError):
-        pass  # no or unreadable sidecar: fall back to file times
-    found = [os.path.join(output_dir, n) for n in os.listdir(output_dir) if _CKPT_RE.match(n)]
-    return max(found, key=lambda p: (os.path.getmtime(p), p)) if found else None
+            named = json.load(f)['path']
+        if not _CKPT_RE.match(named):  # only ever a bare checkpoint_*.pth name, never a path
+            raise ValueError(named)
+        named = os.path.join(output_dir, named)
+        found = [named, *(p for p in found if p != named)]
+    except FileNotFoundError:
+        pass  # a run from before latest.json existed: file times decide
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        print_main(f'--resume: ignoring unreadable {os.path.join(output_dir, _LATEST)} ({e!r})')
+    for path in found:
+        why = incomplete(path)
+        if why is None:
+            return path
+        print_main(f'--resume: skipping {path}: {why}')
+    return None
 
 
 def resolve_resume(resume: str | None, output_dir: str | None) -> str | None:
@@ -86,16 +121,12 @@ def resolve_resume(resume: str | None, output_dir: str | None) -> str | None:
     return resume
 
 
-def load_checkpoint(path: str | os.PathLike, weights_only: bool = True) -> dict:
-    """torch.load(path, map_location='cpu', weights_only=True) with clear errors for missing/corrupt files."""
+def load_checkpoint(path: str | os.PathLike) -> dict:
+    """A checkpoint dict (weights-only unless --trust-checkpoint) with clear errors for missing/bad files."""
     path = str(path)
     if not os.path.isfile(path):
         raise FileNotFoundError(f'checkpoint not found: {path}')
-    try:
-        state = torch.load(path, map_location='cpu', weights_only=weights_only)
-    except Exception as e:  # torch raises many exception types for bad files
-        raise ValueError(f'cannot load checkpoint {path} (truncated, corrupt, or holds objects that '
-                         f'weights_only=True refuses): {type(e).__name__}: {e}') from e
+    state = load_torch_file(path)
     if not isinstance(state, dict):
         raise ValueError(f'checkpoint {path} holds a {type(state).__name__}, expected a dict')
     return state
@@ -103,18 +134,46 @@ def load_checkpoint(path: str | os.PathLike, weights_only: bool = True) -> dict:
 
 def training_state(model: nn.Module, optimizer: torch.optim.Optimizer, scheduler: Any, scaler: Any, *,
                    config: Mapping, epoch: int, step: int, sampler_state: Any, seed: int, rank: int,
-                   complete: bool = False, **extra: Any) -> dict:
-    """A run's checkpoint dict; every rank reseeds from (seed, rank, step), so a resume continues alike."""
-    reseed(seed, rank, step)
+                   complete: bool = False, guard: Any = None, bad_samples: Any = None,
+                   reseed_rng: bool = True, **extra: Any) -> dict:
+    """A run's checkpoint dict; every rank reseeds from (seed, rank, step), so a resume continues alike.
+
+    guard (StepGuard) / bad_samples (BadSampleLog): their counts so far this epoch are saved under
+    'counters' (bad samples summed over ranks: a collective, every rank calls this), so an epoch
+    resumed mid-way still logs its exact totals.
+    reseed_rng=False (a checkpoint at an arbitrary step, e.g. on SIGTERM, that an unbroken run does
+    not take): instead of reseeding, every rank's generator states are saved under 'rng' (a collective)
+    and restore_training puts them back, so the resumed run still draws the same numbers.
+    """
+    if guard is not None or bad_samples is not None:
+        extra['counters'] = {
+            'skipped_steps': guard.skipped if guard is not None else 0,
+            'consecutive_skips': guard.consecutive if guard is not None else 0,
+            'bad_samples': bad_samples.epoch_total() if bad_samples is not None else 0,
+        }
+    if reseed_rng:
+        reseed(seed, rank, step)
+    else:
+        extra['rng'] = _gather_rng_states()
     return {'model': model.state_dict(), 'optimizer': optimizer.state_dict(),
             'lr_scheduler': scheduler.state_dict(), 'scaler': scaler.state_dict(), 'sampler': sampler_state,
             'config': config, 'epoch': epoch, 'step': step, 'epoch_complete': complete, **extra}
 
 
 def restore_training(path: str, model: nn.Module, optimizer: torch.optim.Optimizer, scheduler: Any,
-                     scaler: Any, *, seed: int, rank: int) -> tuple[dict, int, int]:
-    """Load a training_state() checkpoint into the run; returns (state, start_epoch, global_step)."""
+                     scaler: Any, *, seed: int, rank: int, guard: Any = None,
+                     bad_samples: Any = None) -> tuple[dict, int, int]:
+    """Load a training_state() checkpoint into the run; returns (state, start_epoch, global_step).
+
+    The saved counters go back into guard and bad_samples (the bad-sample total onto rank 0, so that
+    the sum over ranks stays exact)."""
     state = load_checkpoint(path)
+    counters = state.get('counters') or {}
+    if guard is not None:
+        guard.skipped = int(counters.get('skipped_steps', 0))
+        guard.consecutive = int(counters.get('consecutive_skips', 0))
+    if bad_samples is not None:
+        bad_samples.count = int(counters.get('bad_samples', 0)) if rank == 0 else 0
     model.load_state_dict(state['model'])
     optimizer.load_state_dict(state['optimizer'])
     scheduler.load_state_dict(state['lr_scheduler'])
@@ -122,9 +181,23 @@ def restore_training(path: str, model: nn.Module, optimizer: torch.optim.Optimiz
         scaler.load_state_dict(state['scaler'])
     global_step = int(state['step'])
     start_epoch = int(state['epoch']) + (1 if state.get('epoch_complete', True) else 0)
-    reseed(seed, rank, global_step)
+    rng = state.get('rng')
+    if rng and len(rng) == get_world_size():
+        set_rng_state(rng[rank])
+    else:  # saved at a reseeding checkpoint (or on another number of ranks)
+        reseed(seed, rank, global_step)
     print_main(f'resumed from {path}: epoch {start_epoch}, step {global_step}')
     return state, start_epoch, global_step
+
+
+def _gather_rng_states() -> list[dict]:
+    """Every rank's rng_state(), in rank order (all_gather_object when distributed)."""
+    state = rng_state()
+    if not is_dist():
+        return [state]
+    states: list = [None] * get_world_size()
+    torch.distributed.all_gather_object(states, state)
+    return states
 
 
 def keep_best(best: dict, record: Mapping, key: str, output_dir: str, model: nn.Module, config: Mapping,

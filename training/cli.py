@@ -2,7 +2,8 @@
 
 build_parser / parse_args: the flags of all scripts (--config, --output_dir, --checkpoint, --resume,
 --evaluate, --device, --seed, --set, the launcher's --local_rank); start(): parse, config, required
-keys, distributed init, deterministic kernels, seed; run_main(): config errors end in one line.
+keys, validation against the task's schema, distributed init, deterministic kernels, seed; run_main():
+config errors end in an `error: ...` message, not a traceback.
 """
 
 from __future__ import annotations
@@ -15,9 +16,13 @@ from typing import Any
 
 from ruamel.yaml.comments import CommentedMap
 
-from training.config import ConfigError, config_from_args, require_keys
+from torch_files import TRUST_FLAG, UntrustedCheckpointError, set_trust_checkpoint
+from training.bad_samples import TooManyBadSamples
+from training.config import ConfigError, require_keys
 from training.distributed import DistInfo, init_distributed
 from training.reproducibility import seed_everything, use_deterministic_kernels
+from training.step_guard import TooManySkippedSteps
+from training.validation import load_task_config, validate_config
 
 
 class _Parser(argparse.ArgumentParser):
@@ -44,6 +49,9 @@ def build_parser(description: str = '', default_config: str | None = None,
                    help="resume training state from PATH; without PATH: the latest checkpoint in "
                         "--output_dir (starts fresh if there is none)")
     p.add_argument('--evaluate', action='store_true', help='evaluate only, no training')
+    p.add_argument(TRUST_FLAG, dest='trust_checkpoint', action='store_true',
+                   help='also load weight files that a weights-only load refuses (they hold pickled '
+                        'objects; unpickling can execute arbitrary code: trusted sources only)')
     p.add_argument('--text_encoder', default=None,
                    help='overrides config key text_encoder (HF hub id or local dir)')
     p.add_argument('--device', default=None,
@@ -72,22 +80,29 @@ def run_main(main: Any, argv: Sequence[str] | None = None) -> None:
     """Run a script's main(argv); a config or file error ends with its one-line message, not a traceback."""
     try:
         main(argv)
-    except (ConfigError, FileNotFoundError) as e:
+    except (ConfigError, FileNotFoundError, UntrustedCheckpointError) as e:
         print(f'error: {e}', file=sys.stderr)
         sys.exit(2)
+    except (TooManyBadSamples, TooManySkippedSteps) as e:  # the run saved what it had; say why it stopped
+        print(f'error: {e}', file=sys.stderr)
+        sys.exit(1)
 
 
 def start(argv: Sequence[str] | None, parser: argparse.ArgumentParser | None = None, description: str = '',
-          required: Iterable[str] | Callable[[Mapping], Iterable[str]] = ()
+          required: Iterable[str] | Callable[[Mapping], Iterable[str]] = (), *, task: str
           ) -> tuple[argparse.Namespace, CommentedMap, DistInfo, int]:
-    """The start of every script: parse argv, load the config (with overrides), check `required` keys
-    (or required(config)), start the process group, set deterministic kernels, seed this rank.
+    """The start of every script: parse argv, load the config (with overrides) and validate it against
+    task's schema (training.schema: keys, types, GRIT sizes, data paths), check `required` keys (or
+    required(config)), start the process group, set deterministic kernels, seed this rank.
 
     Returns (args, config, info, seed); seed is config key `seed` (default 42), this rank uses seed + rank.
     """
     args = parse_args(argv, description, parser=parser)
-    config = config_from_args(args)
+    set_trust_checkpoint(getattr(args, 'trust_checkpoint', False))  # set on every start: no leak between runs
+    # Before the process group, the data and the model: a config mistake costs seconds, not a job start.
+    config = load_task_config(args, task)
     require_keys(config, required(config) if callable(required) else required, args.config)
+    validate_config(config, task, args.config, getattr(args, 'set', None) or [])
     info = init_distributed(args)
     use_deterministic_kernels(config)
     seed = int(config.get('seed', 42))

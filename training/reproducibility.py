@@ -51,6 +51,25 @@ def reseed(seed: int, rank: int, step: int) -> None:
     torch.manual_seed(value)
 
 
+def rng_state() -> dict:
+    """This process's python, numpy and torch (CPU and initialised CUDA) generator states, in types that
+    torch.load(weights_only=True) reads back."""
+    name, keys, pos, has_gauss, cached = np.random.get_state()
+    cuda = torch.cuda.get_rng_state_all() if torch.cuda.is_available() and torch.cuda.is_initialized() else []
+    numpy_state = (name, torch.from_numpy(keys.astype(np.int64)), pos, has_gauss, cached)
+    return {'python': random.getstate(), 'numpy': numpy_state, 'torch': torch.get_rng_state(), 'cuda': cuda}
+
+
+def set_rng_state(state: Mapping) -> None:
+    """Restore generator states saved by rng_state()."""
+    random.setstate(tuple(s if not isinstance(s, list) else tuple(s) for s in state['python']))
+    name, keys, pos, has_gauss, cached = state['numpy']
+    np.random.set_state((name, keys.numpy().astype(np.uint32), pos, has_gauss, cached))
+    torch.set_rng_state(state['torch'])
+    if state['cuda'] and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state['cuda'])
+
+
 def worker_init_fn(worker_id: int) -> None:
     """Seed python and numpy in a DataLoader worker from its torch seed (base seed + worker id)."""
     s = torch.initial_seed() % 2**32
