@@ -8,9 +8,13 @@ from collections.abc import Callable, Sequence
 
 from torch.utils.data import Dataset
 
+from .bad_samples import blank_image
 from .utils import load_json_list, pre_caption, read_image, resolve_image
 
-__all__ = ["PretrainDataset", "check_caption", "image_and_caption"]
+__all__ = ["PLACEHOLDER_CAPTION", "PretrainDataset", "check_caption", "image_and_caption"]
+
+# The text of a bad sample's placeholder (dataset.bad_samples); no loss ever reads it.
+PLACEHOLDER_CAPTION = "bad sample"
 
 
 def check_caption(entry: dict, key: str = "caption") -> None:
@@ -62,3 +66,7 @@ class PretrainDataset(Dataset):
     def __getitem__(self, index: int):
         image, caption = image_and_caption(self.ann[index], self.transform, self.image_root, self.max_words)
         return image, caption, index
+
+    def placeholder(self, index: int):
+        """An item of the right shapes standing in for bad entry `index` (masked out of every loss)."""
+        return blank_image(self.transform), PLACEHOLDER_CAPTION, index

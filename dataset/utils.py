@@ -14,6 +14,7 @@ from collections.abc import Callable, Iterable, Sequence
 from PIL import Image
 
 __all__ = [
+    "EmptyTextError",
     "ImageReadError",
     "load_json_list",
     "pre_caption",
@@ -36,6 +37,10 @@ class ImageReadError(OSError):
         self.path = path
 
 
+class EmptyTextError(ValueError):
+    """A caption, question or sentence is empty after cleaning (a bad sample, not a bad config)."""
+
+
 def _clean(text: str, max_words: int, what: str) -> str:
     if not isinstance(text, str):
         raise ValueError(f"{what} must be a string, got {type(text).__name__}: {text!r}")
@@ -45,7 +50,7 @@ def _clean(text: str, max_words: int, what: str) -> str:
     cleaned = _PUNCT.sub("", cleaned)
     words = _SPACES.sub(" ", cleaned).strip().split(" ")
     if words == [""]:
-        raise ValueError(f"{what} {text!r} is empty after cleaning")
+        raise EmptyTextError(f"{what} {text!r} is empty after cleaning")
     return " ".join(words[:max_words])
 
 

@@ -11,6 +11,8 @@ from collections.abc import Callable, Iterable, Iterator
 import torch
 import torch.distributed as dist
 
+from torch_files import load_torch_file
+
 from . import dist as gdist
 from .collector import GritCollector
 
@@ -67,20 +69,22 @@ def load_index_array(path: str, dataset_len: int, what: str = "grit.warmstart_in
     """Load a 1-D array of distinct dataset indices in [0, dataset_len) from .pt/.pth, .npy or .json."""
     if not os.path.isfile(path):
         raise FileNotFoundError(f"{what}: no such file: {path}")
-    try:
-        if path.endswith(".npy"):
-            import numpy as np
+    if path.endswith((".npy", ".json")):
+        try:
+            if path.endswith(".npy"):
+                import numpy as np
 
-            data = torch.from_numpy(np.load(path, allow_pickle=False))
-        elif path.endswith(".json"):
-            with open(path) as f:
-                data = torch.tensor(json.load(f))
-        else:
-            data = torch.load(path, map_location="cpu", weights_only=True)
-            if isinstance(data, dict):  # a sampler state or a checkpoint holding one
-                data = data.get("sampler", data).get("indices")
-    except Exception as e:  # noqa: BLE001 - any parse failure becomes one clear message
-        raise ValueError(f"{what}: cannot read an index array from {path}: {e}") from e
+                data = torch.from_numpy(np.load(path, allow_pickle=False))
+            else:
+                with open(path) as f:
+                    data = torch.tensor(json.load(f))
+        except Exception as e:  # noqa: BLE001 - any parse failure becomes one clear message
+            raise ValueError(f"{what}: cannot read an index array from {path}: {e}") from e
+    else:  # its errors name the file (and --trust-checkpoint for a pickle that needs it)
+        data = load_torch_file(path, what=what)
+        if isinstance(data, dict):  # a sampler state or a checkpoint holding one
+            sampler = data.get("sampler", data)
+            data = sampler.get("indices") if isinstance(sampler, dict) else sampler
     if not isinstance(data, torch.Tensor) or data.dim() != 1:
         shape = tuple(data.shape) if isinstance(data, torch.Tensor) else type(data).__name__
         raise ValueError(f"{what}: {path} must hold a 1-D integer array, got {shape}")
@@ -331,7 +335,9 @@ class GritSampler(torch.utils.data.Sampler):
                 ok = torch.ones_like(index) if valid is None else valid.to(dev, torch.long)
                 ints = gdist.all_gather_cat(torch.stack([index, ok], 1))
                 image_feat, text_feat = feats[:, :self.dim], feats[:, self.dim:]
-                index, valid = ints[:, 0], (None if valid is None else ints[:, 1].bool())
+                # Always the gathered flags: another rank's batch may hold bad samples when this one's
+                # has none (valid None here), and every rank's collector must queue the same flags.
+                index, valid = ints[:, 0], ints[:, 1].bool()
             self.collector.add(image_feat, text_feat, index, valid)
 
     # ---------------------------------------------------------------------------------------- state

@@ -21,8 +21,10 @@ __all__ = [
     "gather_features",
     "hardest_negative_similarity",
     "itc_loss",
+    "itm_pair_weights",
     "local_columns",
     "mask_tokens",
+    "masked_mean",
     "mine_negatives",
 ]
 
@@ -99,6 +101,8 @@ def itc_loss(
     gather: bool = False,
     image_bank: Tensor | None = None,
     text_bank: Tensor | None = None,
+    valid: Tensor | None = None,
+    valid_columns: Tensor | None = None,
 ) -> dict[str, Tensor]:
     """ITC (Eq. 1-2) + consistency (Eq. 6); feats (B, d) L2-normalised -> losses (0-dim), sims (B, N).
 
@@ -119,6 +123,11 @@ def itc_loss(
     serves both directions. The targets are then positive / positive.sum(1) (ALBEF retrieval
     soft multi-positive targets); every row needs a True entry. None -> one-hot on the true pair
     (column rank*B + i, or i with a bank, which must then start with the current batch).
+
+    valid (B,) bool: False marks a bad sample (dataset.bad_samples): its row is left out of both
+    means and its column never competes in a softmax. The columns' validity is valid_columns (N,)
+    when given (a bank's rows), else valid (gathered with gather=True). None: every pair is valid
+    and the computation is exactly the one without the argument.
 
     loss_itc = (CE(y, p_v2t) + CE(y, p_t2v)) / 2 averaged over the batch;
     loss_cons = lambda_cons / 2 * mean_i [KL(sg(p_v2t_i) || p_t2v_i) + KL(sg(p_t2v_i) || p_v2t_i)],
@@ -158,6 +167,9 @@ def itc_loss(
 
     sim_i2t = image_feat @ text_all.t() / temp
     sim_t2i = text_feat @ image_all.t() / temp
+    if valid is not None:
+        return _itc_loss_valid(sim_i2t, sim_t2i, lambda_cons, positive, offset, valid,
+                               valid_columns, gather)
     # Losses in fp32: under autocast the sims may be fp16 and log-softmax over a large bank loses bits.
     log_p_v2t = F.log_softmax(_fp32(sim_i2t), dim=1)
     log_p_t2v = F.log_softmax(_fp32(sim_t2i), dim=1)
@@ -189,6 +201,59 @@ def itc_loss(
     return {"loss_itc": loss_itc, "loss_cons": loss_cons, "sim_i2t": sim_i2t, "sim_t2i": sim_t2i}
 
 
+# A logit no softmax picks (exp underflows to exactly 0 in fp32) but finite, so that 0 * log p stays 0.
+_MASKED_LOGIT = -1e9
+
+
+def masked_mean(values: Tensor, weight: Tensor) -> Tensor:
+    """values (B,), weight (B,) bool/float -> 0-dim weighted mean; 0 (with a graph) when the weight is 0."""
+    weight = weight.to(values.dtype)
+    return (values * weight).sum() / weight.sum().clamp(min=1)
+
+
+def _itc_loss_valid(sim_i2t: Tensor, sim_t2i: Tensor, lambda_cons: float, positive: Tensor | None,
+                    offset: int, valid: Tensor, valid_columns: Tensor | None, gather: bool
+                    ) -> dict[str, Tensor]:
+    """itc_loss with bad samples: invalid rows weigh 0, invalid columns are masked out of the softmax."""
+    b, n = sim_i2t.shape
+    if valid.shape != (b,) or valid.dtype != torch.bool:
+        raise ValueError(
+            f"itc_loss: valid must be a bool ({b},) mask, got {valid.dtype} {tuple(valid.shape)}"
+        )
+    if valid_columns is None:
+        # uint8 on the wire: not every backend all_gathers bool tensors.
+        valid_columns = concat_all_gather(valid.to(torch.uint8)).bool() if gather else valid
+    if valid_columns.shape != (n,):
+        raise ValueError(f"itc_loss: valid_columns must be ({n},), got {tuple(valid_columns.shape)}")
+    log_p_v2t = F.log_softmax(_fp32(sim_i2t).masked_fill(~valid_columns, _MASKED_LOGIT), dim=1)
+    log_p_t2v = F.log_softmax(_fp32(sim_t2i).masked_fill(~valid_columns, _MASKED_LOGIT), dim=1)
+    own = torch.zeros(b, n, dtype=torch.bool, device=sim_i2t.device)
+    own[torch.arange(b, device=own.device), torch.arange(offset, offset + b, device=own.device)] = True
+    if positive is None:
+        target = own
+    else:
+        if positive.shape != (b, n) or positive.dtype != torch.bool:
+            raise ValueError(
+                f"itc_loss: positive must be a bool ({b}, {n}) mask, got "
+                f"{positive.dtype} {tuple(positive.shape)}"
+            )
+        _check_rows(positive, "itc_loss: every row of `positive` needs at least one True (its own pair)")
+        # An invalid row keeps its own (masked) column as target so its weight-0 loss stays finite.
+        target = torch.where(valid[:, None], positive & valid_columns, own)
+    target = target.to(log_p_v2t.dtype)
+    target = target / target.sum(dim=1, keepdim=True)
+    loss_i2t = masked_mean(-(target * log_p_v2t).sum(dim=1), valid)
+    loss_t2i = masked_mean(-(target * log_p_t2v).sum(dim=1), valid)
+    loss_itc = (loss_i2t + loss_t2i) / 2
+    if lambda_cons == 0:
+        loss_cons = loss_itc.new_zeros(())
+    else:
+        kl_v2t_t2v = F.kl_div(log_p_t2v, log_p_v2t.detach(), reduction="none", log_target=True).sum(1)
+        kl_t2v_v2t = F.kl_div(log_p_v2t, log_p_t2v.detach(), reduction="none", log_target=True).sum(1)
+        loss_cons = lambda_cons / 2 * masked_mean(kl_v2t_t2v + kl_t2v_v2t, valid)
+    return {"loss_itc": loss_itc, "loss_cons": loss_cons, "sim_i2t": sim_i2t, "sim_t2i": sim_t2i}
+
+
 _MODES = ("hard", "random")
 _SAMPLINGS = ("argmax", "multinomial")
 
@@ -201,6 +266,7 @@ def mine_negatives(
     mode: str = "hard",
     sampling: str = "argmax",
     generator: torch.Generator | None = None,
+    valid: Tensor | None = None,
 ) -> tuple[Tensor, Tensor]:
     """In-batch ITM negatives: sims (B, B) -> (neg_text_idx (B,), neg_image_idx (B,)) LongTensors.
 
@@ -212,6 +278,8 @@ def mine_negatives(
       mode='hard', sampling='multinomial': drawn from softmax(sim) + 1e-5 with positives zeroed (ALBEF);
       mode='random':                       uniform over the negatives (`sampling` is ignored).
     Pass the temperature-scaled sims of itc_loss (only the multinomial weights depend on the scale).
+    valid (B,) bool: invalid items (bad samples) are never taken as negatives; a row left without
+    a valid candidate picks among the others, and the caller weighs that pair out (itm_pair_weights).
     Raises ValueError when B < 2 or some row has no negative (e.g. the whole batch is one image).
     """
     if mode not in _MODES:
@@ -239,10 +307,25 @@ def mine_negatives(
             "mine_negatives: some image or text has no in-batch negative (all items are positives); "
             "batch size must be >= 2 with at least two distinct images",
         )
+    excluded_t = excluded.t()
+    if valid is not None:
+        excluded, excluded_t = _exclude_invalid(excluded, valid), _exclude_invalid(excluded_t, valid)
     return (
         _pick(sim_i2t, excluded, mode, sampling, generator),
-        _pick(sim_t2i, excluded.t(), mode, sampling, generator),
+        _pick(sim_t2i, excluded_t, mode, sampling, generator),
     )
+
+
+def _exclude_invalid(excluded: Tensor, valid: Tensor) -> Tensor:
+    """Also exclude invalid columns, except in rows that would then have no candidate left."""
+    more = excluded | ~valid[None, :]
+    return torch.where(more.all(dim=1, keepdim=True), excluded, more)
+
+
+def itm_pair_weights(valid: Tensor, neg_text_idx: Tensor, neg_image_idx: Tensor) -> Tensor:
+    """valid (B,), mined indices (B,) -> (3B,) bool: which of [positives, (i, neg text), (neg image, t)]
+    pairs count in the ITM loss (both members valid)."""
+    return torch.cat([valid, valid & valid[neg_text_idx], valid & valid[neg_image_idx]])
 
 
 def _pick(

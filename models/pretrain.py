@@ -13,7 +13,9 @@ from models.objectives import (
     false_negative_mask,
     hardest_negative_similarity,
     itc_loss,
+    itm_pair_weights,
     mask_tokens,
+    masked_mean,
     mine_negatives,
 )
 from models.vit import build_vision_encoder, check_vision_text_widths
@@ -147,8 +149,9 @@ class ALBEF_Base(nn.Module):  # noqa: N801 (the paper's name)
         return positive_itc, positive_mining
 
     def _itm_loss(self, image_embeds: Tensor, text_embeds: Tensor, attention_mask: Tensor,
-                  neg_text_idx: Tensor, neg_image_idx: Tensor) -> Tensor:
-        """ITM cross-entropy over B positives and 2B mined negatives (image tokens, text states, (B,) idx)."""
+                  neg_text_idx: Tensor, neg_image_idx: Tensor, valid: Tensor | None = None) -> Tensor:
+        """ITM cross-entropy over B positives and 2B mined negatives (image tokens, text states, (B,) idx);
+        with valid (B,) bool, pairs with a bad sample are left out."""
         batch = text_embeds.shape[0]
         # One fusion pass over [positives, (image, negative text), (negative image, text)].
         itm_logits = self.itm_logits(
@@ -162,13 +165,19 @@ class ALBEF_Base(nn.Module):  # noqa: N801 (the paper's name)
                 torch.zeros(2 * batch, dtype=torch.long, device=itm_logits.device),
             ]
         )
-        return F.cross_entropy(itm_logits, itm_labels)
+        if valid is None:
+            return F.cross_entropy(itm_logits, itm_labels)
+        return masked_mean(F.cross_entropy(itm_logits, itm_labels, reduction="none"),
+                           itm_pair_weights(valid, neg_text_idx, neg_image_idx))
 
-    def _mlm_loss(self, image_embeds: Tensor, input_ids: Tensor, attention_mask: Tensor) -> Tensor:
+    def _mlm_loss(self, image_embeds: Tensor, input_ids: Tensor, attention_mask: Tensor,
+                  valid: Tensor | None = None) -> Tensor:
         """MLM cross-entropy of the fusion encoder over the masked tokens of input_ids (B,L), 0-dim."""
         masked_ids, labels = mask_tokens(
             input_ids.clone(), self.vocab_size, self.mask_token_id, self.special_ids, self.mlm_probability
         )
+        if valid is not None:  # a bad sample's tokens are never predicted
+            labels = labels.masked_fill(~valid[:, None], -100)
         hidden = self.text_encoder(
             masked_ids, attention_mask, mode="multimodal", encoder_hidden_states=image_embeds
         )
@@ -182,11 +191,14 @@ class ALBEF_Base(nn.Module):  # noqa: N801 (the paper's name)
         )
         return loss_sum / (labels != -100).sum().clamp(min=1)
 
-    def forward(self, image: Tensor, text, image_key: Tensor | None = None) -> dict[str, Tensor]:
+    def forward(self, image: Tensor, text, image_key: Tensor | None = None,
+                valid: Tensor | None = None) -> dict[str, Tensor]:
         """image (B,3,H,W), text (tokenizer output, (B,L)), image_key (B,) int -> losses (0-dim), feats (B,d).
 
         image_key (e.g. PretrainDataset.image_keys[idx]) is needed with guard_false_negatives and
-        ignored without it.
+        ignored without it. valid (B,) bool marks bad samples (False; dataset.bad_samples): they are
+        left out of every loss and never mined as negatives. None (every sample good) computes
+        exactly what the paper's code does.
         """
         with torch.no_grad():
             self.temp.clamp_(0.001, 0.5)
@@ -209,8 +221,13 @@ class ALBEF_Base(nn.Module):  # noqa: N801 (the paper's name)
 
         zero = image_feat.new_zeros(())
         if self.use_itc:
+            valid_itc = valid
+            if self.itc_gather and valid is None:
+                # Every rank gathers the flags when any rank may hold a bad sample: a rank that skipped
+                # the all_gather would desynchronise the collectives (our extension, not the paper's).
+                valid_itc = torch.ones(image_feat.shape[0], dtype=torch.bool, device=image_feat.device)
             itc = itc_loss(image_feat, text_feat, self.temp, self.lambda_cons,
-                           positive=positive_itc, gather=self.itc_gather)
+                           positive=positive_itc, gather=self.itc_gather, valid=valid_itc)
             loss_itc, loss_cons = itc["loss_itc"], itc["loss_cons"]
         else:
             loss_itc, loss_cons = zero, zero
@@ -219,17 +236,25 @@ class ALBEF_Base(nn.Module):  # noqa: N801 (the paper's name)
         # (possibly gathered) ITC similarities is just the local cosine matrix over the temperature.
         with torch.no_grad():
             cosine = image_feat.detach() @ text_feat.detach().t()
-            hardness = hardest_negative_similarity(cosine, positive_mining)
+            excluded = positive_mining
+            if valid is not None:  # bad samples are neither anchors nor negatives
+                excluded = ~(valid[:, None] & valid[None, :])
+                if positive_mining is not None:
+                    excluded = excluded | positive_mining
+            hardness = hardest_negative_similarity(cosine, excluded)
+            if valid is not None:  # at most one good sample: no negative to measure; logged as 0
+                hardness = torch.nan_to_num(hardness, nan=0.0)
         loss_itm = zero
         if self.use_itm:
             with torch.no_grad():
                 logits_i2t = cosine / self.temp
                 neg_text_idx, neg_image_idx = mine_negatives(
                     logits_i2t, logits_i2t.t(), positive_mining,
-                    mode=self.itm_negatives, sampling=self.hard_sampling,
+                    mode=self.itm_negatives, sampling=self.hard_sampling, valid=valid,
                 )
-            loss_itm = self._itm_loss(image_embeds, text_embeds, attention_mask, neg_text_idx, neg_image_idx)
-        loss_mlm = self._mlm_loss(image_embeds, input_ids, attention_mask) if self.use_mlm else zero
+            loss_itm = self._itm_loss(image_embeds, text_embeds, attention_mask, neg_text_idx, neg_image_idx,
+                                      valid)
+        loss_mlm = self._mlm_loss(image_embeds, input_ids, attention_mask, valid) if self.use_mlm else zero
 
         return {
             "loss_itc": loss_itc,

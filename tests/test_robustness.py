@@ -1,0 +1,269 @@
+"""Issue 14: bad samples are skipped and counted with exact GRIT accounting, pre-emption (SIGTERM) saves
+and resumes exactly, non-finite steps are skipped and counted."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import signal
+import subprocess
+import sys
+
+import pytest
+import torch
+from PIL import Image
+
+from dataset.bad_samples import SkipBadCollate, SkipBadSamples
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+GOOD = 35  # good entries; with the 5 bad ones the list has 40 = 5 global batches of 8
+
+
+@pytest.fixture(scope='module')
+def data_dir(tmp_path_factory) -> str:
+    from dataset.synthetic import ensure_synthetic
+
+    return ensure_synthetic(str(tmp_path_factory.mktemp('robust_data') / 'synthetic'), n=96, seed=3)
+
+
+@pytest.fixture(scope='module')
+def bad_list(data_dir, tmp_path_factory) -> tuple[str, dict[int, str]]:
+    """A pre-training json of 40 entries: 5 bad ones at scattered positions, greyscale, palette, RGBA
+    and CMYK images among the good ones. Returns (path, {index of a bad entry: what is wrong})."""
+    root = tmp_path_factory.mktemp('robust_images')
+    with open(os.path.join(data_dir, 'pretrain.json')) as f:
+        good = json.load(f)[:GOOD]
+    source = os.path.join(data_dir, good[0]['image'])
+    rgb = Image.open(source).convert('RGB')
+    for mode, name, fmt in (('L', 'grey.png', 'PNG'), ('P', 'palette.png', 'PNG'),
+                            ('RGBA', 'rgba.png', 'PNG'), ('CMYK', 'cmyk.jpg', 'JPEG')):
+        rgb.convert(mode).save(root / name, fmt)
+    for i, name in enumerate(('grey.png', 'palette.png', 'rgba.png', 'cmyk.jpg')):
+        good[3 + 7 * i] = dict(good[3 + 7 * i], image=str(root / name))
+    with open(source, 'rb') as f:
+        png = f.read()
+    (root / 'truncated.png').write_bytes(png[: len(png) // 2])
+    (root / 'zero.png').write_bytes(b'')
+    (root / 'text.jpg').write_text('this is not an image\n')
+    bad = {
+        'missing': {'image': str(root / 'missing.png'), 'caption': 'a small red circle'},
+        'truncated': {'image': str(root / 'truncated.png'), 'caption': 'a small red circle'},
+        'zero': {'image': str(root / 'zero.png'), 'caption': 'a small red circle'},
+        'text': {'image': str(root / 'text.jpg'), 'caption': 'a small red circle'},
+        'empty caption': {'image': good[0]['image'], 'caption': ' ?! .. '},
+    }
+    entries = list(good)
+    where = {}
+    for position, (what, entry) in zip((0, 9, 17, 26, 39), bad.items()):
+        entries.insert(position, entry)
+        where[position] = what
+    assert len(entries) == 40 and all(entries[i] is bad[w] for i, w in where.items())
+    path = str(root / 'pretrain_bad.json')
+    with open(path, 'w') as f:
+        json.dump(entries, f)
+    return path, where
+
+
+def overrides(data: str, train_file: str, **extra) -> list[str]:
+    values = {'train_file': f'[{train_file}]', 'image_root': data, 'vocab_file': f'{data}/vocab.txt',
+              'synthetic_root': 'null', 'image_res': 32, 'patch_size': 16, 'vision_depth': 1,
+              'batch_size': 8, 'grit.queue_size': 24, 'grit.search_space': 8, 'max_epoch': 2,
+              'schedular.epochs': 2, 'schedular.warmup_steps': 2, 'print_freq': 1000,
+              'max_bad_fraction': 0.2}
+    values.update(extra)
+    return ['--set', *(f'{k}={v}' for k, v in values.items())]
+
+
+def env() -> dict:
+    e = dict(os.environ, OMP_NUM_THREADS='1', PYTHONPATH=ROOT, PYTHONUNBUFFERED='1')
+    e.pop('WORLD_SIZE', None)
+    return e
+
+
+def run(args: list[str], expect: int = 0, timeout: float = 300) -> subprocess.CompletedProcess:
+    proc = subprocess.run(args, cwd=ROOT, env=env(), capture_output=True, text=True, timeout=timeout)
+    assert proc.returncode == expect, proc.stdout[-3000:] + proc.stderr[-3000:]
+    return proc
+
+
+def read_log(out: str) -> list[dict]:
+    with open(os.path.join(out, 'log.txt')) as f:
+        return [json.loads(line) for line in f]
+
+
+def load(path: str) -> dict:
+    return torch.load(path, map_location='cpu', weights_only=True)
+
+
+def assert_permutation(indices: torch.Tensor, n: int) -> None:
+    """The next epoch's array holds every index once (40 entries are whole global batches)."""
+    assert torch.equal(indices.sort().values, torch.arange(n))
+
+
+def test_skip_wrapper_reports_each_bad_kind(data_dir, bad_list):
+    from dataset import create_dataset
+    from training.config import load_config
+
+    path, where = bad_list
+    config = dict(load_config(os.path.join(ROOT, 'configs/tiny/Pretrain.yaml')))
+    config.update(train_file=[path], image_root=data_dir, image_res=32)
+    dataset = SkipBadSamples(create_dataset('pretrain', config))
+    reasons = {i: dataset[i][1] for i in range(len(dataset))}
+    assert {i for i, r in reasons.items() if r is not None} == set(where)
+    assert 'file not found' in reasons[0] and 'missing.png' in reasons[0]
+    assert 'truncated.png' in reasons[9] and 'zero.png' in reasons[17] and 'text.jpg' in reasons[26]
+    assert 'empty after cleaning' in reasons[39]
+    converted = [i for i, a in enumerate(dataset.ann)
+                 if os.path.basename(a['image']) in ('grey.png', 'palette.png', 'rgba.png', 'cmyk.jpg')]
+    assert len(converted) == 4
+    for i in converted:  # greyscale, palette, RGBA and CMYK are converted to RGB, not bad
+        item, reason = dataset[i]
+        assert reason is None and item[0].shape == (3, 32, 32)
+    placeholder, _ = dataset[9]
+    assert placeholder[0].shape == (3, 32, 32) and placeholder[2] == 9
+    tokens = type('T', (), {'__call__': lambda self, captions, **kw: {'n': len(captions)}})()
+    batch = SkipBadCollate(lambda items: (len(items), tokens([c for _, c, _ in items])))(
+        [dataset[i] for i in range(8)])
+    assert batch[-2].tolist() == [i != 0 for i in range(8)] and len(batch[-1]) == 1
+
+
+@pytest.mark.parametrize('processes', [1, 2])
+def test_bad_samples_counted_and_grit_exact(data_dir, bad_list, tmp_path, processes):
+    path, where = bad_list
+    out = str(tmp_path / 'run')
+    if processes == 1:
+        cmd = [sys.executable, 'Pretrain.py']
+        extra = {}
+    else:
+        cmd = [sys.executable, '-m', 'torch.distributed.run', '--nproc_per_node=2',
+               '--master_port', str(29700 + os.getpid() % 500), 'Pretrain.py']
+        extra = {'batch_size': 4}  # 2 x 4: the same 5 global batches of 8
+    proc = run([*cmd, '--config', 'configs/tiny/Pretrain.yaml', '--output_dir', out, '--device', 'cpu',
+                *overrides(data_dir, path, **extra)])
+    log = read_log(out)
+    assert [r['bad_samples'] for r in log] == [5, 5]  # every index is visited once per epoch
+    assert [r['skipped_steps'] for r in log] == [0, 0]
+    for r in log:
+        assert all(torch.isfinite(torch.tensor(float(r[k]))) for k in ('loss_itc', 'loss_itm', 'loss_mlm'))
+    for name in ('missing.png', 'truncated.png', 'zero.png', 'text.jpg', 'empty after cleaning'):
+        assert name in proc.stderr
+    for epoch in (0, 1):
+        state = load(os.path.join(out, f'checkpoint_{epoch:02d}.pth'))
+        # Bad samples were collected as invalid, never grouped; they come back like unseen indices.
+        assert_permutation(state['sampler']['indices'], 40)
+
+
+def test_too_many_bad_samples_stop_with_message(data_dir, bad_list, tmp_path):
+    path, _ = bad_list
+    out = str(tmp_path / 'run')
+    proc = run([sys.executable, 'Pretrain.py', '--config', 'configs/tiny/Pretrain.yaml', '--output_dir', out,
+                '--device', 'cpu', *overrides(data_dir, path, max_bad_fraction=0.1)], expect=1)
+    assert 'error: 5 of the 40 samples of this epoch (0) were bad' in proc.stderr
+    assert 'max_bad_fraction=0.1' in proc.stderr
+    assert [r['epoch'] for r in read_log(out)] == [0]
+
+
+def test_sigterm_saves_and_resume_is_exact(data_dir, tmp_path):
+    common = ['--config', 'configs/tiny/Pretrain.yaml', '--device', 'cpu',
+              *overrides(data_dir, os.path.join(data_dir, 'pretrain.json'), print_freq=1)]
+    full = str(tmp_path / 'full')
+    run([sys.executable, 'Pretrain.py', '--output_dir', full, *common])
+
+    cut = str(tmp_path / 'cut')
+    proc = subprocess.Popen([sys.executable, 'Pretrain.py', '--output_dir', cut, *common], cwd=ROOT,
+                            env=env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    lines = []
+    for line in proc.stdout:  # progress lines '[k/N]': signal in the middle of epoch 1
+        lines.append(line)
+        if re.search(r'Pretrain epoch 1 \[\s*3/', line):
+            proc.send_signal(signal.SIGTERM)
+            break
+    rest, _ = proc.communicate(timeout=120)
+    output = ''.join(lines) + rest
+    assert proc.returncode == 128 + signal.SIGTERM, output[-3000:]
+    assert 'stopping on signal' in output and '--resume' in output
+    with open(os.path.join(cut, 'latest.json')) as f:
+        latest = json.load(f)
+    assert latest['path'].startswith('checkpoint_step_') and latest['epoch'] == 1
+    assert not os.path.exists(os.path.join(cut, 'checkpoint_01.pth'))
+    run([sys.executable, 'Pretrain.py', '--output_dir', cut, '--resume', *common])
+
+    a, b = load(os.path.join(full, 'checkpoint_01.pth')), load(os.path.join(cut, 'checkpoint_01.pth'))
+    assert torch.equal(a['sampler']['indices'], b['sampler']['indices'])
+    assert a['step'] == b['step']
+    for key, value in a['model'].items():
+        assert torch.allclose(value, b['model'][key], atol=1e-6, rtol=0), key
+    assert read_log(full)[-1]['bad_samples'] == read_log(cut)[-1]['bad_samples'] == 0
+
+
+def _nan_on_calls(monkeypatch, calls: set[int]) -> list[int]:
+    """Make ALBEF_Base.forward return a NaN loss_itc on the given (0-based) calls; returns the counter."""
+    from models.pretrain import ALBEF_Base
+
+    original = ALBEF_Base.forward
+    counter = [0]
+
+    def forward(self, *args, **kwargs):
+        out = original(self, *args, **kwargs)
+        if counter[0] in calls:
+            out['loss_itc'] = out['loss_itc'] * float('nan')
+        counter[0] += 1
+        return out
+
+    monkeypatch.setattr(ALBEF_Base, 'forward', forward)
+    return counter
+
+
+@pytest.fixture
+def in_process(monkeypatch):
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    monkeypatch.chdir(ROOT)
+    yield
+    torch.set_num_threads(threads)
+
+
+def test_non_finite_step_skipped_and_counted(data_dir, tmp_path, monkeypatch, in_process, capsys):
+    import Pretrain
+
+    data = os.path.join(data_dir, 'pretrain.json')
+    _nan_on_calls(monkeypatch, {2})
+    out = str(tmp_path / 'run')
+    args = ['--config', 'configs/tiny/Pretrain.yaml', '--output_dir', out, '--device', 'cpu',
+            *overrides(data_dir, data)]
+    Pretrain.main(args)
+    log = read_log(out)
+    assert [r['skipped_steps'] for r in log] == [1, 0]
+    assert all(torch.isfinite(torch.tensor(r['loss_itc'])) for r in log)  # the NaN step is not averaged
+    assert 'step 2: loss is not finite' in capsys.readouterr().out
+    state = load(os.path.join(out, 'checkpoint_01.pth'))
+    assert all(torch.isfinite(v).all() for v in state['model'].values() if v.is_floating_point())
+    with open(data) as f:
+        n = len(json.load(f))
+    indices = state['sampler']['indices']
+    assert indices.numel() == n // 8 * 8 and indices.unique().numel() == indices.numel()
+
+
+def test_non_finite_steps_in_a_row_save_and_stop(data_dir, tmp_path, monkeypatch, in_process):
+    import Pretrain
+    from training.step_guard import TooManySkippedSteps
+
+    _nan_on_calls(monkeypatch, set(range(4, 1000)))
+    out = str(tmp_path / 'run')
+    with pytest.raises(TooManySkippedSteps, match='3 consecutive steps had a non-finite loss'):
+        Pretrain.main(['--config', 'configs/tiny/Pretrain.yaml', '--output_dir', out, '--device', 'cpu',
+                       *overrides(data_dir, os.path.join(data_dir, 'pretrain.json'), max_skipped_steps=3)])
+    saved = load(os.path.join(out, 'checkpoint_step_0000007.pth'))
+    assert saved['step'] == 7 and saved['counters']['skipped_steps'] == 3
+    assert all(torch.isfinite(v).all() for v in saved['model'].values() if v.is_floating_point())
+
+
+def test_bad_file_copies_left_alone(bad_list):
+    """The skipped entries are reported, never rewritten: the json list is unchanged on disk."""
+    path, where = bad_list
+    copy = path + '.copy'
+    shutil.copy(path, copy)
+    with open(path) as f, open(copy) as g:
+        assert f.read() == g.read()
