@@ -6,6 +6,8 @@ from collections.abc import Callable, Sequence
 
 from torch.utils.data import Dataset
 
+from .bad_samples import blank_image
+from .pretrain import PLACEHOLDER_CAPTION
 from .utils import load_json_list, pre_caption, read_image, resolve_image
 
 __all__ = ["NLVRDataset", "parse_label"]
@@ -52,3 +54,8 @@ class NLVRDataset(Dataset):
         image0, image1 = (self.transform(read_image(resolve_image(self.image_root, p)))
                           for p in ann["images"])
         return image0, image1, pre_caption(ann["sentence"], self.max_words), parse_label(ann["label"])
+
+    def placeholder(self, index: int):
+        """An item of the right shapes standing in for bad entry `index` (masked out of every loss):
+        two blank images, the placeholder sentence, label 0 (any valid label; no loss reads it)."""
+        return blank_image(self.transform), blank_image(self.transform), PLACEHOLDER_CAPTION, 0

@@ -20,6 +20,7 @@ from torch import Tensor, nn
 from transformers import BertConfig
 
 from models.bert import BertEncoder, load_bert_config
+from models.objectives import masked_mean
 from models.vit import build_vision_encoder, check_vision_text_widths
 
 __all__ = [
@@ -29,17 +30,24 @@ __all__ = [
     "duplicate_fusion_layers",
     "nlvr_bert_config",
     "nlvr_key_map",
+    "nlvr_loss",
     "share_cross_attention_kv",
 ]
 
 # Pre-training keys the NLVR models have no use for: reported by load_weights as ignored.
 NLVR_PRETRAIN_ONLY_KEYS = ("text_proj.", "temp", "itm_head.", "text_encoder.cls.", "vision_proj.",
                            "visual_encoder_m.", "text_encoder_m.", "vision_proj_m.", "text_proj_m.",
-                           "image_queue", "text_queue", "idx_queue", "queue_ptr", "ta_head.")
+                           "image_queue", "text_queue", "idx_queue", "queue_ptr", "valid_queue",
+                           "ta_head.")
 
 _LAYER_KEY = re.compile(r"^(text_encoder\.(?:bert\.)?encoder\.layer\.)(\d+)\.(.+)$")
 
 TA_FIRST, TA_SECOND, TA_NEITHER = 0, 1, 2
+
+# assign_texts' score of a bad sample's image: below every cosine similarity (so a valid image is
+# always preferred) but above the -inf of the same image (a pair with a bad image is weighed out of
+# the loss, a same-image "other" would be a wrong label).
+_INVALID_SIMILARITY = -1e4
 
 
 def nlvr_bert_config(bert_config: BertConfig) -> BertConfig:
@@ -106,15 +114,29 @@ def _mlp_head(width: int, classes: int) -> nn.Sequential:
     return nn.Sequential(nn.Linear(width, width), nn.ReLU(), nn.Linear(width, classes))
 
 
+def nlvr_loss(logits: Tensor, labels: Tensor, valid: Tensor | None = None) -> Tensor:
+    """NLVR2 cross-entropy: logits (B,2), labels (B,) -> 0-dim mean over the batch.
+
+    valid (B,) bool: bad samples (False; dataset.bad_samples) weigh 0 and the mean runs over the
+    valid ones (0, with a graph, when there are none). None: F.cross_entropy, exactly as before.
+    """
+    if valid is None:
+        return F.cross_entropy(logits, labels)
+    return masked_mean(F.cross_entropy(logits, labels, reduction="none"), valid)
+
+
 @torch.no_grad()
 def assign_texts(
-    image_feat: Tensor, image_ids: Tensor | None = None, generator: torch.Generator | None = None
+    image_feat: Tensor, image_ids: Tensor | None = None, generator: torch.Generator | None = None,
+    valid: Tensor | None = None,
 ) -> tuple[Tensor, Tensor, Tensor]:
     """Text-assignment pairs: image_feat (B,d) L2-normalised -> (first (B,), second (B,), labels (B,)).
 
     Each text b is paired with its own image b and the most similar other in-batch images o1, o2
     (image-image ITC similarity; images with the same image_ids count as the same image):
     label 0 -> (b, o1), 1 -> (o1, b), 2 -> (o1, o2), drawn uniformly.
+    valid (B,) bool: a bad sample's image is taken as o1/o2 only when a row has fewer than two valid
+    other images (the caller then weighs that pair out); the labels are drawn as without it.
     """
     batch = image_feat.shape[0]
     if batch < 3:
@@ -123,6 +145,8 @@ def assign_texts(
     same = torch.eye(batch, dtype=torch.bool, device=sim.device)
     if image_ids is not None:
         same = same | (image_ids[:, None] == image_ids[None, :])
+    if valid is not None:
+        sim = sim.masked_fill(~valid[None, :], _INVALID_SIMILARITY)
     others = sim.masked_fill(same, float("-inf")).topk(2, dim=1).indices
     labels = torch.randint(0, 3, (batch,), device=image_feat.device, generator=generator)
     own = torch.arange(batch, device=image_feat.device)
@@ -187,7 +211,10 @@ class ALBEF_NLVR(nn.Module):
         return self.classify(*args, **kwargs)
 
     def classify(self, image0: Tensor, image1: Tensor, input_ids: Tensor, attention_mask: Tensor) -> Tensor:
-        """NLVR2: images (B,3,H,W) x2, sentence ids/mask (B,L) -> false/true logits (B,2)."""
+        """NLVR2: images (B,3,H,W) x2, sentence ids/mask (B,L) -> false/true logits (B,2).
+
+        The training loss is nlvr_loss(logits, labels, valid), which leaves bad samples out.
+        """
         if self.text_assignment:
             raise ValueError("this ALBEF_NLVR was built for text assignment (no cls_head)")
         tokens = self.encode_image(torch.cat([image0, image1]))
@@ -201,13 +228,22 @@ class ALBEF_NLVR(nn.Module):
         attention_mask: Tensor,
         image_ids: Tensor | None = None,
         generator: torch.Generator | None = None,
+        valid: Tensor | None = None,
     ) -> tuple[Tensor, Tensor, Tensor]:
-        """Stage 1: image (B,3,H,W), caption ids/mask (B,L) -> (loss, logits (B,3), labels (B,))."""
+        """Stage 1: image (B,3,H,W), caption ids/mask (B,L) -> (loss, logits (B,3), labels (B,)).
+
+        valid (B,) bool marks bad samples (False; dataset.bad_samples): their captions are left out
+        of the loss and their images serve as nobody's "other" image; a pair that still holds one
+        (a batch with fewer than three valid images) weighs 0. None: exactly the unweighted mean.
+        """
         if not self.text_assignment:
             raise ValueError("this ALBEF_NLVR was built for NLVR2 (text_assignment=False)")
         tokens = self.encode_image(image)
         with torch.no_grad():
             feat = F.normalize(self.vision_proj(tokens[:, 0]), dim=-1)
-        first, second, labels = assign_texts(feat, image_ids, generator)
+        first, second, labels = assign_texts(feat, image_ids, generator, valid)
         logits = self.ta_head(self.fuse(input_ids, attention_mask, tokens[first], tokens[second]))
-        return F.cross_entropy(logits, labels), logits, labels
+        if valid is None:
+            return F.cross_entropy(logits, labels), logits, labels
+        weight = valid & valid[first] & valid[second]
+        return masked_mean(F.cross_entropy(logits, labels, reduction="none"), weight), logits, labels

@@ -36,7 +36,7 @@ __all__ = [
 # Pre-training keys the VQA model has no use for: reported by load_weights as ignored.
 VQA_PRETRAIN_ONLY_KEYS = ("vision_proj.", "text_proj.", "temp", "itm_head.", "text_encoder.cls.",
                           "visual_encoder_m.", "text_encoder_m.", "vision_proj_m.", "text_proj_m.",
-                          "image_queue", "text_queue", "idx_queue", "queue_ptr")
+                          "image_queue", "text_queue", "idx_queue", "queue_ptr", "valid_queue")
 
 _ENCODER_KEY = re.compile(r"^text_encoder\.(?:bert\.)?(embeddings\..+|encoder\.layer\.(\d+)\.(.+))$")
 
@@ -162,17 +162,25 @@ class ALBEF_VQA(nn.Module):
         answer_mask: Tensor,
         weights: Tensor,
         answers_per_question: Tensor,
+        valid: Tensor | None = None,
     ) -> Tensor:
         """Weighted answer LM loss: image (B,3,H,W), question (B,Lq), answers (A,La), weights (A,) -> scalar.
 
         Answers are grouped by question in order; answers_per_question sums to A.
+        valid (B,) bool marks bad samples (False; dataset.bad_samples): their answers contribute 0 and
+        the sum is divided by the number of valid questions (at least 1, so an all-bad batch gives a
+        finite 0) instead of B. None: exactly the sum over all answers divided by B.
         """
         states = self.encode_question(image, question_ids, question_mask)
         owner = torch.arange(image.shape[0], device=image.device).repeat_interleave(
             answers_per_question, output_size=answer_ids.shape[0]
         )
         nll = self.answer_nll(states[owner], question_mask[owner], answer_ids, answer_mask)
-        return (weights * nll).sum() / image.shape[0]
+        if valid is None:
+            return (weights * nll).sum() / image.shape[0]
+        # masked_fill rather than a 0 weight: a bad sample's loss is dropped even were it not finite.
+        weighted = (weights * nll).masked_fill(~valid[owner], 0.0)
+        return weighted.sum() / valid.sum().clamp(min=1)
 
     @torch.no_grad()
     def rank_answers(
