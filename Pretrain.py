@@ -96,7 +96,7 @@ def main(argv: list[str] | None = None) -> None:
     scaler = build_scaler(config, device)
 
     guard = StepGuard(int(config.get('max_skipped_steps', 10)))
-    bad_log = BadSampleLog(float(config.get('max_bad_fraction', 0.01)))
+    bad_log = BadSampleLog(float(config.get('max_bad_fraction', 0.01)), output_dir=output_dir)
     start_epoch, global_step = 0, 0
     resume = resolve_resume(args.resume, output_dir)
     if resume:

@@ -149,6 +149,14 @@ def test_bad_samples_counted_and_grit_exact(data_dir, bad_list, tmp_path, proces
         assert all(torch.isfinite(torch.tensor(float(r[k]))) for k in ('loss_itc', 'loss_itm', 'loss_mlm'))
     for name in ('missing.png', 'truncated.png', 'zero.png', 'text.jpg', 'empty after cleaning'):
         assert name in proc.stderr
+    listed = {0: [], 1: []}  # bad_samples_rank*.jsonl: every skipped entry, once per epoch
+    for name in os.listdir(out):
+        if name.startswith('bad_samples_rank'):
+            with open(os.path.join(out, name)) as f:
+                for line in f:
+                    record = json.loads(line)
+                    listed[record['epoch']].append(int(re.match(r'entry (\d+):', record['reason'])[1]))
+    assert sorted(listed[0]) == sorted(listed[1]) == sorted(where)
     for epoch in (0, 1):
         state = load(os.path.join(out, f'checkpoint_{epoch:02d}.pth'))
         # Bad samples were collected as invalid, never grouped; they come back like unseen indices.

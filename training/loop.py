@@ -53,6 +53,8 @@ def train_one_epoch(model: nn.Module, loader: Iterable, optimizer: torch.optim.O
     logger = TrainLogger(header=f'{desc} epoch {epoch}', print_freq=int(config.get('print_freq', 50)))
     samples = 0
     start = time.time()
+    if bad_samples is not None:
+        bad_samples.epoch = epoch
     for batch in logger.log_every(loader, total=total_batches, start=start_batch):
         if bad_samples is not None:
             bad_samples.record(batch[-1])
@@ -148,7 +150,7 @@ def run_finetune(model: nn.Module, train_set: Dataset, *, info: DistInfo, config
     scaler = build_scaler(config, info.device)
 
     guard = StepGuard(int(config.get('max_skipped_steps', 10)))
-    bad_log = BadSampleLog(float(config.get('max_bad_fraction', 0.01)))
+    bad_log = BadSampleLog(float(config.get('max_bad_fraction', 0.01)), output_dir=output_dir)
     start_epoch, global_step = 0, 0
     best = {best_key: -1.0, 'epoch': -1} if best_key else None
     if resume:
