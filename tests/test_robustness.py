@@ -206,6 +206,29 @@ def test_sigterm_saves_and_resume_is_exact(data_dir, tmp_path):
     assert read_log(full)[-1]['bad_samples'] == read_log(cut)[-1]['bad_samples'] == 0
 
 
+def test_sigterm_to_the_process_group_with_loader_workers(data_dir, tmp_path):
+    """A cluster signals every process of the job: loader workers must not die before the main
+    process has saved (they ignore SIGTERM; the main process stops at the end of its step)."""
+    out = str(tmp_path / 'cut')
+    args = ['--config', 'configs/tiny/Pretrain.yaml', '--device', 'cpu', '--output_dir', out,
+            *overrides(data_dir, os.path.join(data_dir, 'pretrain.json'), print_freq=1, num_workers=2)]
+    proc = subprocess.Popen([sys.executable, 'Pretrain.py', *args], cwd=ROOT, env=env(), start_new_session=True,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    lines = []
+    for line in proc.stdout:
+        lines.append(line)
+        if re.search(r'Pretrain epoch 0 \[\s*4/', line):
+            os.killpg(proc.pid, signal.SIGTERM)
+            break
+    rest, _ = proc.communicate(timeout=120)
+    output = ''.join(lines) + rest
+    assert proc.returncode == 128 + signal.SIGTERM, output[-3000:]
+    with open(os.path.join(out, 'latest.json')) as f:
+        assert json.load(f)['path'].startswith('checkpoint_step_')
+    run([sys.executable, 'Pretrain.py', '--resume', *args])
+    assert [r['epoch'] for r in read_log(out)] == [0, 1]
+
+
 def _nan_on_calls(monkeypatch, calls: set[int]) -> list[int]:
     """Make ALBEF_Base.forward return a NaN loss_itc on the given (0-based) calls; returns the counter."""
     from models.pretrain import ALBEF_Base

@@ -12,6 +12,13 @@ from torch.utils.data import DataLoader, Dataset, DistributedSampler, Sampler
 
 from training.distributed import DistInfo
 from training.reproducibility import worker_init_fn
+from training.step_guard import ignore_stop_signals
+
+
+def init_worker(worker_id: int) -> None:
+    """DataLoader worker start: seeds (training.reproducibility) and stop signals left to the main process."""
+    worker_init_fn(worker_id)
+    ignore_stop_signals()
 
 
 class ResumableSampler(DistributedSampler):
@@ -60,6 +67,6 @@ def create_loader(dataset: Dataset, sampler: Sampler | None, batch_size: int, nu
         drop_last=drop_last,
         pin_memory=torch.cuda.is_available(),
         persistent_workers=num_workers > 0,
-        worker_init_fn=worker_init_fn if num_workers > 0 else None,
+        worker_init_fn=init_worker if num_workers > 0 else None,
         generator=generator,
     )

@@ -19,7 +19,15 @@ import torch
 
 from training.distributed import is_dist, reduce_sum
 
-__all__ = ['Preempted', 'StepGuard', 'TooManySkippedSteps']
+__all__ = ['Preempted', 'StepGuard', 'TooManySkippedSteps', 'ignore_stop_signals']
+
+
+def ignore_stop_signals() -> None:
+    """In a DataLoader worker: ignore SIGTERM/SIGINT. A cluster (or Ctrl-C) signals the whole process
+    group; a worker killed by it would make the main process fail at its next batch instead of saving.
+    The main process's StepGuard handles the signal; workers exit when it shuts them down or dies."""
+    for signum in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(signum, signal.SIG_IGN)
 
 
 class Preempted(SystemExit):
