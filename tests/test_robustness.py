@@ -173,30 +173,43 @@ def test_too_many_bad_samples_stop_with_message(data_dir, bad_list, tmp_path):
     assert [r['epoch'] for r in read_log(out)] == [0]
 
 
-def test_sigterm_saves_and_resume_is_exact(data_dir, tmp_path):
-    common = ['--config', 'configs/tiny/Pretrain.yaml', '--device', 'cpu',
-              *overrides(data_dir, os.path.join(data_dir, 'pretrain.json'), print_freq=1)]
+@pytest.mark.parametrize('processes', [1, 2])
+def test_sigterm_saves_and_resume_is_exact(data_dir, tmp_path, processes):
+    extra = {'print_freq': 1}
+    launch = [sys.executable]
+    if processes == 2:  # torchrun forwards the signal; both ranks must stop after the same step
+        extra['batch_size'] = 4
+        launch = [sys.executable, '-m', 'torch.distributed.run', '--nproc_per_node=2']
+    port = [29800 + os.getpid() % 100]
+
+    def command(*args: str) -> list[str]:
+        port[0] += 1
+        ports = ['--master_port', str(port[0])] if processes == 2 else []
+        return [*launch, *ports, 'Pretrain.py', *args, '--config', 'configs/tiny/Pretrain.yaml', '--device',
+                'cpu', *overrides(data_dir, os.path.join(data_dir, 'pretrain.json'), **extra)]
+
     full = str(tmp_path / 'full')
-    run([sys.executable, 'Pretrain.py', '--output_dir', full, *common])
+    run(command('--output_dir', full))
 
     cut = str(tmp_path / 'cut')
-    proc = subprocess.Popen([sys.executable, 'Pretrain.py', '--output_dir', cut, *common], cwd=ROOT,
-                            env=env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    proc = subprocess.Popen(command('--output_dir', cut), cwd=ROOT, env=env(), start_new_session=True,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     lines = []
     for line in proc.stdout:  # progress lines '[k/N]': signal in the middle of epoch 1
         lines.append(line)
         if re.search(r'Pretrain epoch 1 \[\s*3/', line):
-            proc.send_signal(signal.SIGTERM)
+            os.killpg(proc.pid, signal.SIGTERM)  # as a cluster does: every process of the job
             break
     rest, _ = proc.communicate(timeout=120)
     output = ''.join(lines) + rest
-    assert proc.returncode == 128 + signal.SIGTERM, output[-3000:]
-    assert 'stopping on signal' in output and '--resume' in output
+    if processes == 1:  # (torchrun's agent itself exits 1 on the signal, after its workers)
+        assert proc.returncode == 128 + signal.SIGTERM, output[-3000:]
+    assert 'stopping on signal' in output and '--resume' in output, output[-3000:]
     with open(os.path.join(cut, 'latest.json')) as f:
         latest = json.load(f)
     assert latest['path'].startswith('checkpoint_step_') and latest['epoch'] == 1
     assert not os.path.exists(os.path.join(cut, 'checkpoint_01.pth'))
-    run([sys.executable, 'Pretrain.py', '--output_dir', cut, '--resume', *common])
+    run(command('--output_dir', cut, '--resume'))
 
     a, b = load(os.path.join(full, 'checkpoint_01.pth')), load(os.path.join(cut, 'checkpoint_01.pth'))
     assert torch.equal(a['sampler']['indices'], b['sampler']['indices'])
@@ -212,8 +225,8 @@ def test_sigterm_to_the_process_group_with_loader_workers(data_dir, tmp_path):
     out = str(tmp_path / 'cut')
     args = ['--config', 'configs/tiny/Pretrain.yaml', '--device', 'cpu', '--output_dir', out,
             *overrides(data_dir, os.path.join(data_dir, 'pretrain.json'), print_freq=1, num_workers=2)]
-    proc = subprocess.Popen([sys.executable, 'Pretrain.py', *args], cwd=ROOT, env=env(), start_new_session=True,
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    proc = subprocess.Popen([sys.executable, 'Pretrain.py', *args], cwd=ROOT, env=env(),
+                            start_new_session=True, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     lines = []
     for line in proc.stdout:
         lines.append(line)
