@@ -225,8 +225,8 @@ def test_sigterm_to_the_process_group_with_loader_workers(data_dir, tmp_path):
     out = str(tmp_path / 'cut')
     args = ['--config', 'configs/tiny/Pretrain.yaml', '--device', 'cpu', '--output_dir', out,
             *overrides(data_dir, os.path.join(data_dir, 'pretrain.json'), print_freq=1, num_workers=2)]
-    proc = subprocess.Popen([sys.executable, 'Pretrain.py', *args], cwd=ROOT, env=env(),
-                            start_new_session=True, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    proc = subprocess.Popen([sys.executable, 'Pretrain.py', *args], cwd=ROOT, env=env(), text=True,
+                            start_new_session=True, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
     lines = []
     for line in proc.stdout:
         lines.append(line)
