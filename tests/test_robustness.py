@@ -311,3 +311,33 @@ def test_bad_file_copies_left_alone(bad_list):
     shutil.copy(path, copy)
     with open(path) as f, open(copy) as g:
         assert f.read() == g.read()
+
+
+def _decide_worker(rank: int, world: int, init_file: str, out_dir: str) -> None:
+    import torch.distributed as dist
+
+    from training.step_guard import StepGuard
+
+    dist.init_process_group('gloo', init_method=f'file://{init_file}', rank=rank, world_size=world)
+    try:
+        guard = StepGuard(max_skipped_steps=2)
+        decisions = []
+        # Step 0: NaN on rank 0 only; step 1: finite everywhere; step 2: a signal reaches rank 1 only.
+        for step in range(3):
+            loss = torch.tensor(float('nan') if (step == 0 and rank == 0) else 1.0)
+            if step == 2 and rank == 1:
+                guard.signal = signal.SIGTERM
+            decisions.append(guard.decide(loss))
+        torch.save({'decisions': decisions, 'skipped': guard.skipped}, os.path.join(out_dir, f'{rank}.pt'))
+    finally:
+        dist.destroy_process_group()
+
+
+def test_step_decisions_agree_across_ranks(tmp_path):
+    import torch.multiprocessing as mp
+
+    mp.spawn(_decide_worker, args=(2, str(tmp_path / 'init'), str(tmp_path)), nprocs=2, join=True)
+    for rank in (0, 1):
+        result = torch.load(tmp_path / f'{rank}.pt', weights_only=True)
+        assert result['decisions'] == [(True, False), (False, False), (False, True)]
+        assert result['skipped'] == 1
