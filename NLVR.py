@@ -23,14 +23,16 @@ import time
 from collections.abc import Mapping
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.utils.data import Subset
 
 from dataset import ImageTextCollate, create_dataset, prepare_data
+from dataset.bad_samples import SkipBadCollate, SkipBadSamples, device_valid
 from models.loading import load_task_checkpoint
-from models.nlvr import ALBEF_NLVR
+from models.nlvr import ALBEF_NLVR, nlvr_loss
+from models.objectives import masked_mean
 from models.tokenization import build_tokenizer
+from training.bad_samples import BadSampleLog
 from training.checkpoints import resolve_resume
 from training.cli import build_parser, run_main, start
 from training.distributed import DistInfo, is_dist, print_main
@@ -38,6 +40,7 @@ from training.loaders import create_loader
 from training.logger import setup_output_dir
 from training.loop import evaluate_only, run_finetune
 from training.reproducibility import build_on_every_rank
+from training.validation import check_global_batch
 
 
 class NLVRCollate:
@@ -69,23 +72,36 @@ def image_id_table(dataset) -> Tensor:
 
 @torch.no_grad()
 def evaluate(model: ALBEF_NLVR, dataset, collate: NLVRCollate, config: Mapping,
-             info: DistInfo) -> float:
-    """NLVR2 accuracy; every rank classifies a disjoint stride of the dataset (no padding: exact)."""
+             info: DistInfo, split: str = "val") -> tuple[float, int]:
+    """(NLVR2 accuracy over the good pairs, bad pairs) summed over ranks; every rank classifies a
+    disjoint stride of the dataset (no padding: exact). A bad pair (dataset.bad_samples) is skipped."""
     model.eval()
-    part = Subset(dataset, range(info.rank, len(dataset), info.world_size))
+    # The stride is taken of the wrapped dataset, so that a reason names the pair's json index.
+    part = Subset(SkipBadSamples(dataset), range(info.rank, len(dataset), info.world_size))
     loader = create_loader(part, None, int(config.get("batch_size_test", 64)),
-                           int(config.get("num_workers", 0)), collate_fn=collate, drop_last=False)
+                           int(config.get("num_workers", 0)), collate_fn=SkipBadCollate(collate),
+                           drop_last=False)
     device = info.device
+    bad = BadSampleLog()
     correct = torch.zeros((), dtype=torch.float64, device=device)
-    for image0, image1, text, labels in loader:
-        text = text.to(device)
+    good = torch.zeros((), dtype=torch.float64, device=device)
+    for image0, image1, text, labels, valid, reasons in loader:
+        bad.record([f"{split} {reason}" for reason in reasons])
+        text, valid = text.to(device), valid.to(device)
         logits = model.classify(image0.to(device), image1.to(device), text.input_ids, text.attention_mask)
-        correct += (logits.argmax(dim=1) == labels.to(device)).sum()
-    stats = torch.stack([correct, torch.tensor(float(len(part)), dtype=torch.float64, device=device)])
+        correct += ((logits.argmax(dim=1) == labels.to(device)) & valid).sum()
+        good += valid.sum()
+    stats = torch.stack([correct, good, torch.tensor(float(bad.count), dtype=torch.float64, device=device)])
     if is_dist():
         torch.distributed.all_reduce(stats)
-    correct_all, total = stats.tolist()
-    return correct_all / max(total, 1.0)
+    correct_all, total, bad_all = stats.tolist()
+    return correct_all / max(total, 1.0), int(bad_all)
+
+
+def accuracy(logits: Tensor, labels: Tensor, valid: Tensor | None) -> Tensor:
+    """Share of correct rows among the good samples: logits (B,C), labels (B,), valid (B,) | None -> 0-dim."""
+    correct = (logits.argmax(dim=1) == labels).float()
+    return correct.mean() if valid is None else masked_mean(correct, valid)
 
 
 def make_step_fn(device: torch.device, text_assignment: bool, image_ids: Tensor | None = None):
@@ -94,22 +110,24 @@ def make_step_fn(device: torch.device, text_assignment: bool, image_ids: Tensor 
         image_ids = image_ids.to(device)
 
     def text_assignment_step(model: nn.Module, batch) -> tuple[Tensor, dict[str, Tensor]]:
-        image, text, index = batch
+        image, text, index, valid, _ = batch  # valid: bad samples (dataset.bad_samples)
         text = text.to(device)
         ids = None if image_ids is None else image_ids[index.to(device, non_blocking=True)]
+        valid = device_valid(valid, device)
         loss, logits, labels = model(image.to(device, non_blocking=True), text.input_ids, text.attention_mask,
-                                     image_ids=ids)
-        acc = (logits.argmax(dim=1) == labels).float().mean()
+                                     image_ids=ids, valid=valid)
+        acc = accuracy(logits, labels, valid)
         return loss, {"loss_ta": loss.detach(), "ta_acc": acc.detach()}
 
     def nlvr_step(model: nn.Module, batch) -> tuple[Tensor, dict[str, Tensor]]:
-        image0, image1, text, labels = batch
+        image0, image1, text, labels, valid, _ = batch
         text = text.to(device)
         labels = labels.to(device, non_blocking=True)
+        valid = device_valid(valid, device)
         logits = model(image0.to(device, non_blocking=True), image1.to(device, non_blocking=True),
                        text.input_ids, text.attention_mask)
-        loss = F.cross_entropy(logits, labels)
-        acc = (logits.argmax(dim=1) == labels).float().mean()
+        loss = nlvr_loss(logits, labels, valid)
+        acc = accuracy(logits, labels, valid)
         return loss, {"loss_nlvr": loss.detach(), "acc": acc.detach()}
 
     return text_assignment_step if text_assignment else nlvr_step
@@ -119,7 +137,8 @@ def main(argv: list[str] | None = None) -> dict:
     """Run stage 1 or stage 2 (or --evaluate) from the command line; returns the last log record."""
     parser = build_parser(__doc__.splitlines()[0], default_output_dir="output/NLVR")
     args, config, info, seed = start(argv, parser, required=lambda config: (
-        ("train_file",) if config.get("text_assignment", False) else ("train_file", "val_file", "test_file")))
+        ("train_file",) if config.get("text_assignment", False) else ("train_file", "val_file", "test_file")),
+        task="nlvr")
     text_assignment = bool(config.get("text_assignment", False))
     if text_assignment and args.evaluate:
         raise ValueError("--evaluate is for NLVR2 (text_assignment: false); stage 1 has no evaluation split")
@@ -127,23 +146,25 @@ def main(argv: list[str] | None = None) -> dict:
     prepare_data(config)
 
     tokenizer = build_tokenizer(config)
-    # The same seed on every rank while building, so that the fresh heads are identical everywhere.
-    model = build_on_every_rank(
-        lambda: build_model(config, tokenizer, args.checkpoint, text_assignment), seed, info.rank).to(device)
-    output_dir = setup_output_dir(args, config)
     max_tokens = int(config.get("max_tokens", 40))
-
     if text_assignment:
         train_set = create_dataset("pretrain", config)
         collate = ImageTextCollate(tokenizer, max_tokens)
     else:
         train_set, val_set, test_set = create_dataset("nlvr", config)
         collate = NLVRCollate(tokenizer, max_tokens)
+    if not args.evaluate:
+        check_global_batch(len(train_set), config, "batch_size_train", info.world_size)
+    # The same seed on every rank while building, so that the fresh heads are identical everywhere.
+    model = build_on_every_rank(
+        lambda: build_model(config, tokenizer, args.checkpoint, text_assignment), seed, info.rank).to(device)
+    output_dir = setup_output_dir(args, config)
 
     def evaluate_all(record: dict, epoch: int | None = None) -> None:
         start = time.time()
-        record["val_acc"] = evaluate(model, val_set, collate, config, info)
-        record["test_acc"] = evaluate(model, test_set, collate, config, info)
+        for split, dataset in (("val", val_set), ("test", test_set)):
+            record[f"{split}_acc"], record[f"{split}_bad_samples"] = evaluate(
+                model, dataset, collate, config, info, split)
         record["eval_seconds"] = round(time.time() - start, 3)
 
     if args.evaluate:
@@ -151,10 +172,10 @@ def main(argv: list[str] | None = None) -> dict:
 
     metrics = ("loss_ta", "ta_acc") if text_assignment else ("loss_nlvr", "acc")
     return run_finetune(
-        model, train_set, info=info, config=config, output_dir=output_dir,
+        model, SkipBadSamples(train_set), info=info, config=config, output_dir=output_dir,
         resume=resolve_resume(args.resume, output_dir),
         step_fn=make_step_fn(device, text_assignment, image_id_table(train_set) if text_assignment else None),
-        collate_fn=collate, log_stats={f"train_{k}": k for k in metrics},
+        collate_fn=SkipBadCollate(collate), log_stats={f"train_{k}": k for k in metrics},
         desc="NLVR text assignment" if text_assignment else "NLVR",
         evaluate=None if text_assignment else evaluate_all, best_key=None if text_assignment else "val_acc",
         best_summary="best dev accuracy {val_acc:.4f} at epoch {epoch} (test-P {test_acc:.4f})")

@@ -10,7 +10,8 @@
     python Retrieval.py --config configs/tiny/Retrieval.yaml --output_dir output/retrieval_tiny [--bench]
 
 log.txt gets one JSON line per epoch (train losses, val_* and test_* metrics: txt_r1/5/10, img_r1/5/10,
-txt_r_mean, img_r_mean, r_mean) and one for --evaluate; checkpoint_best.pth is the best val r_mean;
+txt_r_mean, img_r_mean, r_mean, bad_samples: unreadable images and empty captions left out of the
+scoring) and one for --evaluate; checkpoint_best.pth is the best val r_mean;
 rankings_{val,test}.json hold every image's top-k texts and every text's top-k images with scores.
 """
 
@@ -23,12 +24,15 @@ from collections.abc import Mapping
 
 import torch
 from torch import Tensor, nn
+from torch.utils.data import default_collate
 
 from dataset import ImageTextCollate, RetrievalEvalDataset, create_dataset, prepare_data
+from dataset.bad_samples import SkipBadCollate, SkipBadSamples, device_valid
 from models.loading import load_weights, read_checkpoint
 from models.retrieval import MOMENTUM_PREFIXES, QUEUE_KEYS, RETRIEVAL_IGNORED_PREFIXES, ALBEF_Retrieval
 from models.retrieval_eval import compute_itr_scores, dense_scores, itr_metrics, topk_rankings
 from models.tokenization import build_tokenizer
+from training.bad_samples import BadSampleLog
 from training.checkpoints import resolve_resume
 from training.cli import build_parser, run_main, start
 from training.distributed import DistInfo, cleanup, is_main_process, print_main
@@ -36,6 +40,7 @@ from training.loaders import create_loader
 from training.logger import setup_output_dir
 from training.loop import evaluate_only, run_finetune
 from training.reproducibility import build_on_every_rank
+from training.validation import check_global_batch
 
 LOSSES = ("loss_itc", "loss_cons", "loss_itm")
 
@@ -71,17 +76,29 @@ def build_model(config: Mapping, tokenizer, checkpoint: str | None) -> ALBEF_Ret
 
 def evaluate_split(model: ALBEF_Retrieval, dataset: RetrievalEvalDataset, split: str, tokenizer,
                    config: Mapping, device: torch.device, output_dir: str | None = None) -> tuple[dict, dict]:
-    """Metrics of one split (prefixed `split_`) and timing stats; writes rankings_{split}.json if asked."""
-    loader = create_loader(dataset, None, int(config.get("batch_size_test", 64)),
-                           int(config.get("num_workers", 0)), drop_last=False)
+    """Metrics of one split (prefixed `split_`, with `split_bad_samples`) and timing stats; writes
+    rankings_{split}.json if asked.
+
+    Bad samples (unreadable images, empty captions) are left out, with the captions of a bad image and
+    an image without captions (models.retrieval_eval): R@K is over the remaining queries.
+    """
+    loader = create_loader(SkipBadSamples(dataset), None, int(config.get("batch_size_test", 64)),
+                           int(config.get("num_workers", 0)), collate_fn=SkipBadCollate(default_collate),
+                           drop_last=False)
     result = compute_itr_scores(
         model, loader, dataset.text, tokenizer, device, int(config["k_test"]),
         text_batch_size=int(config.get("text_batch_size", 256)),
         rerank_pairs=int(config.get("rerank_pairs", 256)), max_tokens=int(config.get("max_tokens", 40)),
-        amp=bool(config.get("amp", False)), rerank=bool(config.get("itm", True)),
+        amp=bool(config.get("amp", False)), rerank=bool(config.get("itm", True)), txt2img=dataset.txt2img,
     )
-    metrics = itr_metrics(dense_scores(result["i2t_idx"], result["i2t_score"], len(dataset.text)),
-                          dense_scores(result["t2i_idx"], result["t2i_score"], len(dataset)), dataset.txt2img)
+    metrics = itr_metrics(dense_scores(result["i2t_idx"], result["i2t_score"], len(result["text_ids"])),
+                          dense_scores(result["t2i_idx"], result["t2i_score"], len(result["image_ids"])),
+                          result["txt2img"])
+    # Every rank reads every image and the ranks agreed on image_valid, so this count is already the
+    # split's (a sum over ranks would count each bad image once per rank); main names the first few.
+    metrics["bad_samples"] = len(dataset.bad_texts) + int((~result["image_valid"]).sum())
+    if is_main_process():
+        BadSampleLog().record([f"{split} {reason}" for reason in dataset.bad_texts + result["bad"]])
     if output_dir and config.get("save_rankings", True) and is_main_process():
         rankings = topk_rankings(result, dataset.image, dataset.text, dataset.txt2img)
         with open(os.path.join(output_dir, f"rankings_{split}.json"), "w", encoding="utf-8") as f:
@@ -108,15 +125,18 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--bench", action="store_true",
                         help="time the ITM re-ranking on the test split, print one JSON line, exit")
     args, config, info, seed = start(
-        argv, parser, required=("train_file", "val_file", "test_file", "k_test", "queue_size", "momentum"))
+        argv, parser, required=("train_file", "val_file", "test_file", "k_test", "queue_size", "momentum"),
+        task="retrieval")
     device = info.device
     prepare_data(config)
 
     tokenizer = build_tokenizer(config)
+    train_set, val_set, test_set = create_dataset("retrieval", config)
+    if not (args.evaluate or args.bench):
+        check_global_batch(len(train_set), config, "batch_size_train", info.world_size)
     # The same seed on every rank while building, so that an un-loaded model is identical everywhere.
     model = build_on_every_rank(
         lambda: build_model(config, tokenizer, args.checkpoint), seed, info.rank).to(device)
-    train_set, val_set, test_set = create_dataset("retrieval", config)
 
     if args.bench:
         record = bench(model, test_set, tokenizer, config, info)
@@ -137,17 +157,18 @@ def main(argv: list[str] | None = None) -> dict:
         return evaluate_only(output_dir, args.checkpoint, evaluate)
 
     def step_fn(net: nn.Module, batch) -> tuple[Tensor, dict[str, Tensor]]:
-        image, text, img_id = batch
-        out = net(image.to(device, non_blocking=True), text.to(device), img_id.to(device, non_blocking=True))
+        image, text, img_id, valid, _ = batch  # valid: bad samples (dataset.bad_samples)
+        out = net(image.to(device, non_blocking=True), text.to(device), img_id.to(device, non_blocking=True),
+                  valid=device_valid(valid, device))
         loss = out["loss_itc"] + out["loss_cons"] + out["loss_itm"]
         return loss, {k: out[k].detach() for k in LOSSES}
 
     # broadcast_buffers=False: every rank enqueues the same gathered features, so the queues
     # agree without re-sending 2 x (embed_dim x queue_size) floats every step.
     return run_finetune(
-        model, train_set, info=info, config=config, output_dir=output_dir,
+        model, SkipBadSamples(train_set), info=info, config=config, output_dir=output_dir,
         resume=resolve_resume(args.resume, output_dir), step_fn=step_fn,
-        collate_fn=ImageTextCollate(tokenizer, int(config.get("max_tokens", 40))),
+        collate_fn=SkipBadCollate(ImageTextCollate(tokenizer, int(config.get("max_tokens", 40)))),
         log_stats={k: k for k in LOSSES}, desc="Retrieval", evaluate=evaluate, best_key="val_r_mean",
         best_summary="best val r_mean {val_r_mean:.2f} at epoch {epoch} (test r_mean {test_r_mean:.2f})",
         broadcast_buffers=False)

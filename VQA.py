@@ -25,9 +25,11 @@ from torch import Tensor, nn
 from torch.utils.data import DataLoader, Subset
 
 from dataset import VQADataset, create_dataset, load_json_list, prepare_data, test_transform, vqa_collate
+from dataset.bad_samples import SkipBadCollate, SkipBadSamples, device_valid
 from models.loading import load_task_checkpoint
 from models.tokenization import build_tokenizer
 from models.vqa import ALBEF_VQA, vqa_accuracy
+from training.bad_samples import BadSampleLog
 from training.checkpoints import resolve_resume
 from training.cli import build_parser, run_main, start
 from training.config import get_max_epoch
@@ -42,6 +44,7 @@ from training.loaders import create_loader
 from training.logger import setup_output_dir
 from training.loop import evaluate_only, run_finetune
 from training.reproducibility import build_on_every_rank
+from training.validation import check_global_batch
 
 
 class QACollate:
@@ -97,38 +100,47 @@ def ground_truth(files) -> dict:
 
 @torch.no_grad()
 def predict(model: ALBEF_VQA, loader: DataLoader, answer_list: list[str], answers: dict, k: int,
-            device: torch.device) -> list[dict]:
-    """[{"question_id", "answer"}] of the loader's questions: top-k by first token, then by likelihood."""
+            device: torch.device, bad: BadSampleLog, split: str = "test") -> list[dict]:
+    """[{"question_id", "answer"}] of the loader's good questions: top-k by first token, then by
+    likelihood. The loader's batches end with (valid, reasons) (SkipBadCollate); bad ones go to `bad`."""
     model.eval()
     results = []
-    for image, question, question_ids in loader:
+    for image, question, question_ids, valid, reasons in loader:
+        bad.record([f"{split} {reason}" for reason in reasons])
         question = question.to(device)
         states = model.encode_question(image.to(device), question.input_ids, question.attention_mask)
         ranked, _ = model.rank_answers(states, question.attention_mask, answers["input_ids"],
                                        answers["attention_mask"], k)
-        for qid, best in zip(question_ids, ranked[:, 0].tolist()):
-            results.append({"question_id": qid, "answer": answer_list[best]})
+        # A bad question (its placeholder was ranked with the batch) gets no answer at all.
+        results.extend({"question_id": qid, "answer": answer_list[best]}
+                       for qid, best, ok in zip(question_ids, ranked[:, 0].tolist(), valid.tolist()) if ok)
     return results
 
 
 def evaluate(model: ALBEF_VQA, dataset: VQADataset, tokenizer, config: Mapping, info: DistInfo,
-             gts: dict, result_path: str | None) -> float | None:
-    """Answer every question of dataset (ranks take disjoint strides); write result_path on the main
-    process; return the VQA accuracy when gts (ground-truth answers) are given, else None."""
+             gts: dict, result_path: str | None, split: str = "test") -> tuple[float | None, int]:
+    """Answer every good question of dataset (ranks take disjoint strides); write result_path on the
+    main process. Returns (VQA accuracy over the answered questions when gts, ground-truth answers, are
+    given, else None; bad questions summed over ranks). A bad question (unreadable image, empty
+    question; dataset.bad_samples) gets no answer in the result file."""
     if dataset.answer_list is None:
         raise ValueError("VQA evaluation needs config key 'answer_list'")
-    part = Subset(dataset, range(info.rank, len(dataset), info.world_size))
+    # The stride is taken of the wrapped dataset, so that a reason names the question's json index.
+    part = Subset(SkipBadSamples(dataset), range(info.rank, len(dataset), info.world_size))
+    collate = SkipBadCollate(QuestionCollate(tokenizer, int(config.get("max_tokens", 40))))
     loader = create_loader(part, None, int(config.get("batch_size_test", 16)),
-                           int(config.get("num_workers", 0)),
-                           collate_fn=QuestionCollate(tokenizer, int(config.get("max_tokens", 40))),
-                           drop_last=False)
+                           int(config.get("num_workers", 0)), collate_fn=collate, drop_last=False)
     answers = tokenizer(dataset.answer_list, padding="longest", return_tensors="pt").to(info.device)
     k = int(config.get("k_test", 128))
-    results = predict(model, loader, dataset.answer_list, answers, k, info.device)
+    bad = BadSampleLog()
+    results = predict(model, loader, dataset.answer_list, answers, k, info.device, bad, split)
+    bad_count = bad.count
     if is_dist():
+        # One collective for answers and counts; every rank takes part, bad questions or not.
         parts: list = [None] * get_world_size()
-        torch.distributed.all_gather_object(parts, results)
-        results = [r for part_results in parts for r in part_results]
+        torch.distributed.all_gather_object(parts, (results, bad.count))
+        results = [r for part_results, _ in parts for r in part_results]
+        bad_count = sum(count for _, count in parts)
     order = {entry["question_id"]: i for i, entry in enumerate(dataset.ann)}
     results.sort(key=lambda r: order[r["question_id"]])
     if result_path and is_main_process():
@@ -136,27 +148,34 @@ def evaluate(model: ALBEF_VQA, dataset: VQADataset, tokenizer, config: Mapping, 
         with open(tmp, "w", encoding="utf-8") as f:
             json.dump(results, f)
         os.replace(tmp, result_path)
-        print_main(f"wrote {len(results)} answers to {result_path}")
+        skipped = f" ({bad_count} bad questions have none)" if bad_count else ""
+        print_main(f"wrote {len(results)} answers to {result_path}{skipped}")
     if not gts:
-        return None
-    return vqa_accuracy({r["question_id"]: r["answer"] for r in results}, gts)
+        return None, bad_count
+    # Over the answered questions only: vqa_accuracy scores a question without a prediction 0.
+    predictions = {r["question_id"]: r["answer"] for r in results}
+    answered = {q: gt for q, gt in gts.items() if q in predictions}
+    return (vqa_accuracy(predictions, answered) if answered else 0.0), bad_count
 
 
 def main(argv: list[str] | None = None) -> dict:
     """Fine-tune (or with --evaluate only answer) from the command line; returns the last log record."""
     parser = build_parser(__doc__.splitlines()[0], default_output_dir="output/VQA")
-    args, config, info, seed = start(argv, parser, required=("train_file", "test_file", "answer_list"))
+    args, config, info, seed = start(argv, parser, required=("train_file", "test_file", "answer_list"),
+                                     task="vqa")
     device = info.device
     prepare_data(config)
 
     tokenizer = build_tokenizer(config)
+    train_set, test_set = create_dataset("vqa", config)
+    if not args.evaluate:
+        check_global_batch(len(train_set), config, "batch_size_train", info.world_size, unit="questions")
     # The same seed on every rank while building, so that an un-loaded model is identical everywhere.
     model = build_on_every_rank(
         lambda: build_model(config, tokenizer, args.checkpoint), seed, info.rank).to(device)
     output_dir = setup_output_dir(args, config)
     max_tokens = int(config.get("max_tokens", 40))
 
-    train_set, test_set = create_dataset("vqa", config)
     test_gts = ground_truth(config["test_file"])
     val_set, val_gts = None, {}
     if config.get("val_file"):
@@ -168,9 +187,10 @@ def main(argv: list[str] | None = None) -> dict:
 
     def evaluate_test(record: dict) -> None:
         start = time.time()
-        acc = evaluate(model, test_set, tokenizer, config, info, test_gts, result_path)
+        acc, bad = evaluate(model, test_set, tokenizer, config, info, test_gts, result_path, "test")
         if acc is not None:
             record["test_acc"] = acc
+        record["test_bad_samples"] = bad
         record["eval_seconds"] = round(time.time() - start, 3)
 
     if args.evaluate:
@@ -180,23 +200,24 @@ def main(argv: list[str] | None = None) -> dict:
 
     def evaluate_epoch(record: dict, epoch: int) -> None:
         if val_set is not None:
-            record["val_acc"] = evaluate(model, val_set, tokenizer, config, info, val_gts, None)
+            record["val_acc"], record["val_bad_samples"] = evaluate(model, val_set, tokenizer, config, info,
+                                                                    val_gts, None, "val")
         if epoch == max_epoch - 1:  # the test answers (vqa_result.json) come from the final model
             evaluate_test(record)
 
     def step_fn(net: nn.Module, batch) -> tuple[Tensor, dict[str, Tensor]]:
-        image, question, answer, weights, counts = batch
+        image, question, answer, weights, counts, valid, _ = batch  # valid: dataset.bad_samples
         question, answer = question.to(device), answer.to(device)
         loss = net(image.to(device, non_blocking=True), question.input_ids, question.attention_mask,
                    answer.input_ids, answer.attention_mask, weights.to(device, non_blocking=True),
-                   counts.to(device, non_blocking=True))
+                   counts.to(device, non_blocking=True), valid=device_valid(valid, device))
         return loss, {"loss_vqa": loss.detach()}
 
     return run_finetune(
-        model, train_set, info=info, config=config, output_dir=output_dir,
+        model, SkipBadSamples(train_set), info=info, config=config, output_dir=output_dir,
         resume=resolve_resume(args.resume, output_dir), step_fn=step_fn,
-        collate_fn=QACollate(tokenizer, max_tokens), log_stats={"train_loss_vqa": "loss_vqa"}, desc="VQA",
-        evaluate=evaluate_epoch, unit="questions")
+        collate_fn=SkipBadCollate(QACollate(tokenizer, max_tokens)), log_stats={"train_loss_vqa": "loss_vqa"},
+        desc="VQA", evaluate=evaluate_epoch)
 
 
 if __name__ == "__main__":

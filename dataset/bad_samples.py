@@ -1,12 +1,13 @@
-"""Bad samples: a training entry whose image is missing or undecodable, or whose text is empty after
+"""Bad samples: an entry whose image is missing or undecodable, or whose text is empty after
 cleaning, is skipped, never replaced by another entry.
 
 `SkipBadSamples(dataset)` returns `(item, None)` for a good entry and `(placeholder, reason)` for a bad
 one; the placeholder (`dataset.placeholder(index)`) has the shapes of a real item, so every rank's
 batch keeps its shape and collectives (DDP, GRIT's all_gathers) never mismatch. `SkipBadCollate`
-batches such pairs as the task's collate does and appends `valid` (B,) bool and `bad`, a list of
-(position in batch, reason) strings. The models leave invalid rows out of every loss and out of the
-in-batch negatives; GRIT collects them as invalid, so they come back next epoch like unseen indices.
+batches such pairs as the task's collate does and appends `valid` (B,) bool and `bad`, the list of
+the bad entries' reasons ("entry 17: cannot read image ..."). The models leave invalid rows out of
+every loss and out of the in-batch negatives; GRIT collects them as invalid, so they come back next
+epoch like unseen indices. Evaluation wraps its sets the same way and scores the good entries only.
 """
 
 from __future__ import annotations

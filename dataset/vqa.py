@@ -10,6 +10,8 @@ from collections.abc import Callable, Sequence
 import torch
 from torch.utils.data import Dataset
 
+from .bad_samples import blank_image
+from .pretrain import PLACEHOLDER_CAPTION
 from .utils import load_json_list, pre_question, read_image, resolve_image
 
 __all__ = ["VQADataset", "answer_weights", "load_answer_list", "vqa_collate"]
@@ -90,6 +92,17 @@ class VQADataset(Dataset):
             return image, question, ann["question_id"]
         answers, weights = answer_weights(ann["answer"], ann.get("dataset", "vqa"))
         return image, question, answers, weights
+
+    def placeholder(self, index: int):
+        """An item of the right shapes standing in for bad entry `index` (masked out of every loss).
+
+        train: one answer of weight 1.0, so that vqa_collate's per-question answer counts stay
+        well-formed; test: the entry's own question_id (the json's, read without the image).
+        """
+        image = blank_image(self.transform)
+        if self.split == "test":
+            return image, PLACEHOLDER_CAPTION, self.ann[index]["question_id"]
+        return image, PLACEHOLDER_CAPTION, [PLACEHOLDER_CAPTION], [1.0]
 
 
 def _both(*checks: Callable[[dict], None]) -> Callable[[dict], None]:

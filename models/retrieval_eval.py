@@ -2,6 +2,10 @@
 each image's top-k texts and each text's top-k images are re-scored by the ITM head (score = ITM match
 logit + ITC cosine). Metrics use the standard protocol (an image's text-retrieval rank is the best rank
 among its ground-truth captions).
+
+Bad samples (dataset.bad_samples): an image that cannot be read is no candidate and its captions are no
+queries (they have no correct image); an image left without captions is neither (nothing retrieves it
+and it retrieves nothing), so a split is scored exactly as its json list without the bad entries.
 """
 
 from __future__ import annotations
@@ -20,6 +24,7 @@ __all__ = [
     "compute_itr_scores",
     "dense_scores",
     "encode_eval_set",
+    "good_subset",
     "itr_metrics",
     "rerank_topk",
     "retrieval_ranks",
@@ -39,6 +44,35 @@ def _txt2img_tensor(txt2img: Sequence[int] | dict[int, int] | Tensor, num_texts:
     if t2i.numel() != num_texts:
         raise ValueError(f"txt2img has {t2i.numel()} entries but the score matrix has {num_texts} texts")
     return t2i
+
+
+def good_subset(image_valid: Tensor, txt2img: Sequence[int] | dict[int, int] | Tensor,
+                num_texts: int) -> tuple[Tensor, Tensor, Tensor]:
+    """Images that were read and have a caption, and their captions -> (image_ids (Ni',), text_ids (Nt',),
+    txt2img (Nt',)).
+
+    image_valid (Ni,) bool; txt2img maps the num_texts texts to images. The ids are split indices in
+    ascending order; the returned txt2img maps a kept text to its image's position in image_ids.
+    """
+    image_valid = image_valid.bool().cpu()
+    t2i = _txt2img_tensor(txt2img, num_texts)
+    num_images = image_valid.numel()
+    if num_texts and (t2i.min() < 0 or t2i.max() >= num_images):
+        raise ValueError(f"txt2img holds image indices outside 0..{num_images - 1}")
+    keep_image = image_valid & (torch.bincount(t2i, minlength=num_images) > 0)
+    keep_text = keep_image[t2i]
+    position = torch.cumsum(keep_image, dim=0) - 1  # an image's index among the kept ones
+    return keep_image.nonzero().squeeze(1), keep_text.nonzero().squeeze(1), position[t2i[keep_text]]
+
+
+def _agree(valid: Tensor, device: torch.device) -> Tensor:
+    """valid (N,) bool AND-ed over ranks: a file one rank failed to read is dropped on all, so the
+    candidate sets, and the shapes of the collectives that follow, agree."""
+    if not (dist.is_available() and dist.is_initialized()):
+        return valid
+    flags = valid.to(device, torch.int32)
+    dist.all_reduce(flags, op=dist.ReduceOp.MIN)
+    return flags.bool().cpu()
 
 
 def _positions(rows: Tensor) -> Tensor:
@@ -155,15 +189,55 @@ def _autocast(device: torch.device, amp: bool):
 @torch.no_grad()
 def encode_eval_set(model: ALBEF_Retrieval, image_loader, texts: Sequence[str], tokenizer,
                     device: torch.device, text_batch_size: int = 256, max_tokens: int = 40,
-                    amp: bool = False) -> dict[str, Tensor]:
-    """Every image and text of an evaluation split, on every rank (as ALBEF).
+                    amp: bool = False, txt2img: Sequence[int] | dict[int, int] | Tensor | None = None
+                    ) -> dict[str, Tensor | list[str] | None]:
+    """The good images and texts of an evaluation split, on every rank (as ALBEF); collective.
 
-    image_loader yields (images (B,3,H,W), image index (B,)) over all images. Returns image_embeds
-    (Ni,1+P,Dv), image_feat (Ni,d), text_embeds (Nt,L,H), text_mask (Nt,L), text_feat (Nt,d). All texts
-    are padded to one length L, so a text's tokens do not depend on which batch encoded it.
+    image_loader yields (images (B,3,H,W), image index (B,)) over all images, or with SkipBadCollate
+    (images, index, valid (B,) bool, reasons). Images are encoded first: with txt2img (text t's image),
+    the unreadable images (AND-ed over ranks), their captions and images without captions are left out
+    (good_subset) before the texts are tokenized, so the kept ones are encoded exactly as in a split
+    without the bad entries. Returns image_embeds (Ni',1+P,Dv), image_feat (Ni',d), text_embeds
+    (Nt',L,H), text_mask (Nt',L), text_feat (Nt',d), image_ids (Ni',) and text_ids (Nt',) (split indices
+    of the kept rows), txt2img (Nt',) into image_ids (None without txt2img), image_valid (Ni,) bool and
+    bad (this rank's reasons). All texts are padded to one length L, so a text's tokens do not depend
+    on which batch encoded it.
     """
     if len(texts) == 0:
         raise ValueError("evaluation split has no captions")
+    image_embeds, image_feat, order, valid, bad = [], [], [], [], []
+    with _autocast(device, amp):
+        for images, index, *skipped in image_loader:
+            # A bad image's placeholder is encoded with the batch (shapes stay fixed) and dropped below.
+            tokens_v = model.encode_image(images.to(device, non_blocking=True))
+            image_embeds.append(tokens_v)
+            image_feat.append(model.image_feat(tokens_v).float())
+            order.append(torch.as_tensor(index))
+            valid.append(skipped[0] if skipped else torch.ones(len(order[-1]), dtype=torch.bool))
+            bad.extend(skipped[1] if skipped else ())
+    if not image_embeds:
+        raise ValueError("evaluation split has no images")
+    image_embeds, image_feat = torch.cat(image_embeds), torch.cat(image_feat)
+    order, image_valid = torch.cat(order), torch.cat(valid)
+    if not torch.equal(order, torch.arange(len(order))):
+        perm = torch.argsort(order)  # a loader that does not keep dataset order
+        image_valid = image_valid[perm]
+        perm = perm.to(device)
+        image_embeds, image_feat = image_embeds[perm], image_feat[perm]
+    image_valid = _agree(image_valid, device)
+    if txt2img is None:
+        if not image_valid.all():
+            raise ValueError("the image loader marked bad images: pass txt2img to leave out their captions")
+        image_ids, text_ids, kept_t2i = torch.arange(len(image_valid)), torch.arange(len(texts)), None
+    else:
+        image_ids, text_ids, kept_t2i = good_subset(image_valid, txt2img, len(texts))
+        if len(image_ids) == 0:
+            raise ValueError("evaluation split has no readable image with a caption")
+        if len(image_ids) < len(image_valid):  # copies only when something was dropped
+            rows = image_ids.to(device)
+            image_embeds, image_feat = image_embeds[rows], image_feat[rows]
+        if len(text_ids) < len(texts):
+            texts = [texts[t] for t in text_ids.tolist()]
     tokens = tokenizer(list(texts), padding="longest", truncation=True, max_length=max_tokens,
                        return_tensors="pt")
     input_ids, text_mask = tokens.input_ids.to(device), tokens.attention_mask.to(device)
@@ -174,35 +248,28 @@ def encode_eval_set(model: ALBEF_Retrieval, image_loader, texts: Sequence[str], 
             hidden = model.encode_text(input_ids[rows], text_mask[rows])
             text_embeds.append(hidden)
             text_feat.append(model.text_feat(hidden).float())
-        image_embeds, image_feat, order = [], [], []
-        for images, index in image_loader:
-            tokens_v = model.encode_image(images.to(device, non_blocking=True))
-            image_embeds.append(tokens_v)
-            image_feat.append(model.image_feat(tokens_v).float())
-            order.append(torch.as_tensor(index))
-    if not image_embeds:
-        raise ValueError("evaluation split has no images")
-    image_embeds, image_feat = torch.cat(image_embeds), torch.cat(image_feat)
-    order = torch.cat(order)
-    if not torch.equal(order, torch.arange(len(order))):
-        perm = torch.argsort(order).to(device)  # a loader that does not keep dataset order
-        image_embeds, image_feat = image_embeds[perm], image_feat[perm]
     return {"image_embeds": image_embeds, "image_feat": image_feat, "text_embeds": torch.cat(text_embeds),
-            "text_mask": text_mask, "text_feat": torch.cat(text_feat)}
+            "text_mask": text_mask, "text_feat": torch.cat(text_feat), "image_ids": image_ids,
+            "text_ids": text_ids, "txt2img": kept_t2i, "image_valid": image_valid, "bad": bad}
 
 
 @torch.no_grad()
 def compute_itr_scores(model: ALBEF_Retrieval, image_loader, texts: Sequence[str], tokenizer,
                        device: torch.device, k_test: int, text_batch_size: int = 256, rerank_pairs: int = 256,
-                       max_tokens: int = 40, amp: bool = False, rerank: bool = True) -> dict:
+                       max_tokens: int = 40, amp: bool = False, rerank: bool = True,
+                       txt2img: Sequence[int] | dict[int, int] | Tensor | None = None) -> dict:
     """ITC top-k per image and per text, re-ranked by ITM; collective over all ranks, same result on each.
 
     rerank=False (a model trained without ITM, config key itm: false): the ITC cosines alone rank.
+    txt2img (text t's image) lets bad images (a loader with SkipBadCollate) be left out with their
+    captions, and images without captions too (encode_eval_set); the scores cover the kept ones only.
 
-    Returns CPU tensors i2t_idx, i2t_score (Ni,k) and t2i_idx, t2i_score (Nt,k) (candidate ids and
-    score = ITM match logit + ITC cosine, as ALBEF; not sorted), and timing: itm_pairs (all ranks),
-    encode_seconds, rerank_seconds. Each forward scores max(1, rerank_pairs // k) anchors x k candidates;
-    ranks split the anchor groups (see rerank_topk).
+    Returns CPU tensors i2t_idx, i2t_score (Ni',k) and t2i_idx, t2i_score (Nt',k) (candidate positions
+    among the kept texts / images and score = ITM match logit + ITC cosine, as ALBEF; not sorted),
+    image_ids (Ni',) and text_ids (Nt',) (split indices of the kept ones), txt2img (Nt',) into image_ids
+    (None without txt2img), image_valid (Ni,) bool (agreed by all ranks), bad (this rank's reasons), and
+    timing: itm_pairs (all ranks), encode_seconds, rerank_seconds. Each forward scores
+    max(1, rerank_pairs // k) anchors x k candidates; ranks split the anchor groups (see rerank_topk).
     """
     if k_test < 1:
         raise ValueError(f"config key 'k_test' must be >= 1, got {k_test}")
@@ -210,7 +277,10 @@ def compute_itr_scores(model: ALBEF_Retrieval, image_loader, texts: Sequence[str
     model.eval()
     _sync(device)
     start = time.perf_counter()
-    enc = encode_eval_set(model, image_loader, texts, tokenizer, device, text_batch_size, max_tokens, amp)
+    enc = encode_eval_set(model, image_loader, texts, tokenizer, device, text_batch_size, max_tokens, amp,
+                          txt2img)
+    # Which rows were kept, for Retrieval.py and topk_rankings (absent from a stand-in encoder's output).
+    kept = {k: enc[k] for k in ("image_ids", "text_ids", "txt2img", "image_valid", "bad") if k in enc}
     _sync(device)
     encode_seconds = time.perf_counter() - start
 
@@ -248,7 +318,7 @@ def compute_itr_scores(model: ALBEF_Retrieval, image_loader, texts: Sequence[str
 
     if not rerank:
         return {"i2t_idx": i2t_idx.cpu(), "i2t_score": i2t_sim.cpu(), "t2i_idx": t2i_idx.cpu(),
-                "t2i_score": t2i_sim.cpu(), "itm_pairs": 0, "encode_seconds": encode_seconds,
+                "t2i_score": t2i_sim.cpu(), **kept, "itm_pairs": 0, "encode_seconds": encode_seconds,
                 "rerank_seconds": 0.0}
     _sync(device)
     start = time.perf_counter()
@@ -262,7 +332,7 @@ def compute_itr_scores(model: ALBEF_Retrieval, image_loader, texts: Sequence[str
     rerank_seconds = time.perf_counter() - start
     return {
         "i2t_idx": i2t_idx.cpu(), "i2t_score": (i2t_itm + i2t_sim).cpu(),
-        "t2i_idx": t2i_idx.cpu(), "t2i_score": (t2i_itm + t2i_sim).cpu(),
+        "t2i_idx": t2i_idx.cpu(), "t2i_score": (t2i_itm + t2i_sim).cpu(), **kept,
         "itm_pairs": i2t_idx.numel() + t2i_idx.numel(),
         "encode_seconds": encode_seconds, "rerank_seconds": rerank_seconds,
     }
@@ -279,28 +349,31 @@ def topk_rankings(result: dict, images: Sequence[str], texts: Sequence[str],
     """compute_itr_scores output -> JSON-ready rankings, best first: per image its texts, per text its images.
 
     Each entry lists the anchor (image path / caption), its ground truth and the candidate ids with
-    scores; topn (None = all k) limits the list length.
+    scores; topn (None = all k) limits the list length. Ids are split indices (images, texts and
+    txt2img are the whole split's); anchors left out as bad (result's image_ids / text_ids) are absent.
     """
     t2i = _txt2img_tensor(txt2img, len(texts)).tolist()
     img2txt: dict[int, list[int]] = {}
     for t, i in enumerate(t2i):
         img2txt.setdefault(i, []).append(t)
+    image_ids = result.get("image_ids", torch.arange(result["i2t_idx"].shape[0]))
+    text_ids = result.get("text_ids", torch.arange(result["t2i_idx"].shape[0]))
 
-    def ranked(idx: Tensor, score: Tensor) -> tuple[list[list[int]], list[list[float]]]:
+    def ranked(idx: Tensor, score: Tensor, ids: Tensor) -> tuple[list[list[int]], list[list[float]]]:
         order = score.argsort(dim=1, descending=True)[:, :topn]
-        return idx.gather(1, order).tolist(), score.gather(1, order).tolist()
+        return ids[idx.gather(1, order)].tolist(), score.gather(1, order).tolist()
 
-    i2t_ids, i2t_scores = ranked(result["i2t_idx"], result["i2t_score"])
-    t2i_ids, t2i_scores = ranked(result["t2i_idx"], result["t2i_score"])
+    i2t_ids, i2t_scores = ranked(result["i2t_idx"], result["i2t_score"], text_ids)
+    t2i_ids, t2i_scores = ranked(result["t2i_idx"], result["t2i_score"], image_ids)
     return {
         "image_to_text": [
             {"image_index": i, "image": images[i], "gt_text_ids": img2txt.get(i, []),
              "text_ids": ids, "scores": [round(s, 4) for s in scores]}
-            for i, (ids, scores) in enumerate(zip(i2t_ids, i2t_scores))
+            for i, ids, scores in zip(image_ids.tolist(), i2t_ids, i2t_scores)
         ],
         "text_to_image": [
             {"text_index": t, "text": texts[t], "gt_image_id": t2i[t],
              "image_ids": ids, "scores": [round(s, 4) for s in scores]}
-            for t, (ids, scores) in enumerate(zip(t2i_ids, t2i_scores))
+            for t, ids, scores in zip(text_ids.tolist(), t2i_ids, t2i_scores)
         ],
     }
