@@ -122,7 +122,7 @@ def resolve_image(root: str | os.PathLike | None, path: str) -> str:
 def read_image(path: str) -> Image.Image:
     """Open an image file as a fully decoded PIL RGB image; ImageReadError names the file on failure."""
     if not os.path.isfile(path):
-        raise ImageReadError(path, "file not found")
+        raise ImageReadError(path, "not a file" if os.path.exists(path) else "file not found")
     try:
         with Image.open(path) as im:
             return im.convert("RGB")
