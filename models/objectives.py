@@ -167,6 +167,13 @@ def itc_loss(
 
     sim_i2t = image_feat @ text_all.t() / temp
     sim_t2i = text_feat @ image_all.t() / temp
+    if positive is not None:
+        if positive.shape != (b, n) or positive.dtype != torch.bool:
+            raise ValueError(
+                f"itc_loss: positive must be a bool ({b}, {n}) mask, got "
+                f"{positive.dtype} {tuple(positive.shape)}"
+            )
+        _check_rows(positive, "itc_loss: every row of `positive` needs at least one True (its own pair)")
     if valid is not None:
         return _itc_loss_valid(sim_i2t, sim_t2i, lambda_cons, positive, offset, valid,
                                valid_columns, gather)
@@ -179,12 +186,6 @@ def itc_loss(
         loss_i2t = -log_p_v2t.gather(1, target).mean()
         loss_t2i = -log_p_t2v.gather(1, target).mean()
     else:
-        if positive.shape != (b, n) or positive.dtype != torch.bool:
-            raise ValueError(
-                f"itc_loss: positive must be a bool ({b}, {n}) mask, got "
-                f"{positive.dtype} {tuple(positive.shape)}"
-            )
-        _check_rows(positive, "itc_loss: every row of `positive` needs at least one True (its own pair)")
         target = positive.to(log_p_v2t.dtype)
         target = target / target.sum(dim=1, keepdim=True)
         loss_i2t = -(target * log_p_v2t).sum(dim=1).mean()
@@ -232,12 +233,6 @@ def _itc_loss_valid(sim_i2t: Tensor, sim_t2i: Tensor, lambda_cons: float, positi
     if positive is None:
         target = own
     else:
-        if positive.shape != (b, n) or positive.dtype != torch.bool:
-            raise ValueError(
-                f"itc_loss: positive must be a bool ({b}, {n}) mask, got "
-                f"{positive.dtype} {tuple(positive.shape)}"
-            )
-        _check_rows(positive, "itc_loss: every row of `positive` needs at least one True (its own pair)")
         # An invalid row keeps its own (masked) column as target so its weight-0 loss stays finite.
         target = torch.where(valid[:, None], positive & valid_columns, own)
     target = target.to(log_p_v2t.dtype)
