@@ -6,6 +6,11 @@ per-sub-queue, per-step Python loop of Algorithm 2 on the same inputs — both f
 measures batch hardness (mean over anchors of the hardest in-batch negative similarity, both directions)
 on clustered synthetic features: batches of N cut from G, random batches of N, and the hardest negative
 within the whole sub-queue of M (the ceiling a group of N can approach).
+
+`--worlds 1 2 4` instead times the grouping of one queue fill split across W gloo processes
+(grit.shard_grouping): per rank, its wall time and its CPU time (one thread per rank, so on a machine
+with fewer cores than ranks the CPU time is the fair measure of the work) against the single-rank
+fill; it also gives the memory of G and of the queues at the paper's and at LAION-400M sizes.
 """
 
 from __future__ import annotations
@@ -13,6 +18,8 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import os
+import tempfile
 import time
 
 import torch
@@ -82,7 +89,13 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--clusters", type=int, default=400)
     p.add_argument("--repeats", type=int, default=3, help="timed runs of each version (best kept)")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--worlds", type=int, nargs="*", default=None,
+                   help="time grouping sharded over this many gloo processes (e.g. 1 2 4) instead")
     args = p.parse_args(argv)
+    if args.worlds:
+        result = sharded(args)
+        print(json.dumps(result))
+        return result
     L, M, d, N = args.queue_size, args.search_space, args.dim, args.batch_size
     if not 1 <= N <= M <= L or L % M:
         p.error("need 1 <= batch-size <= search-space <= queue-size, queue-size a multiple of search-space")
@@ -190,6 +203,66 @@ def main(argv: list[str] | None = None) -> dict:
     }
     print(json.dumps(result))
     return result
+
+
+def _shard_worker(rank: int, world: int, init_file: str, out_dir: str, args: argparse.Namespace) -> None:
+    """One rank: a warm-up fill, then one timed fill of the sharded collector; writes its timings."""
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
+    try:
+        L, M, d = args.queue_size, args.search_space, args.dim
+        image, text = clustered_features(L, d, args.clusters, args.seed, torch.device("cpu"))
+        collector = GritCollector(L, M, d, dataset_len=(args.repeats + 1) * L, shard=True)
+        collector.reset(args.seed)
+        collector.add(image, text, torch.arange(L))  # first fill: allocates the tables
+        wall, cpu = [], []
+        for r in range(args.repeats):
+            dist.barrier()
+            t0, c0 = time.perf_counter(), time.thread_time()
+            collector.add(image, text, torch.arange((r + 1) * L, (r + 2) * L))
+            cpu.append(time.thread_time() - c0)
+            wall.append(time.perf_counter() - t0)
+        with open(os.path.join(out_dir, f"{rank}.json"), "w") as f:
+            json.dump({"wall_s": min(wall), "cpu_s": min(cpu)}, f)
+    finally:
+        dist.destroy_process_group()
+
+
+def memory_table(d: int) -> dict:
+    """Bytes of G (int64 and int32) and of the two feature queues + index + valid, at two scales."""
+    sizes = {"paper (5.1M pairs, L=48000)": (5_100_000, 48_000),
+             "LAION-400M (L=48000)": (400_000_000, 48_000)}
+    return {name: {"G_int64_bytes": D * 8, "G_int32_bytes": D * 4,
+                   "queues_bytes": L * (2 * d * 4 + 8 + 1)} for name, (D, L) in sizes.items()}
+
+
+def sharded(args: argparse.Namespace) -> dict:
+    """Per-rank grouping time of one fill for each W in args.worlds (gloo processes on this machine)."""
+    import torch.multiprocessing as mp
+
+    rows = {}
+    for world in args.worlds:
+        with tempfile.TemporaryDirectory() as tmp:
+            mp.spawn(_shard_worker, args=(world, os.path.join(tmp, "init"), tmp, args), nprocs=world,
+                     join=True)
+            ranks = []
+            for r in range(world):
+                with open(os.path.join(tmp, f"{r}.json")) as f:
+                    ranks.append(json.load(f))
+        rows[world] = {"max_rank_wall_s": round(max(x["wall_s"] for x in ranks), 4),
+                       "max_rank_cpu_s": round(max(x["cpu_s"] for x in ranks), 4)}
+    base = rows[min(rows)]["max_rank_cpu_s"] * min(rows)
+    for world, row in rows.items():
+        row["cpu_vs_single_over_w"] = round(row["max_rank_cpu_s"] / (base / world), 3)
+    S = args.queue_size // args.search_space
+    return {"mode": "sharded grouping, one queue fill", "queue_size": args.queue_size,
+            "search_space": args.search_space, "dim": args.dim, "subqueues_per_fill": S,
+            "threads_per_rank": 1, "cpu_count": os.cpu_count(), "timing": f"best of {args.repeats} fills",
+            "worlds": {str(w): r for w, r in rows.items()}, "memory": memory_table(args.dim),
+            "note": "cpu_vs_single_over_w = per-rank CPU time / (single-rank CPU time / W); sub-queues are "
+                    "dealt round robin, so a rank chains ceil(S / W) of the S sub-queues"}
 
 
 if __name__ == "__main__":

@@ -11,6 +11,7 @@ import math
 
 import torch
 
+from . import dist as gdist
 from .chain import ChainWorkspace, greedy_chain
 
 __all__ = ["GritCollector"]
@@ -19,18 +20,22 @@ __all__ = ["GritCollector"]
 class GritCollector:
     """Queues of size L for (image feature, text feature, dataset index, valid) and the growing array G.
 
-    `add` takes batches already gathered from every rank, so every rank runs the same computation on the
-    same data with the same generator and ends up with the same G.
+    `add` takes batches already gathered from every rank, so every rank holds the same queue and draws
+    the same random numbers. shard (default, with torch.distributed initialised): rank r chains only the
+    sub-queues r, r+W, r+2W, ... of a fill and the chains are all-gathered (one collective per fill), so
+    the grouping work per rank falls as 1/W and every rank still ends up with the same G.
     """
 
     def __init__(self, queue_size: int, search_space: int, dim: int, dataset_len: int,
-                 device: torch.device | str = "cpu", example_shuffle: bool = True) -> None:
+                 device: torch.device | str = "cpu", example_shuffle: bool = True,
+                 shard: bool = True) -> None:
         self.queue_size = int(queue_size)
         self.search_space = int(search_space)
         self.dim = int(dim)
         self.dataset_len = int(dataset_len)
         self.device = torch.device(device)
         self.example_shuffle = bool(example_shuffle)
+        self.shard = bool(shard)
         self.generator = torch.Generator()  # CPU: its state is a portable ByteTensor
         self._image: torch.Tensor | None = None  # (L, d) float32, allocated on first use
         self._text: torch.Tensor | None = None
@@ -128,11 +133,27 @@ class GritCollector:
         # Uniform random start among the valid entries of each sub-queue (invalid keys are -1).
         keys = torch.rand(S, M, generator=self.generator).to(self.device, non_blocking=True)
         start = torch.where(valid, keys, -1.0).argmax(dim=1)
-        order = greedy_chain(image.view(S, M, self.dim), text.view(S, M, self.dim), start, valid=valid,
-                             workspace=self._workspace)
+        order = self._chain(image.view(S, M, self.dim), text.view(S, M, self.dim), start, valid)
         grouped = torch.where(valid, index.view(S, M), -1).gather(1, order).reshape(-1)
         # Invalid and padding entries are chained last, so the `pad` trailing ones are all padding/invalid.
         self._groups.append(grouped[:n])
+
+    def _chain(self, image: torch.Tensor, text: torch.Tensor, start: torch.Tensor,
+               valid: torch.Tensor) -> torch.Tensor:
+        """greedy_chain of every sub-queue (S, M, d) -> orders (S, M); sharded over ranks when asked."""
+        world, rank = gdist.world_info() if self.shard else (1, 0)
+        S, M = valid.shape
+        if world == 1 or S == 1:
+            return greedy_chain(image, text, start, valid=valid, workspace=self._workspace)
+        mine = torch.arange(rank, S, world, device=image.device)  # sub-queues r, r+W, ...
+        per_rank = math.ceil(S / world)
+        order = torch.zeros(per_rank, M, dtype=torch.long, device=image.device)
+        if mine.numel():
+            order[:mine.numel()] = greedy_chain(image[mine], text[mine], start[mine], valid=valid[mine],
+                                                workspace=self._workspace)
+        # (W * per_rank, M) in rank order: row r * per_rank + p is sub-queue p * W + r.
+        gathered = gdist.all_gather_cat(order).view(world, per_rank, M)
+        return gathered.transpose(0, 1).reshape(world * per_rank, M)[:S]
 
     def partial_groups(self) -> torch.Tensor:
         """G so far (valid dataset indices of all grouped fills, in grouped order) -> LongTensor on CPU."""

@@ -19,7 +19,8 @@ from .collector import GritCollector
 __all__ = ["GritSampler", "parse_grit_config", "load_index_array"]
 
 _GRIT_DEFAULTS = {"enabled": True, "queue_size": None, "search_space": None, "example_shuffle": True,
-                  "batch_shuffle": True, "mode": "concurrent", "warmstart_indices": None}
+                  "batch_shuffle": True, "mode": "concurrent", "warmstart_indices": None,
+                  "shard_grouping": True}
 
 # Independent random streams derived from (seed, epoch): example shuffle + chain starts, composition of
 # the epoch (unseen order, dropped chunks, chunk order), and the naive mode's fresh permutation.
@@ -44,7 +45,7 @@ def parse_grit_config(grit: dict | None, batch_size: int) -> dict:
     if unknown:
         raise ValueError(f"grit: unknown key(s) {unknown}; known keys: {sorted(_GRIT_DEFAULTS)}")
     cfg = dict(_GRIT_DEFAULTS, **grit)
-    for key in ("enabled", "example_shuffle", "batch_shuffle"):
+    for key in ("enabled", "example_shuffle", "batch_shuffle", "shard_grouping"):
         if not isinstance(cfg[key], bool):
             raise ValueError(f"grit.{key} must be true or false, got {cfg[key]!r}")
     if cfg["mode"] not in ("concurrent", "naive"):
@@ -139,7 +140,8 @@ class GritSampler(torch.utils.data.Sampler):
         self.collector = None
         if self.grit["enabled"]:
             self.collector = GritCollector(self.grit["queue_size"], self.grit["search_space"], self.dim,
-                                           self.dataset_len, self.device, self.grit["example_shuffle"])
+                                           self.dataset_len, self.device, self.grit["example_shuffle"],
+                                           shard=self.grit["shard_grouping"])
         self.epoch: int | None = None
         self.in_progress = False
         self.position = 0  # batches consumed this epoch = collect() calls since set_epoch

@@ -1,0 +1,86 @@
+"""GRIT grouping split across ranks (grit.shard_grouping): every rank chains only its sub-queues, the
+chains are all-gathered, and G equals the unsharded grouping exactly."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from grit.bench import clustered_features
+from grit.collector import GritCollector
+
+# 2 full fills of 6 sub-queues and a partial one of 68 entries (5 sub-queues, the last one short):
+# uneven shares for W = 2 (3 + 2) and W = 3 (2 + 2 + 1).
+N_SAMPLES, QUEUE, SEARCH, DIM, BATCH = 260, 96, 16, 8, 10
+
+
+def _features() -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    image, text = clustered_features(N_SAMPLES, DIM, clusters=12, seed=5, device=torch.device('cpu'))
+    valid = torch.ones(N_SAMPLES, dtype=torch.bool)
+    valid[::17] = False  # invalid samples too (bad samples, skipped steps)
+    return image, text, valid
+
+
+def _grouping(shard: bool) -> torch.Tensor:
+    image, text, valid = _features()
+    collector = GritCollector(QUEUE, SEARCH, DIM, N_SAMPLES, shard=shard)
+    collector.reset(seed=11)
+    for start in range(0, N_SAMPLES, BATCH):
+        part = slice(start, start + BATCH)
+        collector.add(image[part], text[part], torch.arange(N_SAMPLES)[part], valid[part])
+    return collector.finalize()
+
+
+def _worker(rank: int, world: int, init_file: str, out_dir: str) -> None:
+    dist.init_process_group('gloo', init_method=f'file://{init_file}', rank=rank, world_size=world)
+    try:
+        torch.save(_grouping(shard=True), os.path.join(out_dir, f'G{rank}.pt'))
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.parametrize('world', [1, 2, 3])
+def test_sharded_grouping_equals_unsharded(tmp_path, world):
+    torch.set_num_threads(1)
+    reference = _grouping(shard=False)
+    assert reference.numel() == int(_features()[2].sum())  # every valid sample grouped once
+    mp.spawn(_worker, args=(world, str(tmp_path / 'init'), str(tmp_path)), nprocs=world, join=True)
+    for rank in range(world):
+        assert torch.equal(torch.load(tmp_path / f'G{rank}.pt', weights_only=True), reference), rank
+
+
+def test_sharding_changes_the_work_not_the_result(monkeypatch):
+    """With W ranks, a rank's greedy_chain calls see only every W-th sub-queue (here W faked as 3)."""
+    import grit.collector as collector_module
+
+    seen = []
+    chain = collector_module.greedy_chain
+
+    def counting_chain(image, *args, **kwargs):
+        seen.append(image.shape[0])
+        return chain(image, *args, **kwargs)
+
+    def fake_gather(x):  # this rank's chains, repeated as if the other ranks had sent the same shape
+        return torch.cat([x] * 3)
+
+    monkeypatch.setattr(collector_module, 'greedy_chain', counting_chain)
+    monkeypatch.setattr(collector_module.gdist, 'world_info', lambda: (3, 0))
+    monkeypatch.setattr(collector_module.gdist, 'all_gather_cat', fake_gather)
+    _grouping(shard=True)
+    assert seen == [2, 2, 2]  # 6, 6 and 5 sub-queues: rank 0 chains sub-queues 0 and 3 of each fill
+
+
+def test_bench_sharded_mode_reports_per_rank_times_and_memory(capsys):
+    from grit import bench
+
+    result = bench.main(['--worlds', '1', '2', '--queue-size', '256', '--search-space', '64', '--dim', '8',
+                         '--repeats', '1', '--clusters', '8'])
+    assert capsys.readouterr().out.strip().startswith('{')
+    assert set(result['worlds']) == {'1', '2'} and result['subqueues_per_fill'] == 4
+    assert all(row['max_rank_cpu_s'] > 0 and row['max_rank_wall_s'] > 0 for row in result['worlds'].values())
+    laion = result['memory']['LAION-400M (L=48000)']
+    assert laion['G_int64_bytes'] == 3_200_000_000 and laion['G_int32_bytes'] == 1_600_000_000
