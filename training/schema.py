@@ -134,6 +134,7 @@ _PRETRAIN: dict[str, Type] = {
     'grit.batch_shuffle': BOOL,
     'grit.mode': STR,
     'grit.warmstart_indices': FILE | NULL,
+    'grit.shard_grouping': BOOL,
 }
 
 # Fine-tuning (training.loop.run_finetune) and evaluation splits.
