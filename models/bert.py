@@ -15,6 +15,7 @@ from collections.abc import Sequence
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
+from torch.utils.checkpoint import checkpoint
 from transformers import BertConfig
 
 from models.bert_weights import normalise_bert_keys, read_bert_weights, resolve_bert_weights
@@ -247,7 +248,8 @@ class BertEncoder(nn.Module):
 
     Layers i >= cross_from (default fusion_layer) cross-attend to `encoder_hidden_states`
     (width config.encoder_width). is_decoder=True makes self-attention causal (VQA answer decoder,
-    built with fusion_layer=0 so that every layer cross-attends).
+    built with fusion_layer=0 so that every layer cross-attends). set_grad_checkpointing(True):
+    each layer's activations are recomputed in backward instead of stored (training with grad only).
     """
 
     def __init__(
@@ -265,6 +267,7 @@ class BertEncoder(nn.Module):
         self.fusion_layer = config.fusion_layer
         self.cross_from = config.fusion_layer if cross_from is None else cross_from
         self.is_decoder = is_decoder
+        self.grad_checkpointing = False
         self.bert = BertBackbone(config, self.cross_from)
         if mlm_head:
             self.cls = BertOnlyMLMHead(config)
@@ -297,6 +300,18 @@ class BertEncoder(nn.Module):
     @property
     def layers(self) -> nn.ModuleList:
         return self.bert.encoder.layer
+
+    def set_grad_checkpointing(self, enable: bool = True) -> None:
+        """Checkpoint every layer while training (the name and meaning of timm's ViT switch)."""
+        self.grad_checkpointing = bool(enable)
+
+    def _run_layer(self, layer: BertLayer, *args: Tensor | None) -> Tensor:
+        """layer(*args), checkpointed when the switch is on and a backward can follow."""
+        if self.grad_checkpointing and self.training and torch.is_grad_enabled():
+            # Keeps only the layer's inputs; the forward is rerun in backward with the RNG state it
+            # had (torch's default), so dropout draws the same masks and the gradients are unchanged.
+            return checkpoint(layer, *args, use_reentrant=False)
+        return layer(*args)
 
     def forward(
         self,
@@ -350,9 +365,9 @@ class BertEncoder(nn.Module):
             layer = self.layers[i]
             if i >= self.cross_from:
                 k = (i - self.fusion_layer) % len(contexts)
-                x = layer(x, self_mask, contexts[k], context_masks[k])
+                x = self._run_layer(layer, x, self_mask, contexts[k], context_masks[k])
             else:
-                x = layer(x, self_mask)
+                x = self._run_layer(layer, x, self_mask)
         return x
 
     def mlm_logits(self, hidden: Tensor) -> Tensor:
@@ -395,7 +410,10 @@ class BertEncoder(nn.Module):
 def build_text_encoder(
     config: dict, text_encoder: str | None, tokenizer, mlm_head: bool = True, **kwargs
 ) -> BertEncoder:
-    """BertEncoder from config['bert_config'], random or loaded from `text_encoder`; vocab = tokenizer's."""
+    """BertEncoder from config['bert_config'], random or loaded from `text_encoder`; vocab = tokenizer's.
+
+    Config grad_checkpointing: true checkpoints every layer while training.
+    """
     if "bert_config" not in config:
         raise ValueError("config key 'bert_config' (path to a BERT json) is missing")
     bert_config = load_bert_config(config["bert_config"])
@@ -412,8 +430,11 @@ def build_text_encoder(
             )
         bert_config.vocab_size = vocab
     if text_encoder is None:
-        return BertEncoder(bert_config, mlm_head=mlm_head, **kwargs)
-    return BertEncoder.from_pretrained(text_encoder, bert_config, mlm_head=mlm_head, **kwargs)
+        model = BertEncoder(bert_config, mlm_head=mlm_head, **kwargs)
+    else:
+        model = BertEncoder.from_pretrained(text_encoder, bert_config, mlm_head=mlm_head, **kwargs)
+    model.set_grad_checkpointing(bool(config.get("grad_checkpointing", False)))
+    return model
 
 
 __all__ = ["BertEncoder", "build_text_encoder", "load_bert_config"]

@@ -173,6 +173,7 @@ class ALBEF_NLVR(nn.Module):
         self.visual_encoder = build_vision_encoder(config)
         # Random init: the weights come from a (pre-training or stage-1) checkpoint via load_weights.
         self.text_encoder = BertEncoder(nlvr_bert_config(base), mlm_head=False)
+        self.text_encoder.set_grad_checkpointing(bool(config.get("grad_checkpointing", False)))
         share_cross_attention_kv(self.text_encoder)
         width = base.hidden_size
         if text_assignment:

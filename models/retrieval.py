@@ -89,6 +89,9 @@ class ALBEF_Retrieval(FeatureQueue):  # noqa: N801 (ALBEF's naming)
         self.text_encoder_m = copy.deepcopy(self.text_encoder)
         self.vision_proj_m = copy.deepcopy(self.vision_proj)
         self.text_proj_m = copy.deepcopy(self.text_proj)
+        # The copies only run under no_grad: there is no backward for checkpointing to save memory for.
+        self.visual_encoder_m.set_grad_checkpointing(False)
+        self.text_encoder_m.set_grad_checkpointing(False)
         self.momentum_pairs = MomentumPairs.build([
             (self.visual_encoder, self.visual_encoder_m),
             (self.text_encoder, self.text_encoder_m),

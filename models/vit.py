@@ -23,15 +23,33 @@ _WEIGHT_EXTS = (".pth", ".pt", ".bin", ".safetensors", ".ckpt")
 _DROPPED_PREFIXES = ("head.", "head_dist.", "fc_norm.", "dist_token")
 
 
-def build_vision_encoder(config: dict) -> VisionTransformer:
-    """ViT from image_res/patch_size/vision_width/vision_depth/vision_heads; forward_features -> (B,1+P,D)."""
+class VisionEncoder(VisionTransformer):
+    """timm's VisionTransformer whose gradient checkpointing acts only in training mode with grad on."""
+
+    @property
+    def grad_checkpointing(self) -> bool:
+        """Whether forward_features checkpoints its blocks now (timm reads this flag on every forward)."""
+        # timm checkpoints whatever the mode; gated here like models.bert's layers, so that evaluation
+        # and no_grad passes (GRIT's feature pass, momentum encoders) run the blocks plainly.
+        return self._grad_checkpointing and self.training and torch.is_grad_enabled()
+
+    @grad_checkpointing.setter
+    def grad_checkpointing(self, enable: bool) -> None:
+        self._grad_checkpointing = bool(enable)
+
+
+def build_vision_encoder(config: dict) -> VisionEncoder:
+    """ViT from image_res/patch_size/vision_width/vision_depth/vision_heads; forward_features -> (B,1+P,D).
+
+    Config grad_checkpointing: true makes timm checkpoint every block while training.
+    """
     missing = [k for k in ("image_res", "vision_width") if k not in config]
     if missing:
         raise ValueError(f"config lacks the vision key(s) {missing}")
     image_res, patch = int(config["image_res"]), int(config.get("patch_size", 16))
     if image_res % patch:
         raise ValueError(f"config: image_res={image_res} is not a multiple of patch_size={patch}")
-    model = VisionTransformer(
+    model = VisionEncoder(
         img_size=image_res,
         patch_size=patch,
         embed_dim=int(config["vision_width"]),
@@ -50,6 +68,9 @@ def build_vision_encoder(config: dict) -> VisionTransformer:
         raise ValueError(f"config key 'vision_stem' must be one of {_STEMS}, got {stem!r}")
     if stem == "conv":
         model.patch_embed.proj = conv_stem(patch, int(config["vision_width"]))
+    # Only each block's input is kept, the rest is recomputed in backward; torch.utils.checkpoint
+    # restores the RNG state (its default, kept by timm's checkpoint_seq): drop_path redraws its masks.
+    model.set_grad_checkpointing(bool(config.get("grad_checkpointing", False)))
     init = config.get("vision_init")
     if init:
         load_vision_init(model, str(init))
@@ -196,6 +217,7 @@ def check_vision_text_widths(config: dict, encoder_width: int) -> None:
 
 
 __all__ = [
+    "VisionEncoder",
     "build_vision_encoder",
     "conv_stem",
     "check_vision_text_widths",

@@ -116,6 +116,8 @@ class ALBEF_VQA(nn.Module):
         self.text_decoder = BertEncoder(
             decoder_bert_config(self.text_encoder.config), mlm_head=True, is_decoder=True
         )
+        # The decoder runs once per answer (A > B rows): its activations are worth checkpointing too.
+        self.text_decoder.set_grad_checkpointing(self.text_encoder.grad_checkpointing)
         self.bos_token_id = tokenizer.cls_token_id
 
     def key_map(self) -> Callable[[dict[str, Tensor]], dict[str, Tensor]]:
