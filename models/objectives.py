@@ -438,18 +438,17 @@ def mask_tokens(
         raise ValueError(f"mask_tokens: probability must be in [0, 1], got {probability}")
     if vocab_size <= 0:
         raise ValueError(f"mask_tokens: vocab_size must be positive, got {vocab_size}")
-    device = input_ids.device
     maskable = torch.ones_like(input_ids, dtype=torch.bool)
     for special in special_ids:  # a handful of ids, not the batch
         maskable &= input_ids != special
-    draw = torch.rand((3, *input_ids.shape), generator=generator, device=device)
+    # In-place draws into new_empty (the same numbers torch.rand / torch.randint give) keep the shape
+    # symbolic under torch.compile, where captions padded to the longest vary in length per batch.
+    draw = input_ids.new_empty((3, *input_ids.shape), dtype=torch.float).uniform_(generator=generator)
     selected = (draw[0] < probability) & maskable
     to_mask = selected & (draw[1] < 0.8)
     # Half of the remaining 20 %: 10 % of the selected tokens overall.
     to_random = selected & ~to_mask & (draw[2] < 0.5)
-    random_ids = torch.randint(
-        vocab_size, input_ids.shape, generator=generator, device=device, dtype=input_ids.dtype
-    )
+    random_ids = torch.empty_like(input_ids).random_(0, vocab_size, generator=generator)
     masked_ids = torch.where(to_mask, torch.full_like(input_ids, mask_token_id), input_ids)
     masked_ids = torch.where(to_random, random_ids, masked_ids)
     labels = torch.where(selected, input_ids, torch.full_like(input_ids, -100))

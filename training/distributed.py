@@ -134,15 +134,24 @@ def all_reduce_mean(values: Mapping[str, torch.Tensor | float]) -> dict[str, flo
 
 
 def unwrap(model: nn.Module) -> nn.Module:
-    """The module inside DistributedDataParallel, or the model itself."""
+    """The module inside torch.compile and DistributedDataParallel wrappers, or the model itself."""
+    model = getattr(model, '_orig_mod', model)  # torch.compile's OptimizedModule
     return model.module if isinstance(model, nn.parallel.DistributedDataParallel) else model
 
 
 def wrap_ddp(model: nn.Module, info: DistInfo, find_unused_parameters: bool = False,
-             broadcast_buffers: bool = True) -> nn.Module:
-    """DistributedDataParallel when running distributed, else the model unchanged."""
-    if not info.distributed:
-        return model
-    ids = [info.device.index] if info.device.type == 'cuda' else None
-    return nn.parallel.DistributedDataParallel(model, device_ids=ids, broadcast_buffers=broadcast_buffers,
-                                               find_unused_parameters=find_unused_parameters)
+             broadcast_buffers: bool = True, compile: bool = False) -> nn.Module:
+    """DistributedDataParallel when running distributed, else the model unchanged; compile=True (config
+    key `compile`) then wraps it in torch.compile.
+
+    Only the training forward goes through the compiled wrapper: checkpoints, evaluation and GRIT's naive
+    pass use the plain module, so state-dict keys never gain torch.compile's '_orig_mod.' prefix. The
+    DDP-wrapped module is compiled (not the other way round) so that DDP's optimizer splits the graph
+    at its gradient buckets and keeps overlapping communication with the backward pass.
+    """
+    if info.distributed:
+        ids = [info.device.index] if info.device.type == 'cuda' else None
+        model = nn.parallel.DistributedDataParallel(model, device_ids=ids,
+                                                    broadcast_buffers=broadcast_buffers,
+                                                    find_unused_parameters=find_unused_parameters)
+    return torch.compile(model) if compile else model
