@@ -90,8 +90,10 @@ def main(argv: list[str] | None = None) -> None:
     model = ALBEF_Base(config, text_encoder=config.get('text_encoder'), tokenizer=tokenizer).to(device)
     if args.checkpoint and not args.resume:
         print(load_weights(model, args.checkpoint).summary())
-    model_ddp = wrap_ddp(model, info, find_unused_parameters=not model.uses_every_parameter)
-    optimizer = build_optimizer(model, config['optimizer'])
+    model_ddp = wrap_ddp(model, info, find_unused_parameters=not model.uses_every_parameter,
+                         compile=bool(config.get('compile', False)))
+    optimizer = build_optimizer(model, config['optimizer'], zero=bool(config.get('zero', False)),
+                                fused=config.get('fused_adamw'))
     scheduler = build_scheduler(optimizer, config, steps_per_epoch=sampler.batches_per_epoch)
     scaler = build_scaler(config, device)
 

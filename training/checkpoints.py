@@ -3,7 +3,9 @@
 A checkpoint is a plain dict (torch.load(weights_only=True) reads it): model, optimizer, lr_scheduler,
 scaler, sampler, config, epoch, step, epoch_complete (+ best for the fine-tuning scripts); written
 atomically, by rank 0, as checkpoint_{epoch:02d}.pth or checkpoint_step_{step:07d}.pth with
-latest.json naming the newest for `--resume`.
+latest.json naming the newest for `--resume`. The optimizer state is always the ordinary full
+AdamW state dict (a ZeroRedundancyOptimizer's shards are gathered onto rank 0 first), so a checkpoint
+resumes with or without `zero` and on CPU or CUDA, fused or not.
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.distributed.optim import ZeroRedundancyOptimizer
 
 from torch_files import load_torch_file
 from training.config import atomic_write_text, to_plain
@@ -155,7 +158,7 @@ def training_state(model: nn.Module, optimizer: torch.optim.Optimizer, scheduler
         reseed(seed, rank, step)
     else:
         extra['rng'] = _gather_rng_states()
-    return {'model': model.state_dict(), 'optimizer': optimizer.state_dict(),
+    return {'model': model.state_dict(), 'optimizer': optimizer_state(optimizer),
             'lr_scheduler': scheduler.state_dict(), 'scaler': scaler.state_dict(), 'sampler': sampler_state,
             'config': config, 'epoch': epoch, 'step': step, 'epoch_complete': complete, **extra}
 
@@ -175,7 +178,7 @@ def restore_training(path: str, model: nn.Module, optimizer: torch.optim.Optimiz
     if bad_samples is not None:
         bad_samples.count = int(counters.get('bad_samples', 0)) if rank == 0 else 0
     model.load_state_dict(state['model'])
-    optimizer.load_state_dict(state['optimizer'])
+    load_optimizer_state(optimizer, state['optimizer'])
     scheduler.load_state_dict(state['lr_scheduler'])
     if state.get('scaler'):
         scaler.load_state_dict(state['scaler'])
@@ -188,6 +191,55 @@ def restore_training(path: str, model: nn.Module, optimizer: torch.optim.Optimiz
         reseed(seed, rank, global_step)
     print_main(f'resumed from {path}: epoch {start_epoch}, step {global_step}')
     return state, start_epoch, global_step
+
+
+# Group settings that choose how the update runs, not what it computes: a run keeps its own.
+_IMPLEMENTATION_KEYS = ('fused', 'foreach', 'capturable')
+
+
+def optimizer_state(optimizer: torch.optim.Optimizer) -> dict | None:
+    """The optimizer's full state dict; a ZeroRedundancyOptimizer's is gathered onto rank 0 (a
+    collective: every rank calls this) and is None on the other ranks, which do not save."""
+    if not isinstance(optimizer, ZeroRedundancyOptimizer):
+        return optimizer.state_dict()
+    optimizer.consolidate_state_dict(to=0)
+    if optimizer.rank != 0:
+        return None
+    state = optimizer.state_dict()
+    param = optimizer.param_groups[0]['params'][0]
+    if param.is_cuda:
+        # The shards reach the CPU by non-blocking copies (into pinned memory): finish them before
+        # torch.save reads the bytes.
+        torch.cuda.synchronize(param.device)
+    return state
+
+
+def load_optimizer_state(optimizer: torch.optim.Optimizer, saved: Mapping) -> None:
+    """Load a full optimizer state dict (any run's) into this run's optimizer, ZeRO or not.
+
+    Every rank loads the whole dict; a ZeroRedundancyOptimizer keeps its own shard of it.
+    """
+    flags = [{k: g[k] for k in _IMPLEMENTATION_KEYS if k in g} for g in optimizer.param_groups]
+    # ZeroRedundancyOptimizer.load_state_dict writes None into the entries it does not own: a copy.
+    optimizer.load_state_dict({**saved, 'state': dict(saved['state'])})
+    # load_state_dict takes every group setting from the file, fused included: keep this run's.
+    local = optimizer.optim if isinstance(optimizer, ZeroRedundancyOptimizer) else optimizer
+    for groups in (optimizer.param_groups, local.param_groups):
+        for group, kept in zip(groups, flags):
+            group.update(kept)
+    if local is not optimizer:
+        # Its own copy of this rank's share (the step uses optimizer.optim's); dropping it keeps the
+        # memory at one shard, and no None entry can reach a later checkpoint.
+        optimizer.state.clear()
+    # AdamW's fused and capturable kernels want the step counters on the parameters' device as
+    # float32, the others on the CPU; the file's (and ZeRO's, which moves them all to the CPU:
+    # pytorch/pytorch#124133) placement can be either.
+    for group in local.param_groups:
+        on_device = group.get('fused') or group.get('capturable')
+        for p in group['params']:
+            st = local.state.get(p)
+            if st and isinstance(st.get('step'), torch.Tensor):
+                st['step'] = st['step'].to(p.device, torch.float32) if on_device else st['step'].cpu()
 
 
 def _gather_rng_states() -> list[dict]:

@@ -144,8 +144,10 @@ def run_finetune(model: nn.Module, train_set: Dataset, *, info: DistInfo, config
     steps_per_epoch = len(sampler) // batch_size  # >= 1: the script ran check_global_batch on train_set
     # A model with an objective switched off (e.g. retrieval with itm: false) leaves modules unused.
     model_ddp = wrap_ddp(model, info, broadcast_buffers=broadcast_buffers,
-                         find_unused_parameters=not getattr(model, 'uses_every_parameter', True))
-    optimizer = build_optimizer(model, config['optimizer'])
+                         find_unused_parameters=not getattr(model, 'uses_every_parameter', True),
+                         compile=bool(config.get('compile', False)))
+    optimizer = build_optimizer(model, config['optimizer'], zero=bool(config.get('zero', False)),
+                                fused=config.get('fused_adamw'))
     scheduler = build_scheduler(optimizer, config, steps_per_epoch)
     scaler = build_scaler(config, info.device)
 

@@ -99,7 +99,11 @@ _COMMON: dict[str, Type] = {
     **_block('schedular', _SCHEDULE),  # ALBEF's spelling
     **_block('scheduler', _SCHEDULE),  # read when there is no 'schedular' (training.config.schedule_block)
     'clip_grad': FLOAT | NULL,
+    'zero': BOOL,  # training.optimizer.build_optimizer: shard the AdamW state over the ranks
+    'fused_adamw': BOOL | NULL,  # null: fused AdamW when the parameters are on CUDA
     'amp': BOOL,
+    'grad_checkpointing': BOOL,  # models.vit, models.bert: recompute encoder activations in backward
+    'compile': BOOL,
     'print_freq': INT,
     'checkpoint_every_steps': INT | NULL,
     'max_skipped_steps': INT,
