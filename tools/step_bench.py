@@ -1,0 +1,327 @@
+"""Time full pre-training steps of ALBEF_Base (forward, backward, AdamW) and print one JSON object.
+
+    python -m tools.step_bench --config configs/Pretrain.yaml --batch-size 64 --steps 10 --warmup 3 \
+        --device cuda --variants default,bf16,grad_checkpointing,compile [--set key=value ...]
+
+A step is Pretrain.py's: forward of ALBEF_Base on (image, text, image_key), loss = the sum of the four
+losses, zero_grad, backward, gradient clipping when the config sets clip_grad, AdamW step. The model has
+random weights (text_encoder and vision_init are ignored) and the batch is synthetic: B random images at
+image_res and B random token sequences of max_tokens (or 30) ids, no padding (the longest a batch gets).
+K steps are timed after W warm-up steps, with the device synchronised only before and after the K steps.
+
+Each variant runs in a fresh subprocess (the tool re-invokes itself with --one-variant), so that on CPU
+the peak RSS (ru_maxrss, which never resets) is that variant's own:
+  default             fp32
+  bf16                torch.autocast(device, bfloat16) around the forward and the loss
+  grad_checkpointing  config key grad_checkpointing: true (the JSON says whether the model acted on it)
+  compile             torch.compile(model); the first step (compilation) is timed apart as compile_seconds
+FLOPs are counted with torch.utils.flop_counter.FlopCounterMode over one step's forward + backward (as the
+variant runs it: a checkpointed model's recomputed forward is included). matmul_peak_flops is the best
+FLOP/s of large square torch.mm in the same process, device and dtype (the practical peak); mfu =
+achieved_flops / matmul_peak_flops.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import resource
+import subprocess
+import sys
+import tempfile
+import time
+
+import torch
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+VARIANTS = ('default', 'bf16', 'grad_checkpointing', 'compile')
+LOSSES = ('loss_itc', 'loss_cons', 'loss_itm', 'loss_mlm')
+
+
+def load_bench_config(path: str, overrides: list[str], variant: str = 'default') -> dict:
+    """The config with --set overrides (schema keys may be new), random weights, and the variant's key."""
+    from training.config import apply_overrides, load_config, to_plain
+    from training.schema import keys
+
+    config = load_config(path)
+    apply_overrides(config, overrides, source=path, known=keys('pretrain'))
+    config = to_plain(config)
+    config['vision_init'] = None  # random weights: nothing to download or read
+    if variant == 'grad_checkpointing':
+        config['grad_checkpointing'] = True
+    return config
+
+
+def build_bench_tokenizer(config: dict, workdir: str):
+    """(tokenizer, note): the config's vocab_file, a local text_encoder tokenizer, else a built vocab.
+
+    The fallback is a word-level vocab.txt of the bert_config's vocab size (BERT's 5 special tokens, then
+    w5, w6, ...) written under workdir: the model's shapes are those of the real vocabulary.
+    """
+    from transformers import BertTokenizerFast
+
+    from models.bert import load_bert_config
+    from models.tokenization import tokenizer_from_vocab
+
+    if config.get('vocab_file'):
+        return tokenizer_from_vocab(str(config['vocab_file'])), f"vocab_file {config['vocab_file']}"
+    name, why = config.get('text_encoder'), 'no text_encoder'
+    if name:
+        try:
+            return BertTokenizerFast.from_pretrained(str(name), local_files_only=True), f'text_encoder {name}'
+        except Exception as e:  # noqa: BLE001 (not on disk, or unreadable: the built vocab has its size)
+            why = f'text_encoder {name!r} has no local tokenizer ({type(e).__name__})'
+    size = load_bert_config(config['bert_config']).vocab_size
+    words = ['[PAD]', '[UNK]', '[CLS]', '[SEP]', '[MASK]'] + [f'w{i}' for i in range(5, size)]
+    path = os.path.join(workdir, 'vocab.txt')
+    with open(path, 'w', encoding='utf-8') as f:
+        f.write('\n'.join(words) + '\n')
+    return (BertTokenizerFast(vocab_file=path, do_lower_case=True),
+            f'built word-level vocab of {size} tokens, the bert_config vocab_size ({why})')
+
+
+def synthetic_batch(config: dict, tokenizer, batch_size: int, device: torch.device, seed: int = 0):
+    """(image (B,3,R,R), {'input_ids','attention_mask'} (B,L), image_key (B,)): random, no padding."""
+    g = torch.Generator().manual_seed(seed)
+    res, length = int(config['image_res']), int(config.get('max_tokens') or 30)
+    image = torch.randn(batch_size, 3, res, res, generator=g)
+    special = torch.tensor(tokenizer.all_special_ids)
+    words = torch.arange(len(tokenizer))
+    words = words[~torch.isin(words, special)]
+    ids = words[torch.randint(len(words), (batch_size, length), generator=g)]
+    ids[:, 0], ids[:, -1] = tokenizer.cls_token_id, tokenizer.sep_token_id
+    text = {'input_ids': ids.to(device), 'attention_mask': torch.ones_like(ids).to(device)}
+    return image.to(device), text, torch.arange(batch_size, device=device)
+
+
+def forward_loss(model, batch, device: torch.device, dtype: torch.dtype | None) -> dict:
+    """Pretrain.py's forward under autocast(dtype) (None: fp32); adds 'loss', the sum of the four."""
+    image, text, image_key = batch
+    with torch.autocast(device.type, dtype=dtype or torch.float32, enabled=dtype is not None):
+        out = model(image, text, image_key=image_key)
+        out['loss'] = out['loss_itc'] + out['loss_cons'] + out['loss_itm'] + out['loss_mlm']
+    return out
+
+
+def count_flops(model, batch, device: torch.device, dtype: torch.dtype | None) -> tuple[int, dict]:
+    """FlopCounterMode over one forward + backward -> (total FLOPs, {op: FLOPs}).
+
+    torch counts the CUDA attention kernels but not the CPU one; it is added with torch's own formulas
+    (as for flash attention on CUDA: the backward includes the recomputed scores).
+    """
+    from torch.utils import flop_counter
+
+    aten = torch.ops.aten  # FlopCounterMode passes shapes
+    cpu_attention = {
+        aten._scaled_dot_product_flash_attention_for_cpu:
+            lambda q, k, v, *args, **kwargs: flop_counter.sdpa_flop_count(q, k, v),
+        aten._scaled_dot_product_flash_attention_for_cpu_backward:
+            lambda grad, q, k, v, *args, **kwargs: flop_counter.sdpa_backward_flop_count(grad, q, k, v)}
+    counter = flop_counter.FlopCounterMode(display=False, custom_mapping=cpu_attention)
+    with counter:
+        forward_loss(model, batch, device, dtype)['loss'].backward()
+    model.zero_grad(set_to_none=True)
+    return counter.get_total_flops(), {str(op): n for op, n in counter.get_flop_counts()['Global'].items()}
+
+
+def sync(device: torch.device) -> None:
+    if device.type == 'cuda':
+        torch.cuda.synchronize(device)
+
+
+def matmul_peak(device: torch.device, dtype: torch.dtype, sizes: list[int], repeats: int = 3) -> float:
+    """Best FLOP/s of torch.mm(n x n, n x n) over sizes and repeats (after one warm-up per size)."""
+    reps = 50 if device.type == 'cuda' else 1  # one CUDA mm is too short to time alone
+    best = 0.0
+    for n in sizes:
+        a, b = (torch.randn(n, n, device=device, dtype=dtype) for _ in range(2))
+        c = torch.mm(a, b)
+        for _ in range(repeats):
+            sync(device)
+            t0 = time.perf_counter()
+            for _ in range(reps):
+                torch.mm(a, b, out=c)
+            sync(device)
+            best = max(best, reps * 2 * n ** 3 / (time.perf_counter() - t0))
+        del a, b, c
+    return best
+
+
+def device_name(device: torch.device) -> str:
+    if device.type == 'cuda':
+        return torch.cuda.get_device_name(device)
+    try:
+        with open('/proc/cpuinfo', encoding='utf-8') as f:
+            return next(line.split(':', 1)[1].strip() for line in f if line.startswith('model name'))
+    except (OSError, StopIteration):
+        return 'cpu'
+
+
+def rss_bytes() -> int:
+    """This process's peak RSS so far (Linux reports ru_maxrss in KiB)."""
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+
+def run_variant(args: argparse.Namespace, variant: str) -> dict:
+    """Build, warm up, time and count one variant in this process -> its JSON fields."""
+    from models.pretrain import ALBEF_Base
+    from training.optimizer import build_optimizer
+
+    device = torch.device(args.device)
+    dtype = torch.bfloat16 if variant == 'bf16' else None
+    torch.manual_seed(args.seed)
+    config = load_bench_config(args.config, args.set, variant)
+    with tempfile.TemporaryDirectory() as workdir:
+        tokenizer, vocab_note = build_bench_tokenizer(config, workdir)
+    batch = synthetic_batch(config, tokenizer, args.batch_size, device, args.seed)
+    baseline_rss = rss_bytes()
+    model = ALBEF_Base(config, text_encoder=None, tokenizer=tokenizer).to(device).train()
+    optimizer = build_optimizer(model, config['optimizer'])
+    clip = config.get('clip_grad')
+    fields = {'tokenizer': vocab_note, 'vocab_size': len(tokenizer),
+              'optimizer': f"{type(optimizer).__name__} fused={optimizer.defaults.get('fused')}",
+              'parameters': sum(p.numel() for p in model.parameters() if p.requires_grad)}
+    if variant == 'grad_checkpointing':
+        fields['model_grad_checkpointing'] = any(
+            bool(getattr(m, a, False)) for m in model.modules()
+            for a in ('grad_checkpointing', 'gradient_checkpointing'))
+    net = torch.compile(model) if variant == 'compile' else model
+
+    def step() -> dict:
+        out = forward_loss(net, batch, device, dtype)
+        optimizer.zero_grad(set_to_none=True)
+        out['loss'].backward()
+        if clip:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), float(clip))
+        optimizer.step()
+        return out
+
+    if device.type == 'cuda':
+        torch.cuda.reset_peak_memory_stats(device)
+    warmup = max(args.warmup, 1 if variant == 'compile' else 0)
+    for i in range(warmup):
+        t0 = time.perf_counter()
+        step()
+        if i == 0:
+            sync(device)
+            fields['compile_seconds' if variant == 'compile' else 'first_step_seconds'] = round(
+                time.perf_counter() - t0, 4)
+    sync(device)
+    t0 = time.perf_counter()
+    for _ in range(args.steps):
+        out = step()
+    sync(device)
+    seconds = (time.perf_counter() - t0) / args.steps
+    if device.type == 'cuda':
+        fields['peak_memory_bytes'] = torch.cuda.max_memory_allocated(device)
+    else:
+        fields['peak_memory_bytes'] = rss_bytes()
+        fields['baseline_rss_bytes'] = baseline_rss  # Python + torch + the batch, before the model
+    losses = {k: float(out[k]) for k in (*LOSSES, 'loss')}
+
+    flops, by_op = count_flops(model, batch, device, dtype)  # eager, also for compile
+    peak = matmul_peak(device, dtype or torch.float32, args.peak_sizes)
+    samples_per_s = args.batch_size / seconds
+    achieved = flops / args.batch_size * samples_per_s
+    return {
+        'samples_per_s': samples_per_s, 'step_seconds': seconds, 'warmup_steps': warmup,
+        'flops_per_step': flops, 'flops_per_sample': flops / args.batch_size,
+        'flops_share_by_op': {k: round(v / flops, 4) for k, v in by_op.items()} if flops else {},
+        'achieved_flops': achieved, 'matmul_peak_flops': peak, 'mfu': achieved / peak,
+        'dtype': 'bfloat16 autocast' if dtype else 'float32', 'losses': losses,
+        'threads': torch.get_num_threads(), **fields,
+    }
+
+
+def spawn_variant(argv: list[str], variant: str) -> dict:
+    """Run this tool with --one-variant in a fresh Python; its last stdout line is the variant's JSON."""
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [ROOT, os.environ.get('PYTHONPATH')])))
+    proc = subprocess.run([sys.executable, '-m', 'tools.step_bench', *argv, '--one-variant', variant],
+                          capture_output=True, text=True, env=env)
+    lines = proc.stdout.strip().splitlines()
+    if proc.returncode == 0 and lines:
+        try:
+            return json.loads(lines[-1])
+        except json.JSONDecodeError:
+            pass
+    tail = (proc.stderr.strip() or proc.stdout.strip())[-800:]
+    return {'error': f'subprocess exited with {proc.returncode}: {tail}'}
+
+
+def parse_args(argv: list[str] | None) -> tuple[argparse.Namespace, list[str]]:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument('--config', required=True)
+    p.add_argument('--batch-size', type=int, default=None, help='default: the config batch_size')
+    p.add_argument('--steps', type=int, default=10, help='timed steps')
+    p.add_argument('--warmup', type=int, default=3, help='untimed steps before them')
+    p.add_argument('--device', default=None, help='cpu | cuda | cuda:N (default: cuda if available)')
+    p.add_argument('--variants', default='default,bf16,grad_checkpointing,compile')
+    p.add_argument('--threads', type=int, default=None, help='torch intra-op threads (default: torch)')
+    p.add_argument('--peak-sizes', default='2048,4096', help='square torch.mm sizes for the peak')
+    p.add_argument('--seed', type=int, default=0)
+    p.add_argument('--set', nargs='*', action='extend', default=[], metavar='KEY=VALUE',
+                   help='config overrides, as the task scripts (e.g. --set max_tokens=25)')
+    p.add_argument('--one-variant', default=None, help=argparse.SUPPRESS)
+    args = p.parse_args(argv)
+    argv = list(sys.argv[1:] if argv is None else argv)  # passed on to the variants' subprocesses
+    args.variants = [v.strip() for v in args.variants.split(',') if v.strip()]
+    unknown = sorted(set(args.variants) - set(VARIANTS))
+    if unknown:
+        p.error(f'unknown variant(s) {unknown}; choose from {list(VARIANTS)}')
+    if args.steps < 1 or args.warmup < 0:
+        p.error('need --steps >= 1 and --warmup >= 0')
+    args.peak_sizes = [int(n) for n in args.peak_sizes.split(',')]
+    args.device = args.device or ('cuda' if torch.cuda.is_available() else 'cpu')
+    if args.batch_size is None:
+        args.batch_size = int(load_bench_config(args.config, args.set)['batch_size'])
+    return args, argv
+
+
+def main(argv: list[str] | None = None) -> dict:
+    """Run every variant in its own subprocess and print one JSON object (also returned)."""
+    args, argv = parse_args(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    if args.one_variant is not None:
+        try:
+            result = run_variant(args, args.one_variant)
+        except Exception as e:  # noqa: BLE001 (a failed variant is reported, the others still run)
+            result = {'error': f'{type(e).__name__}: {e}'[:800]}
+        print(json.dumps(result))
+        return result
+
+    variants = {v: spawn_variant(argv, v) for v in args.variants}
+    default, ckpt = variants.get('default', {}), variants.get('grad_checkpointing', {})
+    if 'flops_per_sample' in default and 'flops_per_sample' in ckpt:
+        # MFU counts the model's FLOPs, not the recomputation that checkpointing adds.
+        ckpt['recompute_flops_per_sample'] = ckpt['flops_per_sample'] - default['flops_per_sample']
+        ckpt['mfu_model_flops'] = (default['flops_per_sample'] * ckpt['samples_per_s']
+                                   / ckpt['matmul_peak_flops'])
+    config = load_bench_config(args.config, args.set)
+    device = torch.device(args.device)
+    result = {
+        'config': args.config, 'overrides': args.set, 'device': str(device),
+        'device_name': device_name(device), 'torch': torch.__version__,
+        'threads': args.threads or torch.get_num_threads(), 'batch_size': args.batch_size,
+        'steps': args.steps, 'warmup': args.warmup, 'image_res': int(config['image_res']),
+        'text_tokens': int(config.get('max_tokens') or 30),
+        'float32_matmul_precision': torch.get_float32_matmul_precision(),
+        'step': 'forward + sum of 4 losses, zero_grad, backward, clip_grad_norm_ if clip_grad '
+                f"({config.get('clip_grad')}), AdamW step; random weights, synthetic batch without padding",
+        'flops': 'counted: torch.utils.flop_counter.FlopCounterMode, one step forward + backward '
+                 '(matmuls, convolutions and attention, with the CPU flash-attention ops added by torch\'s '
+                 'sdpa formulas; elementwise ops, norms, softmax, losses and the optimizer are not counted)',
+        'matmul_peak': f'best of 3 torch.mm n x n, n in {args.peak_sizes}, same process, device, dtype',
+        'peak_memory': ('torch.cuda.max_memory_allocated over the warm-up and timed steps'
+                        if device.type == 'cuda' else
+                        'ru_maxrss of a fresh subprocess per variant, after the timed steps (includes '
+                        'Python and torch: baseline_rss_bytes; and compilation for compile)'),
+        'variants': variants,
+    }
+    print(json.dumps(result))
+    return result
+
+
+if __name__ == '__main__':
+    main()
