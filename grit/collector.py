@@ -121,35 +121,37 @@ class GritCollector:
             perm = torch.arange(n, device=self.device)
         M = min(self.search_space, n)
         S = math.ceil(n / M)
-        pad = S * M - n  # only the last sub-queue can be short: pad it with invalid entries
-        image, text = self._image[perm], self._text[perm]
-        index, valid = self._index[perm], self._valid[perm]
-        if pad:
-            image = torch.cat([image, image.new_zeros(pad, self.dim)])
-            text = torch.cat([text, text.new_zeros(pad, self.dim)])
-            index = torch.cat([index, index.new_full((pad,), -1)])
-            valid = torch.cat([valid, valid.new_zeros(pad)])
-        valid = valid.view(S, M)
+        pad = S * M - n  # only the last sub-queue can be short: pad it with invalid entries (position -1)
+        pos = torch.cat([perm, perm.new_full((pad,), -1)]).view(S, M)  # queue position of each entry
+        valid = (pos >= 0) & self._valid[pos.clamp(min=0)]
         # Uniform random start among the valid entries of each sub-queue (invalid keys are -1).
         keys = torch.rand(S, M, generator=self.generator).to(self.device, non_blocking=True)
         start = torch.where(valid, keys, -1.0).argmax(dim=1)
-        order = self._chain(image.view(S, M, self.dim), text.view(S, M, self.dim), start, valid)
-        grouped = torch.where(valid, index.view(S, M), -1).gather(1, order).reshape(-1)
+        order = self._chain(pos, start, valid)
+        grouped = torch.where(valid, self._index[pos.clamp(min=0)], -1).gather(1, order).reshape(-1)
         # Invalid and padding entries are chained last, so the `pad` trailing ones are all padding/invalid.
         self._groups.append(grouped[:n])
 
-    def _chain(self, image: torch.Tensor, text: torch.Tensor, start: torch.Tensor,
-               valid: torch.Tensor) -> torch.Tensor:
-        """greedy_chain of every sub-queue (S, M, d) -> orders (S, M); sharded over ranks when asked."""
+    def _features(self, pos: torch.Tensor, valid: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Queue positions (k, M) -> image and text features (k, M, d); padding and invalid entries zero."""
+        rows = pos.clamp(min=0)
+        keep = valid[..., None]
+        return (torch.where(keep, self._image[rows], 0.0), torch.where(keep, self._text[rows], 0.0))
+
+    def _chain(self, pos: torch.Tensor, start: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
+        """greedy_chain of every sub-queue (positions (S, M)) -> orders (S, M); sharded over ranks when
+        asked, in which case a rank gathers the features of its own sub-queues only."""
         world, rank = gdist.world_info() if self.shard else (1, 0)
         S, M = valid.shape
         if world == 1 or S == 1:
+            image, text = self._features(pos, valid)
             return greedy_chain(image, text, start, valid=valid, workspace=self._workspace)
-        mine = torch.arange(rank, S, world, device=image.device)  # sub-queues r, r+W, ...
+        mine = torch.arange(rank, S, world, device=pos.device)  # sub-queues r, r+W, ...
         per_rank = math.ceil(S / world)
-        order = torch.zeros(per_rank, M, dtype=torch.long, device=image.device)
+        order = torch.zeros(per_rank, M, dtype=torch.long, device=pos.device)
         if mine.numel():
-            order[:mine.numel()] = greedy_chain(image[mine], text[mine], start[mine], valid=valid[mine],
+            image, text = self._features(pos[mine], valid[mine])
+            order[:mine.numel()] = greedy_chain(image, text, start[mine], valid=valid[mine],
                                                 workspace=self._workspace)
         # (W * per_rank, M) in rank order: row r * per_rank + p is sub-queue p * W + r.
         gathered = gdist.all_gather_cat(order).view(world, per_rank, M)
