@@ -152,8 +152,18 @@ def build_scheduler(optimizer: torch.optim.Optimizer, config: Mapping,
 
 
 def autocast_dtype(config: Mapping, device: torch.device) -> torch.dtype | None:
-    """Mixed-precision dtype for `amp: true` on CUDA (bf16 where supported, else fp16); None = fp32."""
-    if not config.get('amp', False) or device.type != 'cuda':
+    """Mixed-precision dtype: `amp: true` on CUDA (bf16 where supported, else fp16), `amp: bf16` on any
+    device (the CPU included: tests, benchmarks); None = fp32.
+
+    Under autocast the ITC/ITM/MLM losses and GRIT's features are still computed in fp32
+    (models.objectives upcasts the similarities; the models return fp32 features for GRIT).
+    """
+    amp = config.get('amp', False)
+    if amp not in (True, False, None, 'bf16'):
+        raise ValueError(f"config key 'amp' must be true, false or 'bf16', got {amp!r}")
+    if amp == 'bf16':
+        return torch.bfloat16
+    if not amp or device.type != 'cuda':
         return None
     return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
 

@@ -101,7 +101,7 @@ _COMMON: dict[str, Type] = {
     'clip_grad': FLOAT | NULL,
     'zero': BOOL,  # training.optimizer.build_optimizer: shard the AdamW state over the ranks
     'fused_adamw': BOOL | NULL,  # null: fused AdamW when the parameters are on CUDA
-    'amp': BOOL,
+    'amp': BOOL | STR,  # true (CUDA autocast) or 'bf16' (bf16 autocast on any device)
     'grad_checkpointing': BOOL,  # models.vit, models.bert: recompute encoder activations in backward
     'compile': BOOL,
     'print_freq': INT,
