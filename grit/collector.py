@@ -28,7 +28,7 @@ class GritCollector:
 
     def __init__(self, queue_size: int, search_space: int, dim: int, dataset_len: int,
                  device: torch.device | str = "cpu", example_shuffle: bool = True,
-                 shard: bool = True) -> None:
+                 shard: bool = True, index_dtype: torch.dtype = torch.int64) -> None:
         self.queue_size = int(queue_size)
         self.search_space = int(search_space)
         self.dim = int(dim)
@@ -36,6 +36,7 @@ class GritCollector:
         self.device = torch.device(device)
         self.example_shuffle = bool(example_shuffle)
         self.shard = bool(shard)
+        self.index_dtype = index_dtype  # of G, which grows to the dataset's size over an epoch
         self.generator = torch.Generator()  # CPU: its state is a portable ByteTensor
         self._image: torch.Tensor | None = None  # (L, d) float32, allocated on first use
         self._text: torch.Tensor | None = None
@@ -130,7 +131,7 @@ class GritCollector:
         order = self._chain(pos, start, valid)
         grouped = torch.where(valid, self._index[pos.clamp(min=0)], -1).gather(1, order).reshape(-1)
         # Invalid and padding entries are chained last, so the `pad` trailing ones are all padding/invalid.
-        self._groups.append(grouped[:n])
+        self._groups.append(grouped[:n].to(self.index_dtype))
 
     def _features(self, pos: torch.Tensor, valid: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Queue positions (k, M) -> image and text features (k, M, d); padding and invalid entries zero."""
@@ -160,7 +161,7 @@ class GritCollector:
     def partial_groups(self) -> torch.Tensor:
         """G so far (valid dataset indices of all grouped fills, in grouped order) -> LongTensor on CPU."""
         if not self._groups:
-            return torch.empty(0, dtype=torch.long)
+            return torch.empty(0, dtype=self.index_dtype)
         G = torch.cat(self._groups).cpu()
         return G[G >= 0]
 
@@ -211,4 +212,4 @@ class GritCollector:
             self._index[:n] = state["index"].to(self.device)
             self._valid[:n] = state["valid"].to(self.device)
         self.generator.set_state(state["rng"].cpu())
-        self._groups = [groups.to(self.device, torch.long)] if groups.numel() else []
+        self._groups = [groups.to(self.device, self.index_dtype)] if groups.numel() else []

@@ -108,8 +108,16 @@ class GritSampler(torch.utils.data.Sampler):
 
     def __init__(self, dataset, num_replicas: int | None = None, rank: int | None = None,
                  shuffle: bool = True, seed: int = 0, drop_last: bool = True, *, batch_size: int,
-                 grit: dict | None = None, dim: int = 256, device: torch.device | str | None = None) -> None:
+                 grit: dict | None = None, dim: int = 256, device: torch.device | str | None = None,
+                 index_dtype: torch.dtype | None = None) -> None:
         self.dataset_len = int(dataset) if isinstance(dataset, numbers.Integral) else len(dataset)
+        # The epoch arrays hold D indices on every rank (3.2 GB as int64 for LAION-400M): int32 whenever
+        # the dataset fits, int64 beyond 2**31 - 1 entries or when asked. The batches are the same.
+        self.index_dtype = index_dtype or (torch.int32 if self.dataset_len < 2**31 else torch.int64)
+        if self.index_dtype not in (torch.int32, torch.int64) or (
+                self.index_dtype == torch.int32 and self.dataset_len >= 2**31):
+            raise ValueError(
+                f"GritSampler: index_dtype {self.index_dtype} cannot hold {self.dataset_len} indices")
         world, this_rank = gdist.world_info()
         self.num_replicas = world if num_replicas is None else int(num_replicas)
         self.rank = this_rank if rank is None else int(rank)
@@ -141,13 +149,13 @@ class GritSampler(torch.utils.data.Sampler):
         if self.grit["enabled"]:
             self.collector = GritCollector(self.grit["queue_size"], self.grit["search_space"], self.dim,
                                            self.dataset_len, self.device, self.grit["example_shuffle"],
-                                           shard=self.grit["shard_grouping"])
+                                           shard=self.grit["shard_grouping"], index_dtype=self.index_dtype)
         self.epoch: int | None = None
         self.in_progress = False
         self.position = 0  # batches consumed this epoch = collect() calls since set_epoch
         self.start_batch = 0  # where __iter__ starts: 0, or the position restored by load_state_dict
         self._epochs_started = 0
-        self._epoch_array = torch.empty(0, dtype=torch.long)  # (T*B,) global order, chunk k = k-th N
+        self._epoch_array = torch.empty(0, dtype=self.index_dtype)  # (T*B,) global order, chunk k = k-th N
         self._next_array: torch.Tensor | None = None  # next epoch's array, composed by end_epoch()
         self._check_pending = False  # a loaded mid-epoch array is compared across ranks at set_epoch
 
@@ -236,7 +244,7 @@ class GritSampler(torch.utils.data.Sampler):
             order = torch.randperm(self.dataset_len, generator=g)
         else:
             order = torch.arange(self.dataset_len)
-        return order[:self.batches_per_epoch * self.global_batch].clone()
+        return order[:self.batches_per_epoch * self.global_batch].to(self.index_dtype)
 
     def _compose(self, G: torch.Tensor, epoch: int) -> torch.Tensor:
         """Epoch array from G: unseen indices first, cut into chunks of N, drop/shuffle chunks -> (T*B,)."""
@@ -266,7 +274,8 @@ class GritSampler(torch.utils.data.Sampler):
         kept = torch.nonzero(kept).flatten()
         if self.grit["batch_shuffle"]:
             kept = kept[torch.randperm(kept.numel(), generator=gen)]
-        return chunks[kept].reshape(-1)
+        # Composed in int64 (the transient randperm / nonzero arrays), held in index_dtype.
+        return chunks[kept].reshape(-1).to(self.index_dtype)
 
     def _comm_device(self) -> torch.device:
         if gdist.is_distributed() and dist.get_backend() == "nccl":
@@ -350,7 +359,7 @@ class GritSampler(torch.utils.data.Sampler):
             indices = self.collector.partial_groups()
             collector = self.collector.state_dict()
         else:
-            indices = self._next_array if self._next_array is not None else torch.empty(0, dtype=torch.long)
+            indices = self._next_array if self._next_array is not None else self._epoch_array.new_empty(0)
             collector = {}
         return {
             "version": 1,
@@ -364,7 +373,7 @@ class GritSampler(torch.utils.data.Sampler):
             "num_replicas": self.num_replicas,
             "seed": self.seed,
             "mode": self.grit["mode"] if self.grit["enabled"] else "disabled",
-            "epoch_indices": self._epoch_array.clone() if in_progress else torch.empty(0, dtype=torch.long),
+            "epoch_indices": self._epoch_array.clone() if in_progress else self._epoch_array.new_empty(0),
             "indices": indices.cpu().clone(),
             "collector": collector,
         }
@@ -391,12 +400,12 @@ class GritSampler(torch.utils.data.Sampler):
         self.epoch = None if int(state["epoch"]) < 0 else int(state["epoch"])
         self._epochs_started = int(state["epochs_started"])
         self.position = int(state["position"])
-        indices = state["indices"].cpu().long()
+        indices = state["indices"].cpu().to(self.index_dtype)  # int64 in checkpoints from before int32
         self._next_array = None
         if indices.numel() and (int(indices.min()) < 0 or int(indices.max()) >= self.dataset_len):
             raise bad(f"'indices' has values outside [0, {self.dataset_len})")
         if in_progress:
-            epoch_array = state["epoch_indices"].cpu().long()
+            epoch_array = state["epoch_indices"].cpu().to(self.index_dtype)
             if epoch_array.shape != (self.batches_per_epoch * self.global_batch,):
                 raise bad(f"'epoch_indices' has shape {tuple(epoch_array.shape)}, expected "
                           f"({self.batches_per_epoch * self.global_batch},)")

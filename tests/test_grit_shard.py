@@ -84,3 +84,41 @@ def test_bench_sharded_mode_reports_per_rank_times_and_memory(capsys):
     assert all(row['max_rank_cpu_s'] > 0 and row['max_rank_wall_s'] > 0 for row in result['worlds'].values())
     laion = result['memory']['LAION-400M (L=48000)']
     assert laion['G_int64_bytes'] == 3_200_000_000 and laion['G_int32_bytes'] == 1_600_000_000
+
+
+def _sampler_epochs(index_dtype: torch.dtype, epochs: int = 3) -> tuple[list[list[int]], dict]:
+    """Batches of `epochs` GRIT epochs (one process), features looked up by dataset index."""
+    from grit.sampler import GritSampler
+
+    image, text, valid = _features()
+    sampler = GritSampler(N_SAMPLES, num_replicas=1, rank=0, seed=4, batch_size=BATCH, dim=DIM,
+                          grit={'queue_size': QUEUE, 'search_space': SEARCH}, index_dtype=index_dtype)
+    batches = []
+    for epoch in range(epochs):
+        sampler.set_epoch(epoch)
+        mine = torch.tensor(list(iter(sampler)))
+        for idx in mine.view(-1, BATCH):
+            sampler.collect(image[idx], text[idx], idx, valid[idx])
+            batches.append(idx.tolist())
+        sampler.end_epoch()
+    return batches, sampler.state_dict()
+
+
+def test_int32_and_int64_index_arrays_give_the_same_batches():
+    from grit.sampler import GritSampler
+
+    small, state32 = _sampler_epochs(torch.int32)
+    large, state64 = _sampler_epochs(torch.int64)
+    assert small == large
+    assert state32['indices'].dtype == torch.int32 and state64['indices'].dtype == torch.int64
+    assert torch.equal(state32['indices'].long(), state64['indices'])
+    # a checkpoint written with int64 arrays (before int32) resumes into an int32 sampler
+    resumed = GritSampler(N_SAMPLES, num_replicas=1, rank=0, seed=4, batch_size=BATCH, dim=DIM,
+                          grit={'queue_size': QUEUE, 'search_space': SEARCH})
+    assert resumed.index_dtype == torch.int32  # the default when the dataset fits
+    resumed.load_state_dict(state64)
+    resumed.set_epoch(3)
+    assert resumed.epoch_indices().dtype == torch.int32
+    assert torch.equal(resumed.epoch_indices().long(), state64['indices'])
+    with pytest.raises(ValueError, match='cannot hold'):
+        GritSampler(2**31, num_replicas=1, rank=0, batch_size=8, grit=None, index_dtype=torch.int32)

@@ -62,7 +62,7 @@ def read_log(out: str) -> list[dict]:
 
 def assert_valid_next_epoch(indices: torch.Tensor, dataset_len: int, global_batch: int) -> None:
     """A valid G for the next epoch: distinct dataset indices, whole global batches, < one batch left out."""
-    assert indices.dtype == torch.long and indices.dim() == 1
+    assert indices.dtype == torch.int32 and indices.dim() == 1  # int32: the dataset fits
     assert len(indices) == dataset_len // global_batch * global_batch
     assert indices.unique().numel() == indices.numel()
     assert int(indices.min()) >= 0 and int(indices.max()) < dataset_len
