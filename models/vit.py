@@ -9,9 +9,9 @@ from functools import partial
 
 import timm
 import torch
-from timm.layers import resample_abs_pos_embed
 from timm.models.vision_transformer import VisionTransformer
 from torch import Tensor, nn
+from torch.nn import functional as F
 
 from models.state_dicts import check_shapes
 from torch_files import load_torch_file
@@ -182,7 +182,7 @@ def resample_pos_embed(state_dict: dict, model: nn.Module, prefix: str = "visual
 def resample_pos_embed_report(
     state_dict: dict, model: nn.Module, prefix: str = "visual_encoder."
 ) -> tuple[dict, list[str]]:
-    """Like resample_pos_embed, also returning the keys that were resampled."""
+    """Like resample_pos_embed, also returning the keys that were resampled (each logged with its grids)."""
     own = model.state_dict()
     out, resampled = dict(state_dict), []
     for key, value in state_dict.items():
@@ -193,11 +193,31 @@ def resample_pos_embed_report(
         if value.shape == target.shape or value.dim() != 3 or value.shape[-1] != target.shape[-1]:
             continue
         old_grid, new_grid = _square_grid(key, value.shape[1] - 1), _square_grid(key, target.shape[1] - 1)
-        out[key] = resample_abs_pos_embed(
-            value.float(), new_size=[new_grid, new_grid], old_size=[old_grid, old_grid], num_prefix_tokens=1
-        ).to(value.dtype)
+        out[key] = interpolate_pos_embed(value, new_grid, num_extra_tokens=1)
         resampled.append(key)
+        logger.info("%s: position embeddings resampled from a %dx%d to a %dx%d patch grid",
+                    key, old_grid, old_grid, new_grid, new_grid)
     return out, resampled
+
+
+def interpolate_pos_embed(pos_embed: Tensor, new_grid: int, num_extra_tokens: int = 1) -> Tensor:
+    """(B, E+g*g, D) -> (B, E+new_grid**2, D): the E extra (class) tokens kept in front, the g x g patch
+    grid resampled bicubically (align_corners=False, no antialiasing), as ALBEF / GRIT-VLP do.
+
+    timm's resample_abs_pos_embed antialiases when shrinking, which the authors' code does not.
+    Computed in float32, returned in the input's dtype.
+    """
+    extra, patches = pos_embed[:, :num_extra_tokens], pos_embed[:, num_extra_tokens:]
+    batch, n_patches, dim = patches.shape
+    grid = _square_grid("pos_embed", n_patches)
+    if grid == new_grid:
+        return pos_embed
+    patches = patches.float().reshape(batch, grid, grid, dim).permute(0, 3, 1, 2)
+    patches = F.interpolate(
+        patches, size=(new_grid, new_grid), mode="bicubic", align_corners=False, antialias=False
+    )
+    patches = patches.permute(0, 2, 3, 1).flatten(1, 2).to(pos_embed.dtype)
+    return torch.cat([extra, patches], dim=1)
 
 
 def _square_grid(key: str, n_patches: int) -> int:
@@ -223,6 +243,7 @@ __all__ = [
     "check_vision_text_widths",
     "load_vision_init",
     "read_vit_state_dict",
+    "interpolate_pos_embed",
     "resample_pos_embed",
     "resample_pos_embed_report",
 ]

@@ -135,3 +135,78 @@ def test_conv_stem_replaces_the_patch_projection(tmp_path):
         build_vision_encoder(vit_config(vision_stem="cnn"))
     with pytest.raises(ValueError, match="power of two"):
         build_vision_encoder(vit_config(vision_stem="conv", patch_size=6, image_res=36))
+
+
+def reference_interpolation(pos_embed: torch.Tensor, new_grid: int) -> torch.Tensor:
+    """The authors' recipe written out plainly: class token kept, patch grid bicubic, no antialiasing."""
+    cls, patches = pos_embed[:, :1], pos_embed[:, 1:]
+    grid = int(round(patches.shape[1] ** 0.5))
+    square = patches.reshape(-1, grid, grid, patches.shape[-1]).permute(0, 3, 1, 2)
+    square = torch.nn.functional.interpolate(
+        square, size=(new_grid, new_grid), mode="bicubic", align_corners=False, antialias=False
+    )
+    return torch.cat([cls, square.permute(0, 2, 3, 1).flatten(1, 2)], dim=1)
+
+
+@pytest.mark.parametrize("old_res,new_res", [(224, 256), (256, 384)])
+def test_resampling_is_plain_bicubic_without_antialias(old_res, new_res):
+    """224->256 (14x14 -> 16x16) and 256->384 (16 -> 24) px at patch 16: the authors' bicubic
+    interpolation to 1e-6, class token untouched, and not the antialiased (timm default) result."""
+    from timm.layers import resample_abs_pos_embed
+
+    torch.manual_seed(0)
+    old_grid, new_grid = old_res // 16, new_res // 16
+    pos = torch.randn(1, 1 + old_grid**2, 768) * 0.02
+    model = build_vision_encoder(
+        vit_config(image_res=new_res, patch_size=16, vision_width=768, vision_depth=1, vision_heads=12)
+    )
+    out = resample_pos_embed({"pos_embed": pos}, model, prefix="")["pos_embed"]
+    expected = reference_interpolation(pos, new_grid)
+    assert out.shape == (1, 1 + new_grid**2, 768)
+    assert torch.allclose(out, expected, atol=1e-6, rtol=0)
+    assert torch.equal(out[:, 0], pos[:, 0])
+    antialiased = (
+        resample_abs_pos_embed(pos, new_size=[new_grid, new_grid], old_size=[old_grid, old_grid]),
+        torch.cat([pos[:, :1], torch.nn.functional.interpolate(
+            pos[:, 1:].reshape(1, old_grid, old_grid, 768).permute(0, 3, 1, 2), size=(new_grid, new_grid),
+            mode="bicubic", align_corners=False, antialias=True).permute(0, 2, 3, 1).flatten(1, 2)], dim=1),
+    )
+    for other in antialiased:
+        # Differences of ~1e-3 on values of std 0.02: far above the 1e-6 agreement above.
+        assert (out - other).abs().max() > 1e-3
+
+
+def test_load_paths_resample_without_antialias(tmp_path, caplog):
+    """Both ways the scripts load a ViT at another resolution (vision_init, and load_weights for
+    --checkpoint, online and momentum towers) give the plain bicubic result and log the grids."""
+    import logging
+
+    from models.loading import load_weights
+
+    torch.manual_seed(0)
+    small = build_vision_encoder(vit_config(image_res=32))  # 4x4 grid at patch 8
+    path = tmp_path / "vit32.pth"
+    torch.save(small.state_dict(), path)
+    expected = reference_interpolation(small.state_dict()["pos_embed"], 6)
+
+    with caplog.at_level(logging.INFO, logger="models.vit"):
+        big = build_vision_encoder(vit_config(image_res=48, vision_init=str(path)))
+    assert torch.allclose(big.state_dict()["pos_embed"], expected, atol=1e-6, rtol=0)
+    assert any("4x4" in r.getMessage() and "6x6" in r.getMessage() for r in caplog.records)
+
+    class Towers(nn.Module):
+        def __init__(self, image_res):
+            super().__init__()
+            self.visual_encoder = build_vision_encoder(vit_config(image_res=image_res))
+            self.visual_encoder_m = build_vision_encoder(vit_config(image_res=image_res))
+
+    source = Towers(32)
+    source.visual_encoder.load_state_dict(small.state_dict())
+    source.visual_encoder_m.load_state_dict(small.state_dict())
+    checkpoint = tmp_path / "checkpoint.pth"
+    torch.save({"model": source.state_dict()}, checkpoint)
+    target = Towers(48)
+    report = load_weights(target, str(checkpoint))
+    assert report.resampled == ["visual_encoder.pos_embed", "visual_encoder_m.pos_embed"]
+    for tower in ("visual_encoder", "visual_encoder_m"):
+        assert torch.allclose(target.state_dict()[f"{tower}.pos_embed"], expected, atol=1e-6, rtol=0)
