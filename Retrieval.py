@@ -60,12 +60,15 @@ def build_model(config: Mapping, tokenizer, checkpoint: str | None) -> ALBEF_Ret
     if not checkpoint:
         print_main("no --checkpoint: the model starts from its initial weights")
         return model
-    state = {k: v for k, v in read_checkpoint(checkpoint).items() if k not in QUEUE_KEYS}
+    state = read_checkpoint(checkpoint)
     has_momentum = any(k.startswith(MOMENTUM_PREFIXES) for k in state)
+    # Not loaded although the model has them; reported as ignored with the reason.
+    skip = dict.fromkeys(QUEUE_KEYS, "feature queue (starts fresh; --resume, not --checkpoint, restores it)")
     if mode == "initial" and has_momentum:
-        state = {k: v for k, v in state.items() if not k.startswith(MOMENTUM_PREFIXES)}
+        skip.update(dict.fromkeys(MOMENTUM_PREFIXES,
+                                  "momentum copy (momentum_init initial: kept as initialised)"))
         print_main("momentum_init initial: the checkpoint's momentum weights are not used")
-    report = load_weights(model, state, ignore=RETRIEVAL_IGNORED_PREFIXES)
+    report = load_weights(model, state, ignore=RETRIEVAL_IGNORED_PREFIXES, skip=skip)
     if mode == "checkpoint" and not has_momentum:
         model.copy_momentum()
     fresh = (*MOMENTUM_PREFIXES, *QUEUE_KEYS)  # initialised here by design, not "missing"

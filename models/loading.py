@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import logging
 import os
-from collections.abc import Callable, Sequence
+import re
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 from torch import Tensor, nn
@@ -15,26 +16,90 @@ from torch_files import load_torch_file
 
 logger = logging.getLogger(__name__)
 
-# Buffers that older transformers / ALBEF checkpoints stored and our modules recompute.
-_OBSOLETE_SUFFIXES = ("embeddings.position_ids",)
+# Checkpoint parts that are known and deliberately left unused: prefix -> the reason the load report
+# gives. A key matches a prefix ending in "." when it starts with it, another one when it equals it
+# (top-level tensors: "temp", the queues); two patterns are special: "*_m." matches any
+# key under a top-level module whose name ends in "_m" (ALBEF's momentum copies: visual_encoder_m,
+# text_encoder_m incl. its .cls MLM head, vision_proj_m, text_proj_m, cls_head_m, text_decoder_m, ...)
+# and "*position_ids" any key ending in "position_ids" (buffers older transformers stored).
+IGNORE_REASONS: dict[str, str] = {
+    "*_m.": "momentum copy (ALBEF's momentum model / distillation; not used by this model)",
+    "image_queue": "feature queue (state of one training run, never taken from a checkpoint)",
+    "text_queue": "feature queue (state of one training run, never taken from a checkpoint)",
+    "idx_queue": "feature queue (state of one training run, never taken from a checkpoint)",
+    "valid_queue": "feature queue (state of one training run, never taken from a checkpoint)",
+    "queue_ptr": "feature queue pointer (state of one training run, never taken from a checkpoint)",
+    "*position_ids": "position_ids buffer (recomputed by our modules)",
+    "text_encoder.cls.": "MLM head (pre-training only)",
+    "itm_head.": "ITM head (pre-training / retrieval only)",
+    "vision_proj.": "ITC projection (pre-training / retrieval only)",
+    "text_proj.": "ITC projection (pre-training / retrieval only)",
+    "temp": "ITC temperature (pre-training / retrieval only)",
+    "ta_head.": "NLVR2 stage-1 text-assignment head (stage 1 only)",
+    "cls_head.": "NLVR2 classifier head (stage 2 only)",
+}
+# Ignored by every load when the model has no such key (a model that has them loads them).
+ALWAYS_IGNORED = ("*_m.", "image_queue", "text_queue", "idx_queue", "valid_queue", "queue_ptr",
+                  "*position_ids")
+_FALLBACK_REASON = "not used by this model"
+_MOMENTUM = re.compile(r"^[^.]*_m\.")
+
+
+def _matches(key: str, prefix: str) -> bool:
+    if prefix == "*_m.":
+        return _MOMENTUM.match(key) is not None
+    if prefix.startswith("*"):
+        return key.endswith(prefix[1:])
+    return key.startswith(prefix) if prefix.endswith(".") else key == prefix
+
+
+def _reasons(prefixes: Sequence[str] | Mapping[str, str]) -> dict[str, str]:
+    """prefix -> reason: a Mapping as given, a Sequence's reasons from IGNORE_REASONS."""
+    if isinstance(prefixes, Mapping):
+        return dict(prefixes)
+    return {p: IGNORE_REASONS.get(p, _FALLBACK_REASON) for p in prefixes}
+
+
+def ignore_reason(key: str, prefixes: Sequence[str] | Mapping[str, str] = ()) -> str | None:
+    """Why `key` is deliberately unused: the first of `prefixes`, then of ALWAYS_IGNORED, that it matches."""
+    return _first_reason(key, _reasons(prefixes)) or _first_reason(key, _reasons(ALWAYS_IGNORED))
+
+
+def _first_reason(key: str, table: Mapping[str, str]) -> str | None:
+    return next((reason for prefix, reason in table.items() if _matches(key, prefix)), None)
 
 
 @dataclass
 class LoadReport:
-    """What load_weights did: model keys left as initialised, checkpoint keys not used, resampled keys."""
+    """What load_weights did: model keys left as initialised, checkpoint keys not used, resampled keys.
+
+    missing and unexpected mean something is wrong; ignored are checkpoint keys known and deliberately
+    unused, each with its reason in `reasons` (key -> reason, see IGNORE_REASONS); notes are what the
+    model adapted to the checkpoint (e.g. ALBEF_NLVR's older MLP ta_head).
+    """
 
     missing: list[str] = field(default_factory=list)
     unexpected: list[str] = field(default_factory=list)
     ignored: list[str] = field(default_factory=list)
     resampled: list[str] = field(default_factory=list)
+    reasons: dict[str, str] = field(default_factory=dict)
+    notes: list[str] = field(default_factory=list)
+
+    def ignored_summary(self) -> str:
+        """The ignored keys grouped by reason: 'visual_encoder_m, text_encoder_m [momentum copy ...]'."""
+        by_reason: dict[str, list[str]] = {}
+        for key in self.ignored:
+            by_reason.setdefault(self.reasons.get(key, _FALLBACK_REASON), []).append(key)
+        return "; ".join(f"{summarise_keys(keys)} [{reason}]" for reason, keys in by_reason.items())
 
     def summary(self) -> str:
         """One line, parameter groups collapsed ('text_encoder.bert.encoder.layer.{6-11}.crossattention')."""
+        notes = "".join(f"; note: {note}" for note in self.notes)
         return (
             f"missing: {summarise_keys(self.missing) or 'none'}; "
             f"unexpected: {summarise_keys(self.unexpected) or 'none'}; "
-            f"ignored: {summarise_keys(self.ignored) or 'none'}; "
-            f"resampled: {', '.join(self.resampled) or 'none'}"
+            f"ignored: {self.ignored_summary() or 'none'}; "
+            f"resampled: {', '.join(self.resampled) or 'none'}{notes}"
         )
 
 
@@ -81,17 +146,31 @@ def load_weights(
     model: nn.Module,
     checkpoint: str | dict,
     key_map: Callable[[dict], dict] | None = None,
-    ignore: Sequence[str] = (),
+    ignore: Sequence[str] | Mapping[str, str] = (),
     strict: bool = False,
+    skip: Sequence[str] | Mapping[str, str] = (),
 ) -> LoadReport:
     """Load a checkpoint into model non-strictly, adapting ALBEF naming and ViT resolution; returns a report.
 
     key_map receives the state dict (already in the model's BERT naming) and returns a new one
     (e.g. NLVR layer duplication, VQA decoder). Checkpoint keys absent from the model are reported
-    as `ignored` when they start with one of `ignore` (e.g. 'text_encoder.cls.' for retrieval),
-    otherwise as `unexpected`. strict=True raises ValueError if anything is missing or unexpected.
+    as `ignored` (with a reason) when they match one of `ignore` (prefixes, e.g. 'text_encoder.cls.'
+    for retrieval, reasons from IGNORE_REASONS; or a mapping prefix -> reason) or ALWAYS_IGNORED
+    (momentum copies, feature queues, position_ids), otherwise as `unexpected`. Keys matching `skip`
+    are not loaded even where the model has them, and are reported as ignored too (e.g. Retrieval's
+    queues). strict=True raises ValueError if anything is missing or unexpected.
+
+    A model may define match_checkpoint_layout(state) -> str | None: called with the checkpoint's state
+    dict before anything is matched, it may rebuild a part to the checkpoint's layout; the note it
+    returns goes into the report (ALBEF_NLVR: the older MLP ta_head).
     """
     state = read_checkpoint(checkpoint)
+    notes = []
+    adapt = getattr(model, "match_checkpoint_layout", None)
+    if adapt is not None:
+        note = adapt(state)
+        if note:
+            notes.append(note)
     own = model.state_dict()
     own_keys = set(own)
     state = _match_bert_naming(state, own_keys)
@@ -103,18 +182,23 @@ def load_weights(
         state, done = resample_pos_embed_report(state, model, prefix)
         resampled += done
 
-    report = LoadReport(resampled=resampled)
+    report = LoadReport(resampled=resampled, notes=notes)
     usable = {}
+    skip = _reasons(skip)
     for key, value in state.items():
-        if key in own_keys:
+        if (skipped := _first_reason(key, skip)) is not None:
+            report.ignored.append(key)
+            report.reasons[key] = skipped
+        elif key in own_keys:
             if value.shape != own[key].shape:
                 raise ValueError(
                     f"checkpoint key {key!r} has shape {tuple(value.shape)} but the model expects "
                     f"{tuple(own[key].shape)} (does the config match the checkpoint?)"
                 )
             usable[key] = value
-        elif key.endswith(_OBSOLETE_SUFFIXES) or key.startswith(tuple(ignore)):
+        elif (reason := ignore_reason(key, ignore)) is not None:
             report.ignored.append(key)
+            report.reasons[key] = reason
         else:
             report.unexpected.append(key)
     model.load_state_dict(usable, strict=False)
@@ -128,7 +212,8 @@ def load_weights(
     return report
 
 
-__all__ = ["LoadReport", "load_weights", "read_checkpoint"]
+__all__ = ["ALWAYS_IGNORED", "IGNORE_REASONS", "LoadReport", "ignore_reason", "load_weights",
+           "read_checkpoint"]
 
 
 def load_task_checkpoint(model: nn.Module, checkpoint: str | None,

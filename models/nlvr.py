@@ -26,6 +26,7 @@ from models.vit import build_vision_encoder, check_vision_text_widths
 __all__ = [
     "ALBEF_NLVR",
     "NLVR_PRETRAIN_ONLY_KEYS",
+    "TA_HEADS",
     "assign_texts",
     "duplicate_fusion_layers",
     "nlvr_bert_config",
@@ -34,11 +35,12 @@ __all__ = [
     "share_cross_attention_kv",
 ]
 
-# Pre-training keys the NLVR models have no use for: reported by load_weights as ignored.
+# Pre-training keys the NLVR models have no use for: reported by load_weights as ignored, with the
+# reasons of models.loading.IGNORE_REASONS (which also covers, for every model, momentum copies *_m.*
+# and the feature queues).
 NLVR_PRETRAIN_ONLY_KEYS = ("text_proj.", "temp", "itm_head.", "text_encoder.cls.", "vision_proj.",
-                           "visual_encoder_m.", "text_encoder_m.", "vision_proj_m.", "text_proj_m.",
-                           "image_queue", "text_queue", "idx_queue", "queue_ptr", "valid_queue",
                            "ta_head.")
+TA_HEADS = ("linear", "mlp")
 
 _LAYER_KEY = re.compile(r"^(text_encoder\.(?:bert\.)?encoder\.layer\.)(\d+)\.(.+)$")
 
@@ -114,6 +116,15 @@ def _mlp_head(width: int, classes: int) -> nn.Sequential:
     return nn.Sequential(nn.Linear(width, width), nn.ReLU(), nn.Linear(width, classes))
 
 
+def _ta_head(kind: str, width: int) -> nn.Module:
+    """Stage-1 text-assignment head. 'linear': the authors' (GRIT-VLP / ALBEF model_pretrain_nlvr)
+    nn.Linear(hidden, 3), keys ta_head.weight/bias; 'mlp': this repository's older two-layer head
+    (Linear, ReLU, Linear), keys ta_head.0.* / ta_head.2.*, kept to load stage-1 checkpoints saved with it."""
+    if kind not in TA_HEADS:
+        raise ValueError(f"config key 'ta_head' must be one of {TA_HEADS}, got {kind!r}")
+    return nn.Linear(width, 3) if kind == "linear" else _mlp_head(width, 3)
+
+
 def nlvr_loss(logits: Tensor, labels: Tensor, valid: Tensor | None = None) -> Tensor:
     """NLVR2 cross-entropy: logits (B,2), labels (B,) -> 0-dim mean over the batch.
 
@@ -158,7 +169,8 @@ def assign_texts(
 
 
 class ALBEF_NLVR(nn.Module):
-    """ViT + BERT whose fusion layers attend alternately to two images; MLP head on the fused [CLS]."""
+    """ViT + BERT whose fusion layers attend alternately to two images; a head on the fused [CLS]:
+    cls_head (MLP, NLVR2) or, in stage 1, ta_head (one Linear as the authors', or our older MLP)."""
 
     def __init__(self, config: dict, tokenizer, text_assignment: bool = False):
         super().__init__()
@@ -180,13 +192,42 @@ class ALBEF_NLVR(nn.Module):
             # Only picks similar images (no gradient): frozen so DDP sees no unused trainable parameter.
             self.vision_proj = nn.Linear(int(config["vision_width"]), int(config.get("embed_dim", 256)))
             self.vision_proj.requires_grad_(False)
-            self.ta_head = _mlp_head(width, 3)
+            # config ta_head: 'linear' (default, the authors' layout) or 'mlp' (our older stage-1
+            # checkpoints); load_weights switches to the checkpoint's layout (match_checkpoint_layout).
+            self.ta_head = _ta_head(str(config.get("ta_head", "linear")), width)
         else:
             self.cls_head = _mlp_head(width, 2)
 
     def key_map(self) -> Callable[[dict[str, Tensor]], dict[str, Tensor]]:
         """Checkpoint key map for load_weights (pre-training -> duplicated layout)."""
         return nlvr_key_map(self.fusion_layer, self.pretrain_layers)
+
+    def match_checkpoint_layout(self, state: dict[str, Tensor]) -> str | None:
+        """Rebuild ta_head in the checkpoint's layout (called by load_weights before loading); a note or None.
+
+        An older stage-1 checkpoint's two-layer MLP head (ta_head.0.*, ta_head.2.*) cannot be mapped
+        exactly onto the authors' single Linear, so instead of approximating it this load builds the
+        MLP head, and the model goes on with it (fine-tuning, saving: its checkpoints keep the MLP keys).
+        The other way round an authors'-layout head (ta_head.weight) gets the Linear. The new head is
+        freshly initialised (the checkpoint then fills it): call this before building an optimizer.
+        """
+        if not self.text_assignment:
+            return None
+        if "ta_head.0.weight" in state and "ta_head.2.weight" in state:
+            kind = "mlp"
+        elif "ta_head.weight" in state:
+            kind = "linear"
+        else:
+            return None
+        current = "linear" if isinstance(self.ta_head, nn.Linear) else "mlp"
+        if kind == current:
+            return None
+        old = next(self.ta_head.parameters())
+        self.ta_head = _ta_head(kind, self.text_encoder.config.hidden_size).to(old.device, old.dtype)
+        layout = ("the older two-layer MLP (ta_head.0/.2)" if kind == "mlp"
+                  else "the authors' single Linear (ta_head.weight/bias)")
+        # Printed by the callers with the load report (load_task_checkpoint: on the main rank).
+        return f"the checkpoint's ta_head is {layout}: ta_head rebuilt as '{kind}' for this load"
 
     def ignored_keys(self) -> tuple[str, ...]:
         """Checkpoint key prefixes dropped on purpose (pre-training-only parts, the other stage's head)."""

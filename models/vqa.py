@@ -33,10 +33,10 @@ __all__ = [
     "vqa_score",
 ]
 
-# Pre-training keys the VQA model has no use for: reported by load_weights as ignored.
-VQA_PRETRAIN_ONLY_KEYS = ("vision_proj.", "text_proj.", "temp", "itm_head.", "text_encoder.cls.",
-                          "visual_encoder_m.", "text_encoder_m.", "vision_proj_m.", "text_proj_m.",
-                          "image_queue", "text_queue", "idx_queue", "queue_ptr", "valid_queue")
+# Pre-training keys the VQA model has no use for: reported by load_weights as ignored, with the reasons
+# of models.loading.IGNORE_REASONS (which also covers, for every model, momentum copies *_m.* such as
+# ALBEF's text_decoder_m, and the feature queues).
+VQA_PRETRAIN_ONLY_KEYS = ("vision_proj.", "text_proj.", "temp", "itm_head.", "text_encoder.cls.")
 
 _ENCODER_KEY = re.compile(r"^text_encoder\.(?:bert\.)?(embeddings\..+|encoder\.layer\.(\d+)\.(.+))$")
 
