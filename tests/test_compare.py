@@ -30,3 +30,13 @@ def test_side_by_side_shows_both_runs_per_epoch_recall_and_probe():
     assert mean.split()[2:] == ["5.00", "2.50"]
     colour = next(line for line in lines if line.strip().startswith("colour"))
     assert colour.split()[1:] == ["0.9000", "0.7000"]
+
+
+def test_evaluations_get_the_overrides_their_config_accepts():
+    from tools.compare import overrides_for
+
+    given = ['vision_stem=conv', 'grit.search_space=120', 'bert_config=/x/bert.json', 'max_epoch=20']
+    assert overrides_for('retrieval', given) == ['--set', 'vision_stem=conv', 'bert_config=/x/bert.json',
+                                                 'max_epoch=20']
+    assert overrides_for('pretrain', given) == ['--set', *given]
+    assert overrides_for('retrieval', ['grit.enabled=false']) == []

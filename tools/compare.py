@@ -48,24 +48,38 @@ def pretrain(output_dir: str, args: list[str]) -> str:
     return output_dir
 
 
-def probe(checkpoint: str, output: str) -> dict:
+def overrides_for(task: str, overrides: list[str]) -> list[str]:
+    """The KEY=VALUE overrides whose key `task`'s config accepts (training.schema), as --set arguments.
+
+    The evaluations must build the model the pre-training built (e.g. `--set vision_stem=conv`), while
+    pre-training-only keys (grit.*, max_epoch schedules) would be rejected by Retrieval.py's config.
+    """
+    from training import schema
+
+    known = schema.keys(task)
+    kept = [o for o in overrides if o.split('=', 1)[0] in known]
+    return ['--set', *kept] if kept else []
+
+
+def probe(checkpoint: str, output: str, overrides: list[str] = ()) -> dict:
     """The compositional ITM probe (tools.probe) of a pre-training checkpoint; its JSON result."""
     run(['-m', 'tools.probe', '--config', 'configs/tiny/Pretrain.yaml', '--checkpoint', checkpoint,
-         '--output', output])
+         '--output', output, *overrides_for('pretrain', list(overrides))])
     with open(output, encoding='utf-8') as f:
         return json.load(f)
 
 
-def evaluate(pre_dir: str, out_dir: str) -> tuple[str, dict, dict]:
-    """Last checkpoint of a pre-training run, its zero-shot retrieval record and its probe result."""
+def evaluate(pre_dir: str, out_dir: str, overrides: list[str] = ()) -> tuple[str, dict, dict]:
+    """Last checkpoint of a pre-training run, its zero-shot retrieval record and its probe result
+    (the pre-training's overrides that shape the model go to both evaluations)."""
     rows = read_log(os.path.join(pre_dir, 'log.txt'))
     checkpoint = os.path.join(pre_dir, f'checkpoint_{rows[-1]["epoch"]:02d}.pth')
     ret_dir = fresh(out_dir)
     run(['Retrieval.py', '--config', 'configs/tiny/Retrieval.yaml', '--checkpoint', checkpoint,
-         '--evaluate', '--output_dir', ret_dir])
+         '--evaluate', '--output_dir', ret_dir, *overrides_for('retrieval', list(overrides))])
     retrieval = read_log(os.path.join(ret_dir, 'log.txt'))[-1]
     retrieval['test_mean_r1'] = (retrieval['test_txt_r1'] + retrieval['test_img_r1']) / 2
-    return checkpoint, retrieval, probe(checkpoint, os.path.join(ret_dir, 'probe.json'))
+    return checkpoint, retrieval, probe(checkpoint, os.path.join(ret_dir, 'probe.json'), overrides)
 
 
 def side_by_side(runs: dict[str, tuple[list[dict], dict, dict]]) -> str:
@@ -106,7 +120,8 @@ def compare_seed(output_dir: str, seed: int | None, overrides: list[str],
                               seed_args + (['--set', *set_args] if set_args else []))
     out = {}
     for name, pre_dir in dirs.items():
-        _, retrieval, probe_result = evaluate(pre_dir, os.path.join(output_dir, 'zeroshot' + SUFFIX[name]))
+        _, retrieval, probe_result = evaluate(pre_dir, os.path.join(output_dir, 'zeroshot' + SUFFIX[name]),
+                                              overrides)
         out[name] = (read_log(os.path.join(pre_dir, 'log.txt')), retrieval, probe_result)
     return out
 
