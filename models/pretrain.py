@@ -7,10 +7,9 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from models.bert import build_text_encoder
+from models.false_negatives import caption_keys, false_negative_mask
 from models.objectives import (
-    caption_keys,
     concat_all_gather,
-    false_negative_mask,
     hardest_negative_similarity,
     itc_loss,
     itm_pair_weights,

@@ -8,10 +8,9 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 import torch.nn.functional as F
 
+from models.false_negatives import caption_keys, false_negative_mask
 from models.objectives import (
-    caption_keys,
     concat_all_gather,
-    false_negative_mask,
     gather_features,
     hardest_negative_similarity,
     itc_loss,

@@ -10,7 +10,8 @@ import torch
 import torch.nn.functional as F
 
 from grit import GritSampler, load_index_array
-from models.objectives import false_negative_mask, hardest_negative_similarity
+from models.false_negatives import false_negative_mask
+from models.objectives import hardest_negative_similarity
 from models.tokenization import build_tokenizer
 from tools.warmstart import batch_hardness, cli, group_features, main
 from training.config import load_config

@@ -35,7 +35,8 @@ from torch.utils.data import DataLoader
 from dataset import ImageTextCollate, PretrainDataset, create_dataset, prepare_data
 from dataset.transforms import test_transform
 from grit import GritCollector, parse_grit_config
-from models.objectives import caption_keys, false_negative_mask, hardest_negative_similarity
+from models.false_negatives import caption_keys, false_negative_mask
+from models.objectives import hardest_negative_similarity
 from models.pretrain import ALBEF_Base
 from models.tokenization import build_tokenizer
 from tools.checkpoint_tool import (

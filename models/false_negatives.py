@@ -1,0 +1,73 @@
+"""In-batch false negatives (config key guard_false_negatives): keys that identify a caption, and the
+mask of pairs that share the image or the caption (a `positive` for itc_loss and mine_negatives).
+
+ALBEF's COCO/VG files list one image under several entries and web corpora repeat captions verbatim;
+GRIT groups such pairs into one batch, where the hardest "negative" is then a true match.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+__all__ = ["caption_keys", "false_negative_mask"]
+
+
+def _odd_constants(length: int, device: torch.device) -> Tensor:
+    """(length,) fixed pseudo-random odd int64 constants, one per token position (splitmix64 of it).
+
+    Computed on the device in integer arithmetic (wrapping int64 multiplies), so every rank and
+    device gets the same table without a host copy. `>>` is arithmetic on int64: masking makes it
+    the logical shift of splitmix64.
+    """
+    x = torch.arange(1, length + 1, dtype=torch.int64, device=device)
+    x = x * -7046029254386353131  # 0x9E3779B97F4A7C15
+    x = (x ^ ((x >> 30) & ((1 << 34) - 1))) * -4658895280553007687  # 0xBF58476D1CE4E5B9
+    x = (x ^ ((x >> 27) & ((1 << 37) - 1))) * -7723592293110705685  # 0x94D049BB133111EB
+    x = x ^ ((x >> 31) & ((1 << 33) - 1))
+    return x | 1
+
+
+def caption_keys(input_ids: Tensor) -> Tensor:
+    """Token ids (B, L), right-padded with id 0 -> int64 (B,) keys, equal for identical captions.
+
+    key = sum_j ids[j] * c[j] (mod 2^64) with a fixed odd constant c[j] per position: trailing [PAD]
+    (id 0 in BERT vocabularies) adds nothing, so the padded length does not matter; the position
+    weights tell reorderings apart; and two rows that differ at a single position never collide
+    (d * odd != 0 mod 2^64 for 0 < |d| < 2^63). Other collisions are ~2^-63 chance events.
+    """
+    if input_ids.dim() != 2:
+        raise ValueError(f"caption_keys: input_ids must be (B, L), got {tuple(input_ids.shape)}")
+    ids = input_ids.to(torch.int64)
+    return (ids * _odd_constants(ids.shape[1], ids.device)).sum(dim=1)
+
+
+def false_negative_mask(
+    image_keys: Tensor,
+    caption_keys: Tensor,
+    image_keys_all: Tensor | None = None,
+    caption_keys_all: Tensor | None = None,
+) -> Tensor:
+    """Keys (B,) (and gathered keys (N,)) -> bool (B, N): pair i and column pair j share the image or caption.
+
+    Both relations are symmetric, so image i matches text j and text i matches image j: the mask
+    is a valid `positive` for itc_loss, mine_negatives and hardest_negative_similarity. Without the
+    *_all keys N = B (the local batch); the diagonal is always True.
+    """
+    if (image_keys_all is None) != (caption_keys_all is None):
+        raise ValueError("false_negative_mask: image_keys_all and caption_keys_all must be given together")
+    if image_keys_all is None:
+        image_keys_all, caption_keys_all = image_keys, caption_keys
+    if image_keys.dim() != 1 or image_keys.shape != caption_keys.shape:
+        raise ValueError(
+            f"false_negative_mask: image_keys and caption_keys must both be (B,), got "
+            f"{tuple(image_keys.shape)} and {tuple(caption_keys.shape)}"
+        )
+    if image_keys_all.dim() != 1 or image_keys_all.shape != caption_keys_all.shape:
+        raise ValueError(
+            f"false_negative_mask: image_keys_all and caption_keys_all must both be (N,), got "
+            f"{tuple(image_keys_all.shape)} and {tuple(caption_keys_all.shape)}"
+        )
+    same_image = image_keys[:, None] == image_keys_all[None, :]
+    same_caption = caption_keys[:, None] == caption_keys_all[None, :]
+    return same_image | same_caption
