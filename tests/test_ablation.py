@@ -9,7 +9,7 @@ import os
 import pytest
 import torch
 
-from grit.sampler import parse_grit_config
+from grit.config import parse_grit_config
 from tools import ablate
 from training.config import ConfigError, load_config, to_plain
 

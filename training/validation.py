@@ -152,7 +152,7 @@ def _check_grit(config: Mapping, source: str, overrides: Sequence[str]) -> None:
     # grit/ owns the block's rules and GritSampler applies them when built, after the data is read;
     # asking the same function here reports them at start-up. Imported here, not at the top, so that
     # training/ stays free of grit/ for every other task.
-    from grit.sampler import parse_grit_config
+    from grit.config import parse_grit_config
 
     try:
         parse_grit_config(config.get('grit'), config['batch_size'])
