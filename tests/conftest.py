@@ -8,6 +8,17 @@ import pytest
 import torch
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+SPECIAL_TOKENS = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"]
+
+
+def word_tokenizer(folder, words: list[str]):
+    """A BertTokenizerFast over the special tokens and `words`, its vocab.txt written into folder."""
+    from transformers import BertTokenizerFast
+
+    path = os.path.join(str(folder), "vocab.txt")
+    with open(path, "w") as f:
+        f.write("\n".join(SPECIAL_TOKENS + list(words)) + "\n")
+    return BertTokenizerFast(vocab_file=path, do_lower_case=True)
 
 
 @pytest.fixture(scope="module")

@@ -16,8 +16,9 @@ from pathlib import Path
 import pytest
 import torch
 import torch.nn.functional as F
+from conftest import word_tokenizer
 from PIL import Image
-from transformers import BatchEncoding, BertTokenizerFast
+from transformers import BatchEncoding
 
 import models.pretrain as pretrain_module
 import models.retrieval as retrieval_module
@@ -41,15 +42,12 @@ REPO = Path(__file__).parents[1]
 TINY_BERT = str(REPO / "configs" / "tiny" / "config_bert.json")
 WORDS = ["a", "dog", "cat", "red", "blue", "ball", "on", "the", "grass", "left", "right", "of", "big",
          "small", "bad", "sample", "yes", "no"]
-SPECIALS = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"]
 TOL = dict(rtol=1e-5, atol=1e-6)
 
 
 @pytest.fixture(scope="module")
 def tokenizer(tmp_path_factory):
-    path = tmp_path_factory.mktemp("vocab") / "vocab.txt"
-    path.write_text("\n".join(SPECIALS + WORDS) + "\n")
-    return BertTokenizerFast(vocab_file=str(path), do_lower_case=True)
+    return word_tokenizer(tmp_path_factory.mktemp("vocab"), WORDS)
 
 
 def tiny_config(**overrides) -> dict:

@@ -21,6 +21,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch.utils.checkpoint
+from conftest import word_tokenizer
 from timm.models.vision_transformer import Block
 from torch import Tensor, nn
 from transformers import BertTokenizerFast
@@ -37,15 +38,12 @@ pytestmark = pytest.mark.usefixtures("one_thread")  # tests/conftest.py
 
 REPO = Path(__file__).parents[1]
 WORDS = ["a", "dog", "cat", "red", "blue", "ball", "on", "the", "grass", "left", "right", "yes", "no"]
-SPECIALS = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"]
 N = 6
 
 
 @pytest.fixture(scope="module")
 def tokenizer(tmp_path_factory) -> BertTokenizerFast:
-    path = tmp_path_factory.mktemp("vocab") / "vocab.txt"
-    path.write_text("\n".join(SPECIALS + WORDS) + "\n")
-    return BertTokenizerFast(vocab_file=str(path), do_lower_case=True)
+    return word_tokenizer(tmp_path_factory.mktemp("vocab"), WORDS)
 
 
 @pytest.fixture(scope="module")

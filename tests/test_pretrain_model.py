@@ -5,7 +5,8 @@ from pathlib import Path
 
 import pytest
 import torch
-from transformers import BertConfig, BertForMaskedLM, BertModel, BertTokenizerFast
+from conftest import word_tokenizer
+from transformers import BertConfig, BertForMaskedLM, BertModel
 
 from models.loading import load_weights
 from models.pretrain import ALBEF_Base
@@ -30,14 +31,11 @@ WORDS = [
     "big",
     "small",
 ]
-SPECIALS = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"]
 
 
 @pytest.fixture(scope="module")
 def tokenizer(tmp_path_factory):
-    path = tmp_path_factory.mktemp("vocab") / "vocab.txt"
-    path.write_text("\n".join(SPECIALS + WORDS) + "\n")
-    return BertTokenizerFast(vocab_file=str(path), do_lower_case=True)
+    return word_tokenizer(tmp_path_factory.mktemp("vocab"), WORDS)
 
 
 def config(**overrides) -> dict:
