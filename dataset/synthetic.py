@@ -2,7 +2,7 @@
 writes the corpus (splits, files, statistics, CLI); the scenes, images and captions are in
 dataset/synthetic_world.py, the NLVR2 sentences and VQA questions in dataset/synthetic_tasks.py.
 
-Images are 64x64 PNGs of one to three coloured shapes of two sizes on a lightly noisy grey
+Images are 48x48 PNGs of one to three coloured shapes of two sizes on a lightly noisy grey
 background: one shape alone, two shapes in a spatial relation (left of, right of, above, below), or
 three in a row (left to right) or a column (top to bottom). Every caption names every object with its
 size, colour and shape, and the relation or order, in several paraphrases ("a small red circle to the
@@ -80,8 +80,8 @@ logger = logging.getLogger(__name__)
 
 # 2: pretrain_extra.json; 3: NLVR sentences (colour form, any-object negatives), 8n pairs;
 # 4: sizes, three-object rows/columns, fully specifying captions, split entries, probe_test.json,
-#    scenes.json, 5n/3 test images
-FORMAT_VERSION = 4
+#    scenes.json, 5n/3 test images; 5: objects drawn at the cells of a 3 x 3 grid, 48 px images
+FORMAT_VERSION = 5
 MARKER = "synthetic.json"
 SPECIAL_TOKENS = ("[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]")
 
@@ -198,7 +198,7 @@ def _render_pool(out: str, split: str, scenes: list[Scene], rng: np.random.Gener
     return pool
 
 
-def _build(out: str, n: int, seed: int, image_size: int = 64) -> dict:
+def _build(out: str, n: int, seed: int, image_size: int = 48) -> dict:
     """Write the whole dataset into the (existing, empty) directory ``out``; returns the metadata."""
     if n < 4:
         raise ValueError(f"synthetic dataset needs n >= 4 images, got {n}")
@@ -265,7 +265,7 @@ def _temp_dir_beside(target: str) -> str:
     return tempfile.mkdtemp(prefix=f".{os.path.basename(os.path.abspath(target))}.tmp-", dir=parent)
 
 
-def generate(out: str, n: int = 600, seed: int = 0, image_size: int = 64) -> dict:
+def generate(out: str, n: int = 600, seed: int = 0, image_size: int = 48) -> dict:
     """Generate the dataset into ``out`` (replacing an earlier synthetic dataset there); returns metadata."""
     if os.path.exists(out) and not os.path.isfile(os.path.join(out, MARKER)) and os.listdir(out):
         raise FileExistsError(f"{out} exists, is not empty and is not a synthetic dataset; "
@@ -332,7 +332,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--out", required=True, help="output directory (use it as image_root in configs)")
     parser.add_argument("--n", type=int, default=600, help="number of pre-training images")
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--image-size", type=int, default=64)
+    parser.add_argument("--image-size", type=int, default=48)
     args = parser.parse_args(argv)
     start = time.time()
     try:

@@ -26,8 +26,11 @@ COLOURS = {
 SHAPES = ("circle", "square", "triangle", "diamond", "cross")
 SIZES = ("small", "large")
 SIZE_WORDS = {"small": ("small", "little"), "large": ("large", "big")}
-# Radius ranges in 64 px units: far enough apart that a 48 px crop of 0.85-1.0 of the area keeps them apart.
-SIZE_RADIUS = {"small": (5.0, 6.0), "large": (8.0, 9.0)}
+# Objects stand at the centres of a 3 x 3 grid of cells; radius as a share of the cell side. A cell of a
+# 48 px image is 16 px, 2 x 2 patches of 8 px, so every (shape, size) is one fixed pixel pattern per
+# patch: a tiny ViT trained from scratch sees shapes and sizes within minutes (README, format 5).
+SIZE_RADIUS = {"small": 0.25, "large": 0.42}
+GRID = 3
 RELATIONS = ("left", "right", "above", "below")
 INVERSE = {"left": "right", "right": "left", "above": "below", "below": "above"}
 # Caption paraphrases of "A <rel> B"; the first one is also the short form used in questions.
@@ -139,36 +142,32 @@ def _draw_shape(draw: ImageDraw.ImageDraw, shape: str, cx: float, cy: float, r: 
         raise ValueError(f"unknown shape {shape!r}")
 
 
-def _places(scene: Scene, rng: np.random.Generator) -> list[tuple[float, float]]:
-    """Object centres in 64 px units; the off-axis jitter stays well below the on-axis gap, so exactly
-    one relation (or order) is visually true."""
+def _cells(scene: Scene, rng: np.random.Generator) -> list[tuple[int, int]]:
+    """Grid cells (column, row) of the objects: two objects share a row (left/right) or a column
+    (above/below), three fill one row or column, so exactly one relation (or order) is visually true."""
     n = len(scene.objects)
     if n == 1:
-        return [tuple(rng.uniform(24, 40, size=2))]
+        return [(int(rng.integers(GRID)), int(rng.integers(GRID)))]
+    line = int(rng.integers(GRID))
     if n == 2:
-        near, far = rng.uniform(15, 20), rng.uniform(44, 49)
-        a_main, b_main = {"left": (near, far), "right": (far, near), "above": (near, far),
-                          "below": (far, near)}[scene.layout]
-        a_off, b_off = rng.uniform(26, 38, size=2)
-        if scene.layout in ("left", "right"):
-            return [(a_main, a_off), (b_main, b_off)]
-        return [(a_off, a_main), (b_off, b_main)]
-    # Centres at least 19.5 apart, two large radii at most 18: neighbours in a row never touch.
-    main = np.array([10.5, 32.0, 53.5]) + rng.uniform(-1.0, 1.0, size=3)
-    off = rng.uniform(27, 37, size=3)
+        near, far = sorted(int(x) for x in rng.choice(GRID, size=2, replace=False))
+        a, b = (near, far) if scene.layout in ("left", "above") else (far, near)
+        return [(a, line), (b, line)] if scene.layout in ("left", "right") else [(line, a), (line, b)]
     if scene.layout == "row":
-        return list(zip(main, off))
-    return list(zip(off, main))
+        return [(j, line) for j in range(GRID)]
+    return [(line, j) for j in range(GRID)]
 
 
 def render(scene: Scene, rng: np.random.Generator, size: int) -> Image.Image:
-    k = size / 64.0
+    """(size x size) RGB image of ``scene`` on a lightly noisy grey background."""
     noise = rng.integers(-6, 7, size=(size, size, 1), dtype=np.int16)
     bg = np.clip(228 + noise, 0, 255).astype(np.uint8).repeat(3, axis=2)
     img = Image.fromarray(bg, "RGB")
     draw = ImageDraw.Draw(img)
-    for (colour, shape, sz), (cx, cy) in zip(scene.objects, _places(scene, rng)):
-        _draw_shape(draw, shape, cx * k, cy * k, rng.uniform(*SIZE_RADIUS[sz]) * k, COLOURS[colour])
+    cell = size / GRID
+    for (colour, shape, sz), (col, row) in zip(scene.objects, _cells(scene, rng)):
+        _draw_shape(draw, shape, (col + 0.5) * cell, (row + 0.5) * cell, SIZE_RADIUS[sz] * cell,
+                    COLOURS[colour])
     return img
 
 

@@ -72,6 +72,10 @@ def build_vision_encoder(config: dict) -> VisionEncoder:
     # restores the RNG state (its default, kept by timm's checkpoint_seq): drop_path redraws its masks.
     model.set_grad_checkpointing(bool(config.get("grad_checkpointing", False)))
     init = config.get("vision_init")
+    if init == "synthetic":  # the ViT pre-trained on the synthetic world, made on first use
+        from models.vit_synthetic import ensure_synthetic_vit  # imports dataset/: only when asked for
+
+        init = ensure_synthetic_vit(config)
     if init:
         load_vision_init(model, str(init))
     return model

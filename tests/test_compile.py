@@ -22,7 +22,8 @@ def data_dir(tmp_path_factory) -> str:
 
 def _args(data: str, out: str, **extra) -> list[str]:
     values = {'train_file': f'[{data}/pretrain.json]', 'image_root': data, 'vocab_file': f'{data}/vocab.txt',
-              'synthetic_root': 'null', 'image_res': 32, 'patch_size': 16, 'vision_depth': 1,
+              'synthetic_root': 'null', 'vision_init': 'null',
+              'image_res': 32, 'patch_size': 16, 'vision_depth': 1,
               'batch_size': 8, 'grit.queue_size': 40, 'grit.search_space': 16, 'max_epoch': 1,
               'schedular.epochs': 1, 'schedular.warmup_steps': 2, 'print_freq': 1000}
     values.update(extra)

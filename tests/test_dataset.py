@@ -121,7 +121,7 @@ def test_generator_files_and_split_sizes(data_root):
     pretrain = _load(data_root, "pretrain.json")
     captions = _check_pretrain_entries(pretrain, N, "images/train/")
     with Image.open(os.path.join(data_root, pretrain[0]["image"])) as im:
-        assert im.size == (64, 64) and im.mode == "RGB"
+        assert im.size == (48, 48) and im.mode == "RGB"
     extra = _load(data_root, "pretrain_extra.json")
     _check_pretrain_entries(extra, sizes["pretrain_extra_images"], "images/pretrain/")
     assert all(os.path.isfile(os.path.join(data_root, e["image"])) for e in extra)
@@ -722,12 +722,12 @@ def _shape_and_size(ys: np.ndarray, xs: np.ndarray) -> tuple[str, str]:
         shape = "square"
     elif box[-quarter:].sum() > 3 * box[:quarter].sum():  # wide base, narrow top
         shape = "triangle"
-    elif filled([(u, v) for u in (-0.6, 0.6) for v in (-0.6, 0.6)]) == 1:
+    elif filled([(u, v) for u in (-0.7, 0.7) for v in (-0.7, 0.7)]) == 1:  # outside a diamond or cross
         shape = "circle"
     else:  # diamond: half its box; cross: about 0.6
         shape = "diamond" if box.mean() < 0.54 else "cross"
     radius = max(h, w) / (1.7 if shape == "square" else 2.0)  # a square's half side is 0.85 of its radius
-    return shape, "large" if radius > 7.75 else "small"
+    return shape, "large" if radius > 5.5 else "small"  # radii 4 and 6.7 px in a 48 px image
 
 
 def test_scenes_json_is_true_of_the_images(corpus, data_root):
@@ -753,8 +753,8 @@ def test_scenes_json_is_true_of_the_images(corpus, data_root):
         steps = np.diff(centres, axis=0)
         assert (steps[:, axis] > 0).all(), path  # left to right, or top to bottom
         assert (steps[:, axis] > np.abs(steps[:, 1 - axis])).all(), path  # and plainly so
-    # Neighbours in a row or column never touch (centres at least 19.5 px apart, large radii at most 9),
-    # so two same-coloured shapes are never one blob.
+    # Neighbours in a row or column never touch (cell centres 16 px apart, large radii 6.7 px), so two
+    # same-coloured shapes are never one blob.
     assert not merged, merged
 
 

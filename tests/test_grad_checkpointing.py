@@ -209,7 +209,8 @@ def test_pretrain_script_with_grad_checkpointing(tmp_path):
     data = ensure_synthetic(str(tmp_path / "synthetic"), n=24, seed=3)
     out = str(tmp_path / "run")
     sets = {"train_file": f"[{data}/pretrain.json]", "image_root": data, "vocab_file": f"{data}/vocab.txt",
-            "synthetic_root": "null", "image_res": 32, "patch_size": 16, "vision_depth": 1, "batch_size": 8,
+            "synthetic_root": "null", "vision_init": "null",
+            "image_res": 32, "patch_size": 16, "vision_depth": 1, "batch_size": 8,
             "grit.queue_size": 16, "grit.search_space": 8, "max_epoch": 1, "schedular.epochs": 1,
             "grad_checkpointing": "true"}
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(REPO))

@@ -36,7 +36,8 @@ def n_entries(data: str) -> int:
 def overrides(data: str, **extra) -> list[str]:
     """--set arguments: the tiny config shrunk further, on the test's own synthetic set."""
     values = {'train_file': f'[{data}/pretrain.json]', 'image_root': data, 'vocab_file': f'{data}/vocab.txt',
-              'synthetic_root': 'null', 'image_res': 32, 'patch_size': 16, 'vision_depth': 1,
+              'synthetic_root': 'null', 'vision_init': 'null',
+              'image_res': 32, 'patch_size': 16, 'vision_depth': 1,
               'batch_size': 8, 'grit.queue_size': 40, 'grit.search_space': 16, 'max_epoch': 2,
               'schedular.epochs': 2, 'schedular.warmup_steps': 4, 'print_freq': 1000}
     values.update(extra)

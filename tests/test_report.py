@@ -227,7 +227,8 @@ def test_real_pretrain_runs(tmp_path):
     data = ensure_synthetic(str(tmp_path / "synthetic"), n=48, seed=3)
     # As tests/test_pretrain.py shrinks the tiny config, smaller still.
     values = {"train_file": f"[{data}/pretrain.json]", "image_root": data, "vocab_file": f"{data}/vocab.txt",
-              "synthetic_root": "null", "image_res": 32, "patch_size": 16, "vision_depth": 1,
+              "synthetic_root": "null", "vision_init": "null",
+              "image_res": 32, "patch_size": 16, "vision_depth": 1,
               "batch_size": 8, "grit.queue_size": 16, "grit.search_space": 8, "max_epoch": 2,
               "schedular.epochs": 2, "schedular.warmup_steps": 2, "print_freq": 1000}
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=ROOT)
