@@ -14,8 +14,7 @@ import argparse
 import os
 import time
 
-from dataset import ensure_synthetic
-from tools.compare import RUNS, compare_seed, fresh, read_log, run, side_by_side
+from tools.compare import RUNS, compare_seed, fresh, prepare_pretraining, read_log, run, side_by_side
 
 COLUMNS = ('epoch', 'loss_itc', 'loss_cons', 'loss_itm', 'loss_mlm', 'grit_hardness', 'seconds')
 
@@ -80,7 +79,7 @@ def main() -> None:
                         help='also run NLVR2 (text assignment + fine-tune) and VQA from the checkpoint')
     args = parser.parse_args()
     start = time.time()
-    ensure_synthetic('data/synthetic')
+    prepare_pretraining()
     names = tuple(RUNS) if args.compare else ('GRIT-VLP',)
     runs = compare_seed(args.output_dir, args.seed, [], names)
     last_epoch = runs['GRIT-VLP'][0][-1]['epoch']
