@@ -19,8 +19,8 @@ test: $(STAMP)
 	$(PY) -m ruff check .
 	$(PY) -m pytest
 
-# The slow tests (about 25 min here): the downstream chain from a tiny pre-training must beat chance on
-# held-out splits; the 3-seed GRIT vs random-batch comparison (issue 11, a strict xfail for now).
+# The slow tests (about 50 min here): the downstream chain from a tiny pre-training must beat chance on
+# held-out splits; the 3-seed GRIT vs random-batch comparison and its downstream chain (issue 11).
 test-slow: $(STAMP)
 	$(PY) -m pytest -m slow
 

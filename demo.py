@@ -1,6 +1,6 @@
-"""`make demo`: tiny GRIT-VLP pre-training on the built-in synthetic data and the same run with random
-batches (CPU, about 5 minutes), then, for both, zero-shot retrieval and the compositional ITM probe,
-printed side by side with their per-epoch grit_hardness and ITM loss.
+"""`make demo`: tiny GRIT-VLP pre-training on the built-in synthetic data and, side by side, the same run
+with random batches (CPU, under 5 minutes), then, for both, zero-shot retrieval and the compositional
+ITM probe, printed side by side with their per-epoch grit_hardness and ITM loss.
 
     python demo.py [--output_dir output/demo] [--seed S] [--no-compare] [--downstream]
 

@@ -54,7 +54,8 @@ def config(tmp_path_factory) -> dict:
     bert_path = tmp_path_factory.mktemp("bert") / "config_bert.json"
     bert_path.write_text(json.dumps(bert))
     values = dict(load_config(REPO / "configs" / "tiny" / "Pretrain.yaml"))
-    values.update(bert_config=str(bert_path), image_res=32, vision_drop_path=0.1, queue_size=16, momentum=0.9)
+    values.update(bert_config=str(bert_path), image_res=32, vision_drop_path=0.1, queue_size=16, momentum=0.9,
+                  vision_init=None)  # exactness of checkpointing, not the warm start
     return values
 
 

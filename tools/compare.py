@@ -5,8 +5,9 @@
 For each seed it pre-trains configs/tiny/Pretrain.yaml twice (GRIT batches, and grit.enabled=false),
 evaluates both last checkpoints zero-shot with Retrieval.py --evaluate (configs/tiny/Retrieval.yaml) and
 with tools.probe, and prints one row per seed and run (final loss_itm, grit_hardness, text/image/mean
-R@1, probe overall and per kind), then a JSON object with every number. About 4-5 minutes per seed on
-a 2-core CPU. `make demo` runs one seed of this.
+R@1, probe overall and per kind), then a JSON object with every number. The two pre-trainings of a
+seed run side by side, one thread each (run_side_by_side); about 4 minutes per seed on a 2-core CPU.
+`make demo` runs one seed of this.
 """
 
 from __future__ import annotations
