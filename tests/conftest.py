@@ -21,6 +21,16 @@ def word_tokenizer(folder, words: list[str]):
     return BertTokenizerFast(vocab_file=path, do_lower_case=True)
 
 
+def small_pretrain_sets(data: str, **values) -> list[str]:
+    """--set KEY=VALUE strings that shrink configs/tiny/Pretrain.yaml for script tests: the synthetic set
+    at `data`, 32 px, patch 16, one ViT block, batch 8, no synthetic ViT; `values` add or replace keys."""
+    sets = {"train_file": f"[{data}/pretrain.json]", "image_root": data, "vocab_file": f"{data}/vocab.txt",
+            "synthetic_root": "null", "vision_init": "null", "image_res": 32, "patch_size": 16,
+            "vision_depth": 1, "batch_size": 8}
+    sets.update(values)
+    return [f"{k}={v}" for k, v in sets.items()]
+
+
 @pytest.fixture(scope="module")
 def in_repo():
     """Run the module from the repo root with one intra-op thread, the synthetic data generated.

@@ -9,6 +9,7 @@ import os
 
 import pytest
 import torch
+from conftest import small_pretrain_sets
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -21,14 +22,10 @@ def data_dir(tmp_path_factory) -> str:
 
 
 def _args(data: str, out: str, **extra) -> list[str]:
-    values = {'train_file': f'[{data}/pretrain.json]', 'image_root': data, 'vocab_file': f'{data}/vocab.txt',
-              'synthetic_root': 'null', 'vision_init': 'null',
-              'image_res': 32, 'patch_size': 16, 'vision_depth': 1,
-              'batch_size': 8, 'grit.queue_size': 40, 'grit.search_space': 16, 'max_epoch': 1,
-              'schedular.epochs': 1, 'schedular.warmup_steps': 2, 'print_freq': 1000}
-    values.update(extra)
+    values = {'grit.queue_size': 40, 'grit.search_space': 16, 'max_epoch': 1, 'schedular.epochs': 1,
+              'schedular.warmup_steps': 2, 'print_freq': 1000, **extra}
     return ['--config', 'configs/tiny/Pretrain.yaml', '--output_dir', out, '--device', 'cpu',
-            '--set', *(f'{k}={v}' for k, v in values.items())]
+            '--set', *small_pretrain_sets(data, **values)]
 
 
 def test_compiled_training_matches_default(data_dir, tmp_path, monkeypatch):

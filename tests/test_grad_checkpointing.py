@@ -21,7 +21,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch.utils.checkpoint
-from conftest import word_tokenizer
+from conftest import small_pretrain_sets, word_tokenizer
 from timm.models.vision_transformer import Block
 from torch import Tensor, nn
 from transformers import BertTokenizerFast
@@ -209,16 +209,13 @@ def test_pretrain_script_with_grad_checkpointing(tmp_path):
 
     data = ensure_synthetic(str(tmp_path / "synthetic"), n=24, seed=3)
     out = str(tmp_path / "run")
-    sets = {"train_file": f"[{data}/pretrain.json]", "image_root": data, "vocab_file": f"{data}/vocab.txt",
-            "synthetic_root": "null", "vision_init": "null",
-            "image_res": 32, "patch_size": 16, "vision_depth": 1, "batch_size": 8,
-            "grit.queue_size": 16, "grit.search_space": 8, "max_epoch": 1, "schedular.epochs": 1,
-            "grad_checkpointing": "true"}
+    sets = small_pretrain_sets(data, **{"grit.queue_size": 16, "grit.search_space": 8, "max_epoch": 1,
+                                        "schedular.epochs": 1, "grad_checkpointing": "true"})
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(REPO))
     env.pop("WORLD_SIZE", None)
     proc = subprocess.run(
         [sys.executable, "Pretrain.py", "--config", "configs/tiny/Pretrain.yaml", "--output_dir", out,
-         "--device", "cpu", "--set", *(f"{k}={v}" for k, v in sets.items())],
+         "--device", "cpu", "--set", *sets],
         cwd=REPO, env=env, capture_output=True, text=True, timeout=120,
     )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]

@@ -11,6 +11,7 @@ import time
 
 import pytest
 import torch
+from conftest import small_pretrain_sets
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 LOG_KEYS = {'epoch', 'step', 'lr', 'loss_itc', 'loss_cons', 'loss_itm', 'loss_mlm', 'seconds',
@@ -35,13 +36,9 @@ def n_entries(data: str) -> int:
 
 def overrides(data: str, **extra) -> list[str]:
     """--set arguments: the tiny config shrunk further, on the test's own synthetic set."""
-    values = {'train_file': f'[{data}/pretrain.json]', 'image_root': data, 'vocab_file': f'{data}/vocab.txt',
-              'synthetic_root': 'null', 'vision_init': 'null',
-              'image_res': 32, 'patch_size': 16, 'vision_depth': 1,
-              'batch_size': 8, 'grit.queue_size': 40, 'grit.search_space': 16, 'max_epoch': 2,
-              'schedular.epochs': 2, 'schedular.warmup_steps': 4, 'print_freq': 1000}
-    values.update(extra)
-    return ['--set', *(f'{k}={v}' for k, v in values.items())]
+    values = {'grit.queue_size': 40, 'grit.search_space': 16, 'max_epoch': 2, 'schedular.epochs': 2,
+              'schedular.warmup_steps': 4, 'print_freq': 1000, **extra}
+    return ['--set', *small_pretrain_sets(data, **values)]
 
 
 def env() -> dict:

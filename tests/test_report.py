@@ -8,6 +8,7 @@ import subprocess
 import sys
 
 import pytest
+from conftest import small_pretrain_sets
 
 from tools.report import (
     NO_MATPLOTLIB,
@@ -226,11 +227,9 @@ def test_real_pretrain_runs(tmp_path):
 
     data = ensure_synthetic(str(tmp_path / "synthetic"), n=48, seed=3)
     # As tests/test_pretrain.py shrinks the tiny config, smaller still.
-    values = {"train_file": f"[{data}/pretrain.json]", "image_root": data, "vocab_file": f"{data}/vocab.txt",
-              "synthetic_root": "null", "vision_init": "null",
-              "image_res": 32, "patch_size": 16, "vision_depth": 1,
-              "batch_size": 8, "grit.queue_size": 16, "grit.search_space": 8, "max_epoch": 2,
-              "schedular.epochs": 2, "schedular.warmup_steps": 2, "print_freq": 1000}
+    sets = small_pretrain_sets(data, **{"grit.queue_size": 16, "grit.search_space": 8, "max_epoch": 2,
+                                        "schedular.epochs": 2, "schedular.warmup_steps": 2,
+                                        "print_freq": 1000})
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=ROOT)
     env.pop("WORLD_SIZE", None)
     dirs = []
@@ -238,7 +237,7 @@ def test_real_pretrain_runs(tmp_path):
         out = str(tmp_path / name)
         proc = subprocess.run([sys.executable, "Pretrain.py", "--config", "configs/tiny/Pretrain.yaml",
                                "--output_dir", out, "--device", "cpu", "--set",
-                               *(f"{k}={v}" for k, v in values.items()), *extra],
+                               *sets, *extra],
                               cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
         assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
         dirs.append(out)

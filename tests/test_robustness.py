@@ -13,6 +13,7 @@ import sys
 
 import pytest
 import torch
+from conftest import small_pretrain_sets
 from PIL import Image
 
 from dataset.bad_samples import SkipBadCollate, SkipBadSamples
@@ -67,14 +68,10 @@ def bad_list(data_dir, tmp_path_factory) -> tuple[str, dict[int, str]]:
 
 
 def overrides(data: str, train_file: str, **extra) -> list[str]:
-    values = {'train_file': f'[{train_file}]', 'image_root': data, 'vocab_file': f'{data}/vocab.txt',
-              'synthetic_root': 'null', 'vision_init': 'null',
-              'image_res': 32, 'patch_size': 16, 'vision_depth': 1,
-              'batch_size': 8, 'grit.queue_size': 24, 'grit.search_space': 8, 'max_epoch': 2,
+    values = {'train_file': f'[{train_file}]', 'grit.queue_size': 24, 'grit.search_space': 8, 'max_epoch': 2,
               'schedular.epochs': 2, 'schedular.warmup_steps': 2, 'print_freq': 1000,
-              'max_bad_fraction': 0.2}
-    values.update(extra)
-    return ['--set', *(f'{k}={v}' for k, v in values.items())]
+              'max_bad_fraction': 0.2, **extra}
+    return ['--set', *small_pretrain_sets(data, **values)]
 
 
 def env() -> dict:
