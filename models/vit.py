@@ -38,6 +38,10 @@ class VisionEncoder(VisionTransformer):
         self._grad_checkpointing = bool(enable)
 
 
+# The ViT-B/16 values build_vision_encoder takes for shape keys a config leaves out.
+VIT_DEFAULTS = {"patch_size": 16, "vision_depth": 12, "vision_heads": 12, "vision_stem": "linear"}
+
+
 def build_vision_encoder(config: dict) -> VisionEncoder:
     """ViT from image_res/patch_size/vision_width/vision_depth/vision_heads; forward_features -> (B,1+P,D).
 
@@ -46,15 +50,15 @@ def build_vision_encoder(config: dict) -> VisionEncoder:
     missing = [k for k in ("image_res", "vision_width") if k not in config]
     if missing:
         raise ValueError(f"config lacks the vision key(s) {missing}")
-    image_res, patch = int(config["image_res"]), int(config.get("patch_size", 16))
+    image_res, patch = int(config["image_res"]), int(config.get("patch_size", VIT_DEFAULTS["patch_size"]))
     if image_res % patch:
         raise ValueError(f"config: image_res={image_res} is not a multiple of patch_size={patch}")
     model = VisionEncoder(
         img_size=image_res,
         patch_size=patch,
         embed_dim=int(config["vision_width"]),
-        depth=int(config.get("vision_depth", 12)),
-        num_heads=int(config.get("vision_heads", 12)),
+        depth=int(config.get("vision_depth", VIT_DEFAULTS["vision_depth"])),
+        num_heads=int(config.get("vision_heads", VIT_DEFAULTS["vision_heads"])),
         mlp_ratio=4.0,
         qkv_bias=True,
         norm_layer=partial(nn.LayerNorm, eps=1e-6),
@@ -63,7 +67,7 @@ def build_vision_encoder(config: dict) -> VisionEncoder:
         class_token=True,
         drop_path_rate=float(config.get("vision_drop_path", 0.0)),
     )
-    stem = config.get("vision_stem", "linear")
+    stem = config.get("vision_stem", VIT_DEFAULTS["vision_stem"])
     if stem not in _STEMS:
         raise ValueError(f"config key 'vision_stem' must be one of {_STEMS}, got {stem!r}")
     if stem == "conv":
@@ -245,6 +249,7 @@ __all__ = [
     "build_vision_encoder",
     "conv_stem",
     "check_vision_text_widths",
+    "VIT_DEFAULTS",
     "load_vision_init",
     "read_vit_state_dict",
     "interpolate_pos_embed",

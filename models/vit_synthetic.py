@@ -24,7 +24,7 @@ from torch import Tensor, nn
 from dataset.synthetic import MARKER, ensure_synthetic
 from dataset.synthetic_world import COLOURS, SHAPES, SIZES, Scene, render, sample_scenes
 from dataset.transforms import test_transform
-from models.vit import build_vision_encoder
+from models.vit import VIT_DEFAULTS, build_vision_encoder
 
 __all__ = ["DEFAULTS", "SYNTHETIC", "VIT_KEYS", "attribute_targets", "ensure_synthetic_vit", "fresh_scenes",
            "pretrain_vit", "save_synthetic_vit", "synthetic_vit_path", "vit_shape"]
@@ -128,9 +128,8 @@ def pretrain_vit(config: dict, root: str, steps: int, batch_size: int, lr: float
 
 def vit_shape(config: dict) -> dict:
     """The config's ViT-shaping keys (VIT_KEYS) with build_vision_encoder's defaults filled in."""
-    defaults = {"patch_size": 16, "vision_depth": 12, "vision_heads": 12, "vision_stem": "linear"}
     # Plain ints and str: YAML scalars would make the saved file need unpickling.
-    return {k: (str if k == "vision_stem" else int)(config.get(k, defaults.get(k))) for k in VIT_KEYS}
+    return {k: (str if k == "vision_stem" else int)(config.get(k, VIT_DEFAULTS.get(k))) for k in VIT_KEYS}
 
 
 def save_synthetic_vit(vit: nn.Module, config: dict, accuracy: dict, path: str, recipe: dict) -> None:

@@ -34,7 +34,8 @@ def run_side_by_side(jobs: list[tuple[list[str], str]]) -> None:
 
     Independent runs are faster side by side than one after another on a small CPU: a tiny step
     gains little from a second intra-op thread (on 2 cores, about 320 samples/s for two one-thread
-    runs against 175 for one two-thread run). Each job's output goes to its log file.
+    runs against 175 for one two-thread run). Each job's output goes to its log file; a single job runs in the
+    foreground (run), its output on the console.
     """
     if len(jobs) == 1:
         return run(jobs[0][0])
