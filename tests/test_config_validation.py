@@ -87,6 +87,20 @@ def test_shipped_configs_validate(path):
         assert key in DATA_KEYS and rest.startswith("data/") and rest.endswith(f"(no such file; from {path})")
 
 
+# The image transform's keys, with create_dataset's defaults: every tiny stage must see the synthetic
+# images as the tiny pre-training did (NLVR stage 1 once lacked randaugment: false and so trained on
+# RandAugment-ed 48 px shapes, where its accuracy stayed at chance).
+TRANSFORM_DEFAULTS = {"image_res": None, "hflip": True, "randaugment": True, "crop_scale": None}
+
+
+@pytest.mark.parametrize("path", [p for p in SHIPPED if f"{os.sep}tiny{os.sep}" in p])
+def test_tiny_configs_transform_images_as_the_tiny_pretraining(path):
+    pretrain = load_config(os.path.join(ROOT, TINY["pretrain"]))
+    config = load_config(os.path.join(ROOT, path))
+    for key, default in TRANSFORM_DEFAULTS.items():
+        assert config.get(key, default) == pretrain.get(key, default), (path, key)
+
+
 def test_schema_covers_every_task():
     assert set(schema.TASKS) == {task_of(p) for p in SHIPPED}
     with pytest.raises(ValueError, match="unknown task"):
