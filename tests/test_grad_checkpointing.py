@@ -27,7 +27,7 @@ from torch import Tensor, nn
 from transformers import BertTokenizerFast
 
 import models.bert
-from models.bert import BertLayer
+from models.bert_layers import BertLayer
 from models.nlvr import ALBEF_NLVR, nlvr_loss
 from models.pretrain import ALBEF_Base
 from models.retrieval import ALBEF_Retrieval
