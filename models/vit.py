@@ -38,6 +38,8 @@ class VisionEncoder(VisionTransformer):
         self._grad_checkpointing = bool(enable)
 
 
+# The vision_init value naming the ViT pre-trained on the synthetic world (models/vit_synthetic.py).
+SYNTHETIC = "synthetic"
 # The ViT-B/16 values build_vision_encoder takes for shape keys a config leaves out.
 VIT_DEFAULTS = {"patch_size": 16, "vision_depth": 12, "vision_heads": 12, "vision_stem": "linear"}
 
@@ -76,7 +78,7 @@ def build_vision_encoder(config: dict) -> VisionEncoder:
     # restores the RNG state (its default, kept by timm's checkpoint_seq): drop_path redraws its masks.
     model.set_grad_checkpointing(bool(config.get("grad_checkpointing", False)))
     init = config.get("vision_init")
-    if init == "synthetic":  # the ViT pre-trained on the synthetic world, made on first use
+    if init == SYNTHETIC:  # the ViT pre-trained on the synthetic world, made on first use
         from models.vit_synthetic import ensure_synthetic_vit  # imports dataset/: only when asked for
 
         init = ensure_synthetic_vit(config)
@@ -249,6 +251,7 @@ __all__ = [
     "build_vision_encoder",
     "conv_stem",
     "check_vision_text_widths",
+    "SYNTHETIC",
     "VIT_DEFAULTS",
     "load_vision_init",
     "read_vit_state_dict",

@@ -26,7 +26,7 @@ from dataset.synthetic_world import COLOURS, SHAPES, SIZES, Scene, render, sampl
 from dataset.transforms import test_transform
 from models.vit import VIT_DEFAULTS, build_vision_encoder
 
-__all__ = ["DEFAULTS", "SYNTHETIC", "VIT_KEYS", "attribute_targets", "ensure_synthetic_vit", "fresh_scenes",
+__all__ = ["DEFAULTS", "VIT_KEYS", "attribute_targets", "ensure_synthetic_vit", "fresh_scenes",
            "pretrain_vit", "save_synthetic_vit", "synthetic_vit_path", "vit_shape"]
 
 logger = logging.getLogger(__name__)
@@ -84,17 +84,21 @@ def _batch(rng: np.random.Generator, n: int, exclude: set[str], image_size: int,
     return images, torch.stack([attribute_targets(sc) for sc in scenes])
 
 
-def _loss_and_hits(head_out: Tensor, y: Tensor) -> tuple[Tensor, dict[str, Tensor]]:
-    """Summed cross-entropies of the three answers, and their (hits, count) over the batch."""
+def _loss(head_out: Tensor, y: Tensor) -> Tensor:
+    """Head output (B, _HEAD), targets (B,3,S) -> summed cross-entropies of the three answers (0-dim)."""
     present, colour, size = _split_logits(head_out)
-    loss = (F.cross_entropy(present.flatten(0, 1), y[:, 0].flatten())
+    return (F.cross_entropy(present.flatten(0, 1), y[:, 0].flatten())
             + F.cross_entropy(colour.flatten(0, 1), y[:, 1].flatten(), ignore_index=-100)
             + F.cross_entropy(size.flatten(0, 1), y[:, 2].flatten(), ignore_index=-100))
+
+
+def _accuracies(head_out: Tensor, y: Tensor) -> dict[str, Tensor]:
+    """Head output (B, _HEAD), targets (B,3,S) -> accuracy per answer (colour, size: of present shapes)."""
+    present, colour, size = _split_logits(head_out)
     there = y[:, 0] == 1
-    hits = {"shape_present": (present.argmax(-1) == y[:, 0]).float().mean(),
+    return {"shape_present": (present.argmax(-1) == y[:, 0]).float().mean(),
             "colour": (colour.argmax(-1) == y[:, 1])[there].float().mean(),
             "size": (size.argmax(-1) == y[:, 2])[there].float().mean()}
-    return loss, hits
 
 
 def pretrain_vit(config: dict, root: str, steps: int, batch_size: int, lr: float, seed: int
@@ -115,14 +119,14 @@ def pretrain_vit(config: dict, root: str, steps: int, batch_size: int, lr: float
     vit.train()
     for _ in range(steps):
         images, y = _batch(rng, batch_size, exclude, image_size, transform)
-        loss, _ = _loss_and_hits(head(vit.forward_features(images)[:, 0]), y)
+        loss = _loss(head(vit.forward_features(images)[:, 0]), y)
         opt.zero_grad(set_to_none=True)
         loss.backward()
         opt.step()
         sched.step()
     vit.eval()
     with torch.no_grad():
-        _, hits = _loss_and_hits(head(vit.forward_features(held_images)[:, 0]), held_y)
+        hits = _accuracies(head(vit.forward_features(held_images)[:, 0]), held_y)
     return vit, {k: round(float(v), 4) for k, v in hits.items()}
 
 
@@ -139,9 +143,6 @@ def save_synthetic_vit(vit: nn.Module, config: dict, accuracy: dict, path: str, 
     torch.save({"model": vit.state_dict(), "vit": vit_shape(config), "recipe": dict(recipe),
                 "held_out_accuracy": dict(accuracy)}, tmp)
     os.replace(tmp, path)  # concurrent ranks write the same content; the last rename wins
-
-
-SYNTHETIC = "synthetic"  # the vision_init value that names this module's ViT
 
 
 def synthetic_vit_path(config: dict) -> str:

@@ -75,7 +75,8 @@ def prepare_pretraining(overrides: list[str] = ()) -> None:
     """Generate, once and before the runs start side by side, what the tiny pre-training generates on
     first use: the synthetic data and, with `vision_init: synthetic`, its pre-trained ViT."""
     from dataset import prepare_data
-    from models.vit_synthetic import SYNTHETIC, ensure_synthetic_vit
+    from models.vit import SYNTHETIC
+    from models.vit_synthetic import ensure_synthetic_vit
     from training.config import load_config
 
     config = dict(load_config(PRETRAIN_CONFIG, list(overrides)))

@@ -4,15 +4,11 @@ ImageNet DeiT that GRIT-VLP starts from (paper Sec. 5.1), and a test of what the
     python -m tools.vit_pretrain --config configs/tiny/Pretrain.yaml --output data/vit_synthetic.pth \
         [--steps 600] [--batch_size 32] [--lr 1e-3] [--seed 0] [--threads T] [--set key=value ...]
 
-The ViT of the config (image_res, patch_size, vision_width/depth/heads, vision_stem) is trained from
-scratch with a linear head on its [CLS] token to answer, for every shape of the world, whether it is in
-the image and, if so, its colour and its size (cross-entropy, AdamW, one-cycle schedule). The scenes are
-fresh, drawn from their own random stream and rendered as the synthetic dataset renders them; scenes of
-the dataset's val and test images are never used. Prints one JSON line: the held-out accuracies
-(1,000 fresh scenes) of "shape present", "colour of a present shape" and "size of a present shape",
-the steps and the seconds; writes the ViT's state dict under "model", which `vision_init` loads.
-A config whose `vision_init` names a missing file under its `synthetic_root` gets that file generated
-with these defaults on first use (models.vit_synthetic).
+What is trained, on which scenes, and how: models/vit_synthetic.py. Prints one JSON line: the held-out
+accuracies (1,000 fresh scenes) of "shape present", "colour of a present shape" and "size of a present
+shape", the steps and the seconds; writes the ViT's state dict under "model", which `vision_init` loads.
+A config with `vision_init: synthetic` gets such a file generated with these defaults on first use, in
+its `synthetic_root`.
 """
 
 from __future__ import annotations
