@@ -31,7 +31,7 @@ __all__ = ["DEFAULTS", "VIT_KEYS", "attribute_targets", "ensure_synthetic_vit", 
 
 logger = logging.getLogger(__name__)
 
-# The training recipe of a generated ViT (tools.vit_pretrain's defaults): about 20 s on 2 CPU cores
+# The training recipe of a generated ViT (tools.vit_pretrain's defaults): about 20 s on one CPU thread
 # for the tiny ViT, which then names shape, colour and size of held-out scenes at ~1.0.
 DEFAULTS = {"steps": 600, "batch_size": 32, "lr": 1e-3, "seed": 0}
 # The config keys that shape the ViT; a generated file records them and must match them to be used.
@@ -160,8 +160,8 @@ def synthetic_vit_path(config: dict) -> str:
 def ensure_synthetic_vit(config: dict) -> str:
     """The weights file of `vision_init: synthetic` for the config's ViT shape, generated on first use.
 
-    Generating takes about 20 s on 2 CPU cores for the tiny ViT (DEFAULTS); the file records the shape
-    and the recipe. Concurrent callers (ranks) each write a private file and rename it into place.
+    Generating takes about 20 s for the tiny ViT (DEFAULTS), on one thread so that the file is bitwise
+    the same whoever makes it; it records the shape and the recipe. Concurrent callers (ranks) each write a private file and rename it into place.
     """
     path = synthetic_vit_path(config)
     if os.path.isfile(path):
@@ -170,7 +170,14 @@ def ensure_synthetic_vit(config: dict) -> str:
     ensure_synthetic(root)
     logger.info("generating the pre-trained synthetic ViT %s (once)", path)
     start = time.perf_counter()
-    vit, accuracy = pretrain_vit(config, root, **DEFAULTS)
+    # One intra-op thread: CPU kernels sum in another order with more threads, and the file (so every
+    # run that starts from it) would depend on the thread count of whichever process made it first.
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        vit, accuracy = pretrain_vit(config, root, **DEFAULTS)
+    finally:
+        torch.set_num_threads(threads)
     save_synthetic_vit(vit, config, accuracy, path, DEFAULTS)
     logger.info("wrote %s in %.0f s; held-out accuracy %s", path, time.perf_counter() - start, accuracy)
     return path

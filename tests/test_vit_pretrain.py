@@ -83,3 +83,23 @@ def test_vision_init_synthetic_is_generated_once_per_vit_shape(in_repo, monkeypa
     assert os.stat(path).st_mtime_ns == stamp
     with pytest.raises(ValueError, match="synthetic_root"):
         build_vision_encoder({**config, "synthetic_root": None})
+
+
+def test_generated_vit_does_not_depend_on_the_callers_thread_count(in_repo, monkeypatch, tmp_path):
+    monkeypatch.setitem(vit_synthetic.DEFAULTS, "steps", 5)  # the recipe's length is not under test
+    config = dict(load_config("configs/tiny/Pretrain.yaml"))
+    weights, threads = [], torch.get_num_threads()
+    for count in (1, 2):
+        root = tmp_path / f"threads{count}"
+        root.mkdir()
+        for name in ("synthetic.json", "scenes.json"):
+            shutil.copy(os.path.join("data/synthetic", name), root / name)
+        torch.set_num_threads(count)
+        try:
+            path = vit_synthetic.ensure_synthetic_vit({**config, "synthetic_root": str(root)})
+            assert torch.get_num_threads() == count  # the caller's setting is given back
+        finally:
+            torch.set_num_threads(threads)
+        weights.append(torch.load(path, weights_only=True)["model"])
+    assert weights[0].keys() == weights[1].keys()
+    assert all(torch.equal(weights[0][k], weights[1][k]) for k in weights[0])
