@@ -161,7 +161,8 @@ def ensure_synthetic_vit(config: dict) -> str:
     """The weights file of `vision_init: synthetic` for the config's ViT shape, generated on first use.
 
     Generating takes about 20 s for the tiny ViT (DEFAULTS), on one thread so that the file is bitwise
-    the same whoever makes it; it records the shape and the recipe. Concurrent callers (ranks) each write a private file and rename it into place.
+    the same whoever makes it; it records the shape and the recipe. Concurrent callers (ranks) each
+    write a private file and rename it into place.
     """
     path = synthetic_vit_path(config)
     if os.path.isfile(path):
