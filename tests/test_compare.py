@@ -40,3 +40,21 @@ def test_evaluations_get_the_overrides_their_config_accepts():
                                                  'max_epoch=20']
     assert overrides_for('pretrain', given) == ['--set', *given]
     assert overrides_for('retrieval', ['grit.enabled=false']) == []
+
+
+def test_the_downstream_pretraining_is_the_tiny_one_for_longer(monkeypatch):
+    # demo --downstream's checkpoint must come from the demo's GRIT-VLP run with a longer schedule only,
+    # so that NLVR2 and VQA measure the same model and method (README, "NLVR2 on the synthetic data").
+    import os
+
+    import demo
+    from tools.compare import PRETRAIN_CONFIG, pretrain_command
+    from training.config import load_config
+
+    monkeypatch.chdir(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    tiny, long = dict(load_config(PRETRAIN_CONFIG)), dict(load_config(demo.DOWNSTREAM_PRETRAIN_CONFIG))
+    assert long.pop("max_epoch") == long["schedular"].pop("epochs") == 36
+    assert tiny.pop("max_epoch") == tiny["schedular"].pop("epochs") == 12
+    assert long == tiny and long["grit"]["enabled"]
+    assert pretrain_command("out", ["--seed", "1"], demo.DOWNSTREAM_PRETRAIN_CONFIG) == [
+        "Pretrain.py", "--config", "configs/tiny/Pretrain_long.yaml", "--output_dir", "out", "--seed", "1"]

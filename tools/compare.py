@@ -85,9 +85,9 @@ def prepare_pretraining(overrides: list[str] = ()) -> None:
         ensure_synthetic_vit(config)
 
 
-def pretrain_command(output_dir: str, args: list[str]) -> list[str]:
+def pretrain_command(output_dir: str, args: list[str], config: str = PRETRAIN_CONFIG) -> list[str]:
     """The command of a tiny pre-training into a fresh output_dir with extra command-line args."""
-    return ['Pretrain.py', '--config', PRETRAIN_CONFIG, '--output_dir', fresh(output_dir), *args]
+    return ['Pretrain.py', '--config', config, '--output_dir', fresh(output_dir), *args]
 
 
 def overrides_for(task: str, overrides: list[str]) -> list[str]:
