@@ -37,13 +37,16 @@ def test_pretrain_then_retrieval_and_vqa_beat_chance_and_nlvr_runs(tmp_path):
 
     result = demo.run_downstream(str(tmp_path), os.path.join(pre_dir, f"checkpoint_{last['epoch']:02d}.pth"))
 
-    # NLVR2 runs end to end (text assignment, fine-tune, best dev epoch) and its accuracies are read;
-    # whether they beat chance is asserted over three seeds in test_grit_helps: on one seed's 1,200
-    # pairs the margin is within noise (seed 42: dev 0.555, test-P 0.500; README, "NLVR2 on the
-    # synthetic data").
+    # NLVR2 runs end to end (text assignment, fine-tune, best dev epoch) and its accuracies are read.
+    # From this 12-epoch checkpoint it stays near chance (seed 42: dev 0.555, test-P 0.500); the
+    # accuracy is asserted in test_grit_helps, from the 36-epoch checkpoints that the downstream chain
+    # starts from (README, "NLVR2 on the synthetic data").
+    from training.config import load_config
+
     with open(tmp_path / "nlvr" / "log.txt") as f:
         nlvr_log = [json.loads(line) for line in f]
-    assert len(nlvr_log) == 10 and result["nlvr_dev"] == max(r["val_acc"] for r in nlvr_log), result
+    epochs = load_config("configs/tiny/NLVR.yaml")["max_epoch"]
+    assert len(nlvr_log) == epochs and result["nlvr_dev"] == max(r["val_acc"] for r in nlvr_log), result
     assert result["vqa_test"] > result["vqa_majority"] + 0.2, result
     with open(result["vqa_results"]) as f:
         assert len(json.load(f)) > 0

@@ -1,12 +1,12 @@
-"""Slow (`make test-slow`, about 30 minutes): issue 11's claim on the tiny world, per seed.
+"""Slow (`make test-slow`, about 50 minutes): issue 11's claim on the tiny world, per seed.
 
 For seeds 1, 2 and 3, tools.compare pre-trains configs/tiny/Pretrain.yaml with GRIT batches and with
 random batches (grit.enabled=false) and evaluates both: under GRIT the ITM loss must end well below
 chance (0.637, one positive in three), and GRIT must be ahead on mean zero-shot R@1 and on the
-compositional ITM probe. From each GRIT checkpoint the downstream chain then runs (demo --downstream):
-VQA must beat always answering the most frequent training answer by 0.3 or more, and NLVR2 dev and
-test-P, pooled over the seeds, must be above chance. Issue 11 asks NLVR2 for 0.60 on every seed; that
-does not hold (a strict xfail, which fails once it holds; README, "NLVR2 on the synthetic data").
+compositional ITM probe. The downstream chain of demo --downstream then runs per seed: GRIT pre-training
+for 36 epochs (configs/tiny/Pretrain_long.yaml), NLVR2 text assignment and fine-tune, and VQA from that
+checkpoint. NLVR2 dev and test-P must be at least 0.60 and VQA must beat always answering the most
+frequent training answer by 0.3 or more, on every seed.
 """
 
 from __future__ import annotations
@@ -40,16 +40,17 @@ def test_grit_beats_random_batches(comparison, seed):
 
 @pytest.fixture(scope="module")
 def downstream(comparison):
-    """demo.run_downstream from each seed's GRIT checkpoint: {seed: accuracies}."""
-    from demo import run_downstream
-    from tools.compare import last_checkpoint
+    """demo --downstream's chain per seed, from a 36-epoch GRIT pre-training: {seed: accuracies}."""
+    from demo import pretrain_for_downstream, run_downstream
 
     out, _ = comparison
-    results = {}
-    for seed in SEEDS:
-        seed_dir = os.path.join(str(out), f"seed{seed}")
-        results[seed] = run_downstream(seed_dir, last_checkpoint(os.path.join(seed_dir, "pretrain")))
-    return results
+    seed_dirs = [os.path.join(str(out), f"seed{seed}") for seed in SEEDS]
+    # The three pre-trainings side by side (one thread each), then each seed's fine-tunes on one thread:
+    # as measured for the README, so that these runs repeat those numbers on a CPU like ours.
+    checkpoints = pretrain_for_downstream(seed_dirs, list(SEEDS))
+    with pytest.MonkeyPatch.context() as env:
+        env.setenv("OMP_NUM_THREADS", "1")
+        return {seed: run_downstream(d, c) for seed, d, c in zip(SEEDS, seed_dirs, checkpoints)}
 
 
 @pytest.mark.parametrize("seed", SEEDS)
@@ -58,14 +59,9 @@ def test_vqa_from_the_grit_checkpoint(downstream, seed):
     assert result["vqa_test"] >= result["vqa_majority"] + 0.3, result
 
 
-def test_nlvr_from_the_grit_checkpoints_is_above_chance_over_the_seeds(downstream):
-    # 600 balanced pairs per split and seed: 3,600 pairs pooled, where 0.53 is 3.6 standard errors
-    # above chance. Measured 0.547 (seeds 1-3: 0.541, 0.552, 0.547). One seed's 1,200 pairs are too
-    # few for a per-seed claim at this margin: seed 42 (test_downstream) gave 0.528.
-    pooled = [(r["nlvr_dev"] + r["nlvr_test"]) / 2 for r in downstream.values()]
-    assert sum(pooled) / len(pooled) > 0.53, downstream
-
-
-@pytest.mark.xfail(strict=True, reason="issue 11: NLVR2 reaches 0.51-0.59, not 0.60 (README)")
-def test_nlvr_reaches_the_issue_target_on_every_seed(downstream):
-    assert all(r["nlvr_dev"] >= 0.60 and r["nlvr_test"] >= 0.60 for r in downstream.values()), downstream
+@pytest.mark.parametrize("seed", SEEDS)
+def test_nlvr_from_the_grit_checkpoint_reaches_the_issue_target(downstream, seed):
+    # Measured (best dev epoch of 20): dev 0.662 / 0.648 / 0.715, test-P 0.637 / 0.617 / 0.685 for seeds
+    # 1-3; 600 pairs a split, standard error 0.02. From the 12-epoch checkpoints it was 0.51-0.59.
+    result = downstream[seed]
+    assert result["nlvr_dev"] >= 0.60 and result["nlvr_test"] >= 0.60, result
