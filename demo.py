@@ -109,8 +109,7 @@ def main() -> None:
     prepare_pretraining()
     names = tuple(RUNS) if args.compare else ('GRIT-VLP',)
     runs = compare_seed(args.output_dir, args.seed, [], names)
-    last_epoch = runs['GRIT-VLP'][0][-1]['epoch']
-    checkpoint = os.path.join(args.output_dir, 'pretrain', f'checkpoint_{last_epoch:02d}.pth')
+    checkpoint = last_checkpoint(os.path.join(args.output_dir, 'pretrain'))
 
     downstream = None
     if args.downstream:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+
 from tools.compare import side_by_side, summary_row
 
 
@@ -45,8 +47,6 @@ def test_evaluations_get_the_overrides_their_config_accepts():
 def test_the_downstream_pretraining_is_the_tiny_one_for_longer(monkeypatch):
     # demo --downstream's checkpoint must come from the demo's GRIT-VLP run with a longer schedule only,
     # so that NLVR2 and VQA measure the same model and method (README, "NLVR2 on the synthetic data").
-    import os
-
     import demo
     from tools.compare import PRETRAIN_CONFIG, pretrain_command
     from training.config import load_config

@@ -15,12 +15,12 @@ pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("in_repo")]
 
 def test_pretrain_then_retrieval_and_vqa_beat_chance_and_nlvr_runs(tmp_path):
     import demo
+    from tools.compare import last_checkpoint
 
     pre_dir = str(tmp_path / "pretrain")
     subprocess.run([sys.executable, "Pretrain.py", "--config", "configs/tiny/Pretrain.yaml",
                     "--output_dir", pre_dir], check=True)
-    with open(os.path.join(pre_dir, "log.txt")) as f:
-        last = [json.loads(line) for line in f][-1]
+    checkpoint = last_checkpoint(pre_dir)
     # Retrieval fine-tuning (2 epochs) must keep the zero-shot recall on the 1,000 test images, which
     # is already high: test r_mean 85.7 -> 85.5 (seed 42), 80.9 -> 82.5 (seed 1). A model that learned
     # nothing sits near r_mean 1.
@@ -28,14 +28,13 @@ def test_pretrain_then_retrieval_and_vqa_beat_chance_and_nlvr_runs(tmp_path):
     for mode in ("zeroshot", "finetune"):
         out = str(tmp_path / f"retrieval_{mode}")
         extra = ["--evaluate"] if mode == "zeroshot" else ["--set", "max_epoch=2", "schedular.epochs=2"]
-        checkpoint = os.path.join(pre_dir, f"checkpoint_{last['epoch']:02d}.pth")
         subprocess.run([sys.executable, "Retrieval.py", "--config", "configs/tiny/Retrieval.yaml",
                         "--output_dir", out, "--checkpoint", checkpoint, *extra], check=True)
         with open(os.path.join(out, "log.txt")) as f:
             ret[mode] = [json.loads(line) for line in f][-1]
     assert ret["finetune"]["test_r_mean"] > max(ret["zeroshot"]["test_r_mean"] - 2, 70), ret
 
-    result = demo.run_downstream(str(tmp_path), os.path.join(pre_dir, f"checkpoint_{last['epoch']:02d}.pth"))
+    result = demo.run_downstream(str(tmp_path), checkpoint)
 
     # NLVR2 runs end to end (text assignment, fine-tune, best dev epoch) and its accuracies are read.
     # From this 12-epoch checkpoint it stays near chance (seed 42: dev 0.558, test-P 0.512); the
