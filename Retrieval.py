@@ -9,9 +9,9 @@
     # tiny CPU run on the synthetic data; --bench times the ITM re-ranking and prints JSON
     python Retrieval.py --config configs/tiny/Retrieval.yaml --output_dir output/retrieval_tiny [--bench]
 
-log.txt gets one JSON line per epoch (train losses, val_* and test_* metrics: txt_r1/5/10, img_r1/5/10,
-txt_r_mean, img_r_mean, r_mean, bad_samples: unreadable images and empty captions left out of the
-scoring) and one for --evaluate; checkpoint_best.pth is the best val r_mean;
+log.txt gets one JSON line per epoch (training.trainer: train losses, val_* and test_* metrics: txt_r1/5/10,
+img_r1/5/10, txt_r_mean, img_r_mean, r_mean, bad_samples: unreadable images and empty captions left out
+of the scoring) and one for --evaluate; checkpoint_best.pth is the best val r_mean;
 rankings_{val,test}.json hold every image's top-k texts and every text's top-k images with scores.
 """
 
@@ -20,32 +20,35 @@ from __future__ import annotations
 import json
 import os
 import time
-from collections.abc import Mapping
+from collections.abc import Sequence
 
 import torch
 from torch import Tensor, nn
-from torch.utils.data import default_collate
 
-from dataset import ImageTextCollate, RetrievalEvalDataset, create_dataset, prepare_data
-from dataset.bad_samples import SkipBadCollate, SkipBadSamples, device_valid
+from dataset import ImageCollate, ImageTextCollate, RetrievalEvalDataset, create_dataset
+from dataset.bad_samples import SkipBadCollate, SkipBadSamples
 from models.loading import load_weights, read_checkpoint
 from models.retrieval import MOMENTUM_PREFIXES, QUEUE_KEYS, RETRIEVAL_IGNORED_PREFIXES, ALBEF_Retrieval
 from models.retrieval_eval import compute_itr_scores, dense_scores, itr_metrics, topk_rankings
 from models.tokenization import build_tokenizer
 from training.bad_samples import BadSampleLog
-from training.checkpoints import resolve_resume
-from training.cli import build_parser, run_main, start
+from training.cli import run_main, script_parser, start
+from training.config import RetrievalConfig
 from training.distributed import DistInfo, cleanup, is_main_process, print_main
-from training.loaders import create_loader
-from training.logger import setup_output_dir
-from training.loop import evaluate_only, run_finetune
+from training.inputs import prepare_inputs
+from training.loaders import check_global_batch, create_loader, finetune_sampler
 from training.reproducibility import build_on_every_rank
-from training.validation import check_global_batch
+from training.trainer import Task, Trainer
 
+PARSER = script_parser("Retrieval.py", __doc__.splitlines()[0],
+                       evaluate="evaluate --checkpoint on the val and test splits only (zero-shot for a "
+                                "pre-training checkpoint)")
+PARSER.add_argument("--bench", action="store_true",
+                    help="time the ITM re-ranking on the test split, print one JSON line, exit")
 LOSSES = ("loss_itc", "loss_cons", "loss_itm")
 
 
-def build_model(config: Mapping, tokenizer, checkpoint: str | None) -> ALBEF_Retrieval:
+def build_model(config: RetrievalConfig, tokenizer, checkpoint: str | None) -> ALBEF_Retrieval:
     """ALBEF_Retrieval (momentum copies of the initial weights), then --checkpoint into the online model.
 
     momentum_init 'initial': the momentum model keeps the initial weights and a checkpoint's own
@@ -53,10 +56,7 @@ def build_model(config: Mapping, tokenizer, checkpoint: str | None) -> ALBEF_Ret
     momentum copies if it has them, else its online weights). The feature queues always start fresh
     (random columns, as ALBEF); --resume, not --checkpoint, restores a run's queues.
     """
-    mode = config.get("momentum_init", "initial")
-    if mode not in ("initial", "checkpoint"):
-        raise ValueError(f"config key 'momentum_init' must be 'initial' or 'checkpoint', got {mode!r}")
-    model = ALBEF_Retrieval(dict(config), text_encoder=config.get("text_encoder"), tokenizer=tokenizer)
+    model = ALBEF_Retrieval(config, tokenizer)
     if not checkpoint:
         print_main("no --checkpoint: the model starts from its initial weights")
         return model
@@ -64,6 +64,7 @@ def build_model(config: Mapping, tokenizer, checkpoint: str | None) -> ALBEF_Ret
     has_momentum = any(k.startswith(MOMENTUM_PREFIXES) for k in state)
     # Not loaded although the model has them; reported as ignored with the reason.
     skip = dict.fromkeys(QUEUE_KEYS, "feature queue (starts fresh; --resume, not --checkpoint, restores it)")
+    mode = config.momentum_init
     if mode == "initial" and has_momentum:
         skip.update(dict.fromkeys(MOMENTUM_PREFIXES,
                                   "momentum copy (momentum_init initial: kept as initialised)"))
@@ -78,21 +79,20 @@ def build_model(config: Mapping, tokenizer, checkpoint: str | None) -> ALBEF_Ret
 
 
 def evaluate_split(model: ALBEF_Retrieval, dataset: RetrievalEvalDataset, split: str, tokenizer,
-                   config: Mapping, device: torch.device, output_dir: str | None = None) -> tuple[dict, dict]:
+                   config: RetrievalConfig, device: torch.device, output_dir: str | None = None
+                   ) -> tuple[dict, dict]:
     """Metrics of one split (prefixed `split_`, with `split_bad_samples`) and timing stats; writes
     rankings_{split}.json if asked.
 
     Bad samples (unreadable images, empty captions) are left out, with the captions of a bad image and
     an image without captions (models.retrieval_eval): R@K is over the remaining queries.
     """
-    loader = create_loader(SkipBadSamples(dataset), None, int(config.get("batch_size_test", 64)),
-                           int(config.get("num_workers", 0)), collate_fn=SkipBadCollate(default_collate),
-                           drop_last=False)
+    loader = create_loader(SkipBadSamples(dataset), None, config.batch_size_test, config.num_workers,
+                           collate_fn=SkipBadCollate(ImageCollate()), drop_last=False)
     result = compute_itr_scores(
-        model, loader, dataset.text, tokenizer, device, int(config["k_test"]),
-        text_batch_size=int(config.get("text_batch_size", 256)),
-        rerank_pairs=int(config.get("rerank_pairs", 256)), max_tokens=int(config.get("max_tokens", 40)),
-        amp=bool(config.get("amp", False)), rerank=bool(config.get("itm", True)), txt2img=dataset.txt2img,
+        model, loader, dataset.text, tokenizer, device, config.k_test, text_batch_size=config.text_batch_size,
+        rerank_pairs=config.rerank_pairs, max_tokens=config.max_tokens, amp=bool(config.amp),
+        rerank=config.itm, txt2img=dataset.txt2img,
     )
     metrics = itr_metrics(dense_scores(result["i2t_idx"], result["i2t_score"], len(result["text_ids"])),
                           dense_scores(result["t2i_idx"], result["t2i_score"], len(result["image_ids"])),
@@ -102,79 +102,85 @@ def evaluate_split(model: ALBEF_Retrieval, dataset: RetrievalEvalDataset, split:
     metrics["bad_samples"] = len(dataset.bad_texts) + int((~result["image_valid"]).sum())
     if is_main_process():
         BadSampleLog().record([f"{split} {reason}" for reason in dataset.bad_texts + result["bad"]])
-    if output_dir and config.get("save_rankings", True) and is_main_process():
+    if output_dir and config.save_rankings and is_main_process():
         rankings = topk_rankings(result, dataset.image, dataset.text, dataset.txt2img)
         with open(os.path.join(output_dir, f"rankings_{split}.json"), "w", encoding="utf-8") as f:
-            json.dump({"split": split, "k_test": int(config["k_test"]), "metrics": metrics, **rankings}, f)
+            json.dump({"split": split, "k_test": config.k_test, "metrics": metrics, **rankings}, f)
     stats = {k: result[k] for k in ("itm_pairs", "encode_seconds", "rerank_seconds")}
     return {f"{split}_{k}": v for k, v in metrics.items()}, stats
 
 
-def bench(model: ALBEF_Retrieval, dataset: RetrievalEvalDataset, tokenizer, config: Mapping,
+def bench(model: ALBEF_Retrieval, dataset: RetrievalEvalDataset, tokenizer, config: RetrievalConfig,
           info: DistInfo) -> dict:
     """Time the evaluation of the test split: ITM pairs re-scored per second (all ranks together)."""
     _, stats = evaluate_split(model, dataset, "test", tokenizer, config, info.device)
-    return {"images": len(dataset), "texts": len(dataset.text), "k_test": int(config["k_test"]),
-            "rerank_pairs": int(config.get("rerank_pairs", 256)), "world_size": info.world_size,
+    return {"images": len(dataset), "texts": len(dataset.text), "k_test": config.k_test,
+            "rerank_pairs": config.rerank_pairs, "world_size": info.world_size,
             "device": str(info.device), "threads": torch.get_num_threads(), "itm_pairs": stats["itm_pairs"],
             "rerank_seconds": round(stats["rerank_seconds"], 3),
             "encode_seconds": round(stats["encode_seconds"], 3),
             "itm_pairs_per_s": round(stats["itm_pairs"] / max(stats["rerank_seconds"], 1e-9), 1)}
 
 
-def main(argv: list[str] | None = None) -> dict:
+class RetrievalTask(Task):
+    """Queue ITC against the momentum encoder + ITM_hard; recall on the val and test splits every epoch."""
+
+    name = "Retrieval"
+    best_key = "val_r_mean"
+    best_summary = "best val r_mean {val_r_mean:.2f} at epoch {epoch} (test r_mean {test_r_mean:.2f})"
+    # Every rank enqueues the same gathered features, so the queues agree without re-sending
+    # 2 x (embed_dim x queue_size) floats every step.
+    broadcast_buffers = False
+
+    def __init__(self, model: ALBEF_Retrieval, tokenizer, train_set, val_set: RetrievalEvalDataset,
+                 test_set: RetrievalEvalDataset, config: RetrievalConfig, info: DistInfo) -> None:
+        sampler = finetune_sampler(train_set, info, seed=config.seed, batch_size=config.batch_size_train)
+        super().__init__(model, SkipBadSamples(train_set),
+                         SkipBadCollate(ImageTextCollate(tokenizer, config.max_tokens)), sampler,
+                         config.batch_size_train, sampler.loader_generator)
+        self.tokenizer, self.config, self.device = tokenizer, config, info.device
+        self.splits = {"val": val_set, "test": test_set}
+
+    def step(self, model: nn.Module, batch) -> tuple[Tensor, dict[str, Tensor]]:
+        """The three losses of one batch (ids: image ids, so captions of one image are positives)."""
+        out = model(batch.image.to(self.device, non_blocking=True), batch.text.to(self.device),
+                    batch.ids.to(self.device, non_blocking=True), valid=batch.valid_on(self.device))
+        loss = out["loss_itc"] + out["loss_cons"] + out["loss_itm"]
+        return loss, {k: out[k].detach() for k in LOSSES}
+
+    def evaluate(self, epoch: int | None, output_dir: str) -> dict:
+        """Recall metrics of the val and test splits (rankings_{split}.json written when configured)."""
+        start, record = time.time(), {}
+        for split, dataset in self.splits.items():
+            metrics, _ = evaluate_split(self.model, dataset, split, self.tokenizer, self.config, self.device,
+                                        output_dir)
+            record.update(metrics)
+        record["eval_seconds"] = round(time.time() - start, 3)
+        return record
+
+
+def main(argv: Sequence[str] | None = None) -> dict:
     """Fine-tune and/or evaluate from the command line; returns the last log record (bench: its JSON)."""
-    parser = build_parser(__doc__.splitlines()[0], default_output_dir="output/Retrieval")
-    parser.add_argument("--bench", action="store_true",
-                        help="time the ITM re-ranking on the test split, print one JSON line, exit")
-    args, config, info, seed = start(
-        argv, parser, required=("train_file", "val_file", "test_file", "k_test", "queue_size", "momentum"),
-        task="retrieval")
-    device = info.device
-    prepare_data(config)
+    run = start(argv, PARSER, "retrieval", needs_output_dir=lambda args: not args.bench)
+    config, info, args = run.config, run.info, run.args
+    prepare_inputs(config)
 
     tokenizer = build_tokenizer(config)
     train_set, val_set, test_set = create_dataset("retrieval", config)
     if not (args.evaluate or args.bench):
-        check_global_batch(len(train_set), config, "batch_size_train", info.world_size)
+        check_global_batch(len(train_set), config.batch_size_train, info.world_size, config.train_files,
+                           "batch_size_train")
     # The same seed on every rank while building, so that an un-loaded model is identical everywhere.
-    model = build_on_every_rank(
-        lambda: build_model(config, tokenizer, args.checkpoint), seed, info.rank).to(device)
-
+    model = build_on_every_rank(lambda: build_model(config, tokenizer, args.checkpoint), config.seed,
+                                info.rank).to(info.device)
     if args.bench:
         record = bench(model, test_set, tokenizer, config, info)
         print_main(json.dumps(record))
         cleanup()
         return record
 
-    output_dir = setup_output_dir(args, config)
-
-    def evaluate(epoch_record: dict, epoch: int | None = None) -> None:
-        start = time.time()
-        for split, dataset in (("val", val_set), ("test", test_set)):
-            metrics, _ = evaluate_split(model, dataset, split, tokenizer, config, device, output_dir)
-            epoch_record.update(metrics)
-        epoch_record["eval_seconds"] = round(time.time() - start, 3)
-
-    if args.evaluate:
-        return evaluate_only(output_dir, args.checkpoint, evaluate)
-
-    def step_fn(net: nn.Module, batch) -> tuple[Tensor, dict[str, Tensor]]:
-        image, text, img_id, valid, _ = batch  # valid: bad samples (dataset.bad_samples)
-        out = net(image.to(device, non_blocking=True), text.to(device), img_id.to(device, non_blocking=True),
-                  valid=device_valid(valid, device))
-        loss = out["loss_itc"] + out["loss_cons"] + out["loss_itm"]
-        return loss, {k: out[k].detach() for k in LOSSES}
-
-    # broadcast_buffers=False: every rank enqueues the same gathered features, so the queues
-    # agree without re-sending 2 x (embed_dim x queue_size) floats every step.
-    return run_finetune(
-        model, SkipBadSamples(train_set), info=info, config=config, output_dir=output_dir,
-        resume=resolve_resume(args.resume, output_dir), step_fn=step_fn,
-        collate_fn=SkipBadCollate(ImageTextCollate(tokenizer, int(config.get("max_tokens", 40)))),
-        log_stats={k: k for k in LOSSES}, desc="Retrieval", evaluate=evaluate, best_key="val_r_mean",
-        best_summary="best val r_mean {val_r_mean:.2f} at epoch {epoch} (test r_mean {test_r_mean:.2f})",
-        broadcast_buffers=False)
+    trainer = Trainer(run, RetrievalTask(model, tokenizer, train_set, val_set, test_set, config, info))
+    return trainer.evaluate_only() if args.evaluate else trainer.fit()
 
 
 if __name__ == "__main__":

@@ -2,18 +2,19 @@
 with random batches (CPU, under 5 minutes), then, for both, zero-shot retrieval and the compositional
 ITM probe, printed side by side with their per-epoch grit_hardness and ITM loss.
 
-    python demo.py [--output_dir output/demo] [--seed S] [--no-compare] [--downstream]
+    python demo.py [--output_dir output/demo] [--seed S] [--no_compare] [--downstream]
 
---no-compare skips the random-batch run. --downstream also pre-trains GRIT-VLP for longer
+--no_compare skips the random-batch run. --downstream also pre-trains GRIT-VLP for longer
 (configs/tiny/Pretrain_long.yaml, same seed) and runs NLVR2 (text assignment + fine-tune) and VQA from
-that checkpoint (about 15 minutes more), then prints their accuracies.
+that checkpoint (about 15 minutes more), then prints their accuracies. The scripts run as children in the
+repository root (tools.launch), so the demo works from any working directory.
 """
 
 from __future__ import annotations
 
-import argparse
 import os
 import time
+from collections.abc import Sequence
 
 from tools.compare import (
     RUNS,
@@ -23,14 +24,14 @@ from tools.compare import (
     prepare_pretraining,
     pretrain_command,
     read_log,
-    run,
-    run_side_by_side,
     side_by_side,
 )
+from tools.launch import in_root, run, run_side_by_side
+from training.cli import Parser, run_main
 
-COLUMNS = ('epoch', 'loss_itc', 'loss_cons', 'loss_itm', 'loss_mlm', 'grit_hardness', 'seconds')
+COLUMNS = ('epoch', 'loss_itc', 'loss_cons', 'loss_itm', 'loss_mlm', 'grit_hardness', 'train_seconds')
 # The downstream chain's pre-training: the tiny config for 36 epochs, not the demo's 12, as NLVR2 needs a
-# stronger ITM (README, "NLVR2 on the synthetic data").
+# stronger ITM (docs/synthetic-world.md, 'NLVR2 on the synthetic data').
 DOWNSTREAM_PRETRAIN_CONFIG = 'configs/tiny/Pretrain_long.yaml'
 
 
@@ -44,7 +45,8 @@ def table(rows: list[dict], columns: tuple[str, ...]) -> str:
 
 def pretrain_for_downstream(output_dirs: list[str], seeds: list[int | None]) -> list[str]:
     """GRIT pre-training with DOWNSTREAM_PRETRAIN_CONFIG into each output_dir/pretrain_long with its
-    seed (the runs side by side); returns their last checkpoints."""
+    seed (the runs side by side); returns their last checkpoints. Call it in the repository root (as main
+    does): the config's relative paths are read there."""
     dirs = [os.path.join(d, 'pretrain_long') for d in output_dirs]
     seed_args = [['--seed', str(seed)] if seed is not None else [] for seed in seeds]
     jobs = [(pretrain_command(d, args, DOWNSTREAM_PRETRAIN_CONFIG), os.path.join(d, 'stdout.txt'))
@@ -54,18 +56,19 @@ def pretrain_for_downstream(output_dirs: list[str], seeds: list[int | None]) -> 
 
 
 def run_downstream(output_dir: str, checkpoint: str) -> dict:
-    """NLVR2 stage 1 + 2 and VQA from the pre-training checkpoint; returns their accuracies."""
+    """NLVR2 stage 1 + 2 and VQA from the pre-training checkpoint; returns their accuracies. Call it in
+    the repository root (as main does): the configs' relative paths are read there."""
     ta_dir = fresh(os.path.join(output_dir, 'nlvr_pretrain'))
-    run(['NLVR.py', '--config', 'configs/tiny/NLVR_pretrain.yaml', '--checkpoint', checkpoint,
+    run(['NLVR', '--config', 'configs/tiny/NLVR_pretrain.yaml', '--checkpoint', checkpoint,
          '--output_dir', ta_dir])
     ta = read_log(os.path.join(ta_dir, 'log.txt'))[-1]
     nlvr_dir = fresh(os.path.join(output_dir, 'nlvr'))
-    run(['NLVR.py', '--config', 'configs/tiny/NLVR.yaml', '--output_dir', nlvr_dir,
+    run(['NLVR', '--config', 'configs/tiny/NLVR.yaml', '--output_dir', nlvr_dir,
          '--checkpoint', os.path.join(ta_dir, f'checkpoint_{ta["epoch"]:02d}.pth')])
     nlvr_log = read_log(os.path.join(nlvr_dir, 'log.txt'))
     best = nlvr_log[nlvr_log[-1]['best_epoch']]
     vqa_dir = fresh(os.path.join(output_dir, 'vqa'))
-    run(['VQA.py', '--config', 'configs/tiny/VQA.yaml', '--checkpoint', checkpoint, '--output_dir', vqa_dir])
+    run(['VQA', '--config', 'configs/tiny/VQA.yaml', '--checkpoint', checkpoint, '--output_dir', vqa_dir])
     vqa = read_log(os.path.join(vqa_dir, 'log.txt'))[-1]
     return {'ta_acc': ta['train_ta_acc'], 'nlvr_epoch': best['epoch'], 'nlvr_dev': best['val_acc'],
             'nlvr_test': best['test_acc'], 'vqa_test': vqa['test_acc'],
@@ -79,7 +82,7 @@ def downstream_summary(r: dict) -> str:
         f'NLVR2 fine-tune, best dev epoch {r["nlvr_epoch"]}: dev {r["nlvr_dev"]:.4f}  '
         f'test-P {r["nlvr_test"]:.4f} (chance 0.5)',
         f'VQA: test accuracy {r["vqa_test"]:.4f} (always the most frequent training answer: '
-        f'{r["vqa_majority"]:.4f}); answers in {r["vqa_results"]}',
+        f'{r["vqa_majority"]:.4f}); answers in {os.path.relpath(r["vqa_results"])}',
     ])
 
 
@@ -87,45 +90,56 @@ def majority_baseline(config_path: str = 'configs/tiny/VQA.yaml') -> float:
     """VQA accuracy on the config's test split of always giving its most frequent training answer."""
     from dataset import load_json_list
     from models.vqa import majority_answer_accuracy
-    from training.config import load_config
+    from training.config_resolve import resolve_config
 
-    config = load_config(config_path)
-    gts = {e['question_id']: e['answer'] for e in load_json_list(config['test_file'])}
-    return majority_answer_accuracy([e['answer'] for e in load_json_list(config['train_file'])], gts)
+    config = resolve_config('vqa', config_path, check_paths=False)
+    gts = {e['question_id']: e['answer'] for e in load_json_list(config.test_file)}
+    return majority_answer_accuracy([e['answer'] for e in load_json_list(config.train_file)], gts)
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument('--output_dir', default='output/demo')
-    parser.add_argument('--seed', type=int, default=None, help="the tiny config's seed for both runs")
-    parser.add_argument('--no-compare', dest='compare', action='store_false',
+def build_parser() -> Parser:
+    """The demo's command line."""
+    parser = Parser(prog='python demo.py', description=__doc__.splitlines()[0])
+    parser.add_argument('--output_dir', default='output/demo',
+                        help='folder of the runs: pretrain/, zeroshot/, ... (default: output/demo)')
+    parser.add_argument('--seed', type=int, default=None,
+                        help="the tiny config's seed for both runs (default: the config's)")
+    parser.add_argument('--no_compare', dest='compare', action='store_false',
                         help='skip the second pre-training with grit.enabled=false')
-    # Opt-in: it would quadruple the demo's time (README, "NLVR2 on the synthetic data").
+    # Opt-in: it would quadruple the demo's time (docs/synthetic-world.md, 'NLVR2 on the synthetic data').
     parser.add_argument('--downstream', action='store_true',
                         help=f'also pre-train GRIT-VLP with {DOWNSTREAM_PRETRAIN_CONFIG} and run NLVR2 '
                              '(text assignment + fine-tune) and VQA from that checkpoint')
-    args = parser.parse_args()
-    start = time.time()
-    prepare_pretraining()
-    names = tuple(RUNS) if args.compare else ('GRIT-VLP',)
-    runs = compare_seed(args.output_dir, args.seed, [], names)
-    checkpoint = last_checkpoint(os.path.join(args.output_dir, 'pretrain'))
+    return parser
 
-    downstream = None
-    if args.downstream:
-        long_checkpoint = pretrain_for_downstream([args.output_dir], [args.seed])[0]
-        downstream = run_downstream(args.output_dir, long_checkpoint)
+
+def main(argv: Sequence[str] | None = None) -> None:
+    """Run the demo and print its tables."""
+    args = build_parser().parse_args(argv)
+    start = time.time()
+    output_dir = os.path.abspath(args.output_dir)  # the user's path, from where the user is
+    with in_root():
+        prepare_pretraining()
+        names = tuple(RUNS) if args.compare else ('GRIT-VLP',)
+        runs = compare_seed(output_dir, args.seed, [], names)
+        checkpoint = last_checkpoint(os.path.join(output_dir, 'pretrain'))
+
+        downstream = None
+        if args.downstream:
+            long_checkpoint = pretrain_for_downstream([output_dir], [args.seed])[0]
+            downstream = run_downstream(output_dir, long_checkpoint)
 
     print('\n=== GRIT-VLP tiny pre-training (synthetic data, CPU) ===')
     print(table(runs['GRIT-VLP'][0], COLUMNS))
     print('\n' + side_by_side(runs))
     if downstream:
-        print(f'\n=== downstream, from the {DOWNSTREAM_PRETRAIN_CONFIG} checkpoint: {long_checkpoint} ===')
+        print(f'\n=== downstream, from the {DOWNSTREAM_PRETRAIN_CONFIG} checkpoint: '
+              f'{os.path.relpath(long_checkpoint)} ===')
         print(downstream_summary(downstream))
-    print(f'\ncheckpoint: {checkpoint}\nlogs:       {args.output_dir}/*/log.txt, '
+    print(f'\ncheckpoint: {os.path.relpath(checkpoint)}\nlogs:       {args.output_dir}/*/log.txt, '
           f'{args.output_dir}/zeroshot*/probe.json')
     print(f'demo time:  {time.time() - start:.0f} s')
 
 
 if __name__ == '__main__':
-    main()
+    run_main(main)

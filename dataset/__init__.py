@@ -1,65 +1,79 @@
-"""Json-list datasets per task, ALBEF transforms, and the built-in synthetic data.
+"""Json-list datasets per task, ALBEF transforms, named batches and their collates, and the built-in
+synthetic data.
 
-Config keys read by create_dataset: image_res, image_root, max_words, train_file, val_file,
-test_file, answer_list (VQA), and optionally hflip / randaugment (default true, as in ALBEF; set
-``hflip: false`` for data whose captions say left/right, e.g. the synthetic set) and crop_scale.
+create_dataset(task, config) and prepare_data(config) take the resolved task config
+(training.config.*Config) and read its attributes; every key's type, default and meaning live there.
 """
 
 from __future__ import annotations
 
 import importlib
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from torch.utils.data import Dataset
+
+    from .pretrain import PretrainDataset
 
 __all__ = [
-    "ImageReadError", "ImageTextCollate", "NLVRDataset", "PretrainDataset", "RetrievalEvalDataset",
-    "RetrievalTrainDataset",
-    "VQADataset", "create_dataset", "ensure_synthetic", "prepare_data", "load_json_list", "pre_caption",
-    "pre_question", "read_image", "resolve_image", "test_transform",
-    "train_transform", "vqa_collate",
+    "Batch", "EmptyTextError", "ImageBatch", "ImageCaptionDataset", "ImageCollate", "ImagePairBatch",
+    "ImageReadError", "ImageTextBatch", "ImageTextCollate", "NLVRCollate", "NLVRDataset", "PretrainDataset",
+    "QABatch", "QACollate", "QuestionBatch", "QuestionCollate", "RetrievalEvalDataset",
+    "RetrievalTrainDataset", "SkipBadCollate", "SkipBadSamples", "VQADataset", "create_dataset",
+    "ensure_synthetic", "load_json_list", "pre_caption", "pre_question", "prepare_data", "read_image",
+    "resolve_image", "test_transform", "train_transform",
 ]
 
-# Public names are imported on first use (PEP 562), so `python -m dataset.synthetic` stays light
-# (no torch import) and does not import its own module twice.
+# Public names are imported on first use (PEP 562), so that importing one part (the synthetic world's
+# generator) does not pull in torch and the others.
 _LAZY = {
-    "NLVRDataset": "nlvr", "PretrainDataset": "pretrain", "RetrievalEvalDataset": "retrieval",
-    "RetrievalTrainDataset": "retrieval", "VQADataset": "vqa", "vqa_collate": "vqa",
-    "ensure_synthetic": "synthetic", "ImageTextCollate": "collate", "test_transform": "transforms",
-    "train_transform": "transforms",
-    "ImageReadError": "utils", "load_json_list": "utils", "pre_caption": "utils", "pre_question": "utils",
-    "read_image": "utils", "resolve_image": "utils",
+    "NLVRDataset": "nlvr", "ImageCaptionDataset": "pretrain", "PretrainDataset": "pretrain",
+    "RetrievalEvalDataset": "retrieval", "RetrievalTrainDataset": "retrieval", "VQADataset": "vqa",
+    "ensure_synthetic": "synthetic", "test_transform": "transforms", "train_transform": "transforms",
+    **dict.fromkeys(("Batch", "ImageBatch", "ImageCollate", "ImagePairBatch", "ImageTextBatch",
+                     "ImageTextCollate", "NLVRCollate", "QABatch", "QACollate", "QuestionBatch",
+                     "QuestionCollate"), "collate"),
+    "SkipBadCollate": "bad_samples", "SkipBadSamples": "bad_samples",
+    "EmptyTextError": "utils", "ImageReadError": "utils", "load_json_list": "utils", "pre_caption": "utils",
+    "pre_question": "utils", "read_image": "utils", "resolve_image": "utils",
 }
 
 TASKS = ("pretrain", "retrieval", "nlvr", "vqa")
 
 
-def __getattr__(name: str):
+def __getattr__(name: str) -> Any:
     if name in _LAZY:
         return getattr(importlib.import_module(f".{_LAZY[name]}", __name__), name)
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
-def prepare_data(config: dict) -> None:
-    """Generate the built-in synthetic dataset at config['synthetic_root'] if it names one and it is missing.
+def prepare_data(config: Any) -> None:
+    """Generate the built-in synthetic dataset at config.synthetic_root if it names one and it is missing.
 
-    Call it before anything reads the data (the tokenizer reads its vocab.txt). Every rank may call it at
-    once: ensure_synthetic builds in a private folder and renames it into place atomically.
+    config: the resolved task config, training.config.*Config; reads synthetic_root. Call it before
+    anything reads the data (the tokenizer reads its vocab.txt). Every rank may call it at once:
+    ensure_synthetic builds in a private folder and renames it into place atomically.
     """
-    if config.get("synthetic_root"):
+    if config.synthetic_root:
         from .synthetic import ensure_synthetic
 
-        ensure_synthetic(str(config["synthetic_root"]))
+        ensure_synthetic(str(config.synthetic_root))
 
 
-def _require(config: dict, key: str, task: str):
-    if config.get(key) in (None, "", []):
-        raise ValueError(f"config key '{key}' is required for task '{task}'")
-    return config[key]
+def create_dataset(task: str,
+                   config: Any) -> PretrainDataset | tuple[Dataset, Dataset | None, Dataset | None]:
+    """The datasets of `task` ('pretrain', 'retrieval', 'nlvr' or 'vqa'), training sets with the training
+    transform (image_res, crop_scale, hflip, randaugment) and evaluation sets with the test transform.
 
+    config: the resolved task config, training.config.*Config; reads image_res, crop_scale, hflip,
+    randaugment, image_root (null or '': the json paths as they are), max_words, train_file, and per task
+    val_file, test_file, answer_list (vqa) and text_assignment (nlvr).
 
-def create_dataset(task: str, config: dict):
-    """Build the datasets of a task from a config.
-
-    'pretrain' -> PretrainDataset; 'retrieval' -> (train, val, test); 'nlvr' -> (train, val, test);
-    'vqa' -> (train, test). Pre-training crops with scale (0.2, 1), fine-tuning with (0.5, 1).
+    Returns 'pretrain' -> PretrainDataset; 'retrieval' -> (RetrievalTrainDataset, RetrievalEvalDataset x2);
+    'nlvr' -> (train, val, test) NLVRDatasets, or with text_assignment true (PretrainDataset of train_file,
+    None, None): stage 1 trains on pre-training captions and has no evaluation split, and a triple either
+    way lets NLVR.py unpack both stages alike; 'vqa' -> (train, val or None when val_file is null, test)
+    VQADatasets, val and test as split 'test' (question ids, the answer list).
     """
     from .nlvr import NLVRDataset
     from .pretrain import PretrainDataset
@@ -69,24 +83,27 @@ def create_dataset(task: str, config: dict):
 
     if task not in TASKS:
         raise ValueError(f"unknown task {task!r}; expected one of {TASKS}")
-    res = int(_require(config, "image_res", task))
-    scale = tuple(config.get("crop_scale") or ((0.2, 1.0) if task == "pretrain" else (0.5, 1.0)))
-    train_tf = train_transform(res, scale=scale, hflip=config.get("hflip", True),
-                               randaugment=config.get("randaugment", True))
-    test_tf = test_transform(res)
-    root = config.get("image_root", "") or ""
-    max_words = int(config.get("max_words", 30))
-    train_file = _require(config, "train_file", task)
+    train_tf = train_transform(config.image_res, scale=tuple(config.crop_scale), hflip=config.hflip,
+                               randaugment=config.randaugment)
+    test_tf = test_transform(config.image_res)
+    root = config.image_root or ""
+    max_words = config.max_words
     if task == "pretrain":
-        return PretrainDataset(train_file, train_tf, root, max_words)
+        return PretrainDataset(config.train_file, train_tf, root, max_words)
     if task == "retrieval":
-        return (RetrievalTrainDataset(train_file, train_tf, root, max_words),
-                RetrievalEvalDataset(_require(config, "val_file", task), test_tf, root, max_words),
-                RetrievalEvalDataset(_require(config, "test_file", task), test_tf, root, max_words))
+        return (RetrievalTrainDataset(config.train_file, train_tf, root, max_words),
+                RetrievalEvalDataset(config.val_file, test_tf, root, max_words),
+                RetrievalEvalDataset(config.test_file, test_tf, root, max_words))
+    if task == "nlvr" and config.text_assignment:
+        return PretrainDataset(config.train_file, train_tf, root, max_words), None, None
     if task == "nlvr":
-        return (NLVRDataset(train_file, train_tf, root, max_words),
-                NLVRDataset(_require(config, "val_file", task), test_tf, root, max_words),
-                NLVRDataset(_require(config, "test_file", task), test_tf, root, max_words))
-    return (VQADataset(train_file, train_tf, root, "train", max_words=max_words),
-            VQADataset(_require(config, "test_file", task), test_tf, root, "test",
-                       answer_list=_require(config, "answer_list", task), max_words=max_words))
+        return (NLVRDataset(config.train_file, train_tf, root, max_words),
+                NLVRDataset(config.val_file, test_tf, root, max_words),
+                NLVRDataset(config.test_file, test_tf, root, max_words))
+
+    def vqa_eval(files: str | list[str]) -> VQADataset:
+        return VQADataset(files, test_tf, root, "test", answer_list=config.answer_list, max_words=max_words)
+
+    return (VQADataset(config.train_file, train_tf, root, "train", max_words=max_words),
+            vqa_eval(config.val_file) if config.val_file else None,
+            vqa_eval(config.test_file))

@@ -4,10 +4,10 @@ cleaning, is skipped, never replaced by another entry.
 `SkipBadSamples(dataset)` returns `(item, None)` for a good entry and `(placeholder, reason)` for a bad
 one; the placeholder (`dataset.placeholder(index)`) has the shapes of a real item, so every rank's
 batch keeps its shape and collectives (DDP, GRIT's all_gathers) never mismatch. `SkipBadCollate`
-batches such pairs as the task's collate does and appends `valid` (B,) bool and `bad`, the list of
-the bad entries' reasons ("entry 17: cannot read image ..."). The models leave invalid rows out of
-every loss and out of the in-batch negatives; GRIT collects them as invalid, so they come back next
-epoch like unseen indices. Evaluation wraps its sets the same way and scores the good entries only.
+batches such pairs with the task's collate (dataset.collate) and sets the Batch's `valid` (B,) bool
+and `reasons`, the bad entries' reasons ("entry 17: cannot read image ..."). The models leave invalid
+rows out of every loss and out of the in-batch negatives; GRIT collects them as invalid, so they come
+back next epoch like unseen indices. Evaluation wraps its sets the same way and scores the good entries only.
 """
 
 from __future__ import annotations
@@ -19,9 +19,10 @@ import torch
 from PIL import Image
 from torch.utils.data import Dataset
 
+from .collate import Batch
 from .utils import EmptyTextError, ImageReadError
 
-__all__ = ["BAD_SAMPLE_ERRORS", "SkipBadCollate", "SkipBadSamples", "blank_image", "device_valid"]
+__all__ = ["BAD_SAMPLE_ERRORS", "SkipBadCollate", "SkipBadSamples", "blank_image"]
 
 # What makes an entry bad. Anything else (a bug, a wrong config) still stops the run.
 BAD_SAMPLE_ERRORS = (ImageReadError, EmptyTextError)
@@ -30,12 +31,6 @@ BAD_SAMPLE_ERRORS = (ImageReadError, EmptyTextError)
 def blank_image(transform: Callable) -> torch.Tensor:
     """A black image through `transform` -> a tensor with a real item's shape (3,H,W)."""
     return transform(Image.new("RGB", (32, 32)))
-
-
-def device_valid(valid: torch.Tensor, device: torch.device) -> torch.Tensor | None:
-    """A batch's valid (B,) CPU mask on `device`, or None when every sample is good: the models then
-    run the paper's computation exactly. Checking the CPU tensor costs no device synchronisation."""
-    return None if bool(valid.all()) else valid.to(device, non_blocking=True)
 
 
 class SkipBadSamples(Dataset):
@@ -65,13 +60,18 @@ class SkipBadSamples(Dataset):
 
 
 class SkipBadCollate:
-    """Batch (item, reason) pairs with the task's collate -> (*batch, valid (B,) bool, bad [str])."""
+    """Batch (item, reason) pairs with the task's collate -> its Batch, valid (B,) bool and reasons set."""
 
-    def __init__(self, collate: Callable[[list], tuple]) -> None:
+    def __init__(self, collate: Callable[[list], Batch]) -> None:
         self.collate = collate
 
-    def __call__(self, pairs: list[tuple[Any, str | None]]) -> tuple:
+    def __call__(self, pairs: list[tuple[Any, str | None]]) -> Batch:
+        """pairs [B] of (item, None | reason) -> the collate's Batch; valid[b] False where a reason is."""
         items, reasons = zip(*pairs)
         batch = self.collate(list(items))
-        valid = torch.tensor([r is None for r in reasons], dtype=torch.bool)
-        return (*batch, valid, [r for r in reasons if r is not None])
+        if not isinstance(batch, Batch):
+            raise TypeError(f"{type(self.collate).__name__} returned a {type(batch).__name__}, not a "
+                            "dataset.collate.Batch")
+        batch.valid = torch.tensor([r is None for r in reasons], dtype=torch.bool)
+        batch.reasons = [r for r in reasons if r is not None]
+        return batch

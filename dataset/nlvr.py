@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from typing import Any
 
+from torch import Tensor
 from torch.utils.data import Dataset
 
 from .bad_samples import blank_image
@@ -16,7 +18,7 @@ __all__ = ["NLVRDataset", "parse_label"]
 _LABELS = {True: 1, False: 0, "True": 1, "False": 0, "true": 1, "false": 0}
 
 
-def parse_label(label) -> int:
+def parse_label(label: Any) -> int:
     """NLVR2 label (bool, 'True'/'False' as in ALBEF's json, or 0/1) -> int 0/1."""
     try:
         return _LABELS[label]
@@ -49,13 +51,13 @@ class NLVRDataset(Dataset):
     def __len__(self) -> int:
         return len(self.ann)
 
-    def __getitem__(self, index: int):
+    def __getitem__(self, index: int) -> tuple[Tensor, Tensor, str, int]:
         ann = self.ann[index]
         image0, image1 = (self.transform(read_image(resolve_image(self.image_root, p)))
                           for p in ann["images"])
         return image0, image1, pre_caption(ann["sentence"], self.max_words), parse_label(ann["label"])
 
-    def placeholder(self, index: int):
+    def placeholder(self, index: int) -> tuple[Tensor, Tensor, str, int]:
         """An item of the right shapes standing in for bad entry `index` (masked out of every loss):
         two blank images, the placeholder sentence, label 0 (any valid label; no loss reads it)."""
         return blank_image(self.transform), blank_image(self.transform), PLACEHOLDER_CAPTION, 0

@@ -1,4 +1,4 @@
-"""Pre-training data: image-caption pairs from ALBEF json lists."""
+"""Pre-training data: image-caption pairs from ALBEF json lists, and the base of every image-caption set."""
 
 from __future__ import annotations
 
@@ -6,12 +6,13 @@ import os
 import random
 from collections.abc import Callable, Sequence
 
+from torch import Tensor
 from torch.utils.data import Dataset
 
 from .bad_samples import blank_image
 from .utils import load_json_list, pre_caption, read_image, resolve_image
 
-__all__ = ["PLACEHOLDER_CAPTION", "PretrainDataset", "check_caption", "image_and_caption"]
+__all__ = ["PLACEHOLDER_CAPTION", "ImageCaptionDataset", "PretrainDataset", "check_caption"]
 
 # The text of a bad sample's placeholder (dataset.bad_samples); no loss ever reads it.
 PLACEHOLDER_CAPTION = "bad sample"
@@ -27,21 +28,44 @@ def check_caption(entry: dict, key: str = "caption") -> None:
     raise ValueError(f"'{key}' must be a string or a non-empty list of strings, got {cap!r}")
 
 
-def image_and_caption(ann: dict, transform: Callable, image_root: str, max_words: int):
-    """An image-caption entry -> (transformed image Tensor (3,H,W), cleaned caption); a list caption
-    gives a random member (python ``random``, which DataLoader seeds per worker)."""
-    caption = ann["caption"]
-    if isinstance(caption, list):
-        caption = random.choice(caption)
-    image = transform(read_image(resolve_image(image_root, ann["image"])))
-    return image, pre_caption(caption, max_words)
+class ImageCaptionDataset(Dataset):
+    """The entries ``[{"image", "caption": str | [str, ...], ...}]`` of one or more json lists, checked as
+    they load (files.InputFileError names the file and entry), and the image root and transform to read
+    them with. Subclasses add keys to `required` and checks to `check_entry`, and say what an item is."""
+
+    required: tuple[str, ...] = ("image", "caption")
+
+    def __init__(self, files: str | Sequence[str], transform: Callable, image_root: str = "",
+                 max_words: int = 30) -> None:
+        self.ann = load_json_list(files, required=self.required, check=self.check_entry)
+        self.transform = transform
+        self.image_root = image_root
+        self.max_words = max_words
+
+    @staticmethod
+    def check_entry(entry: dict) -> None:
+        """Raise ValueError for a bad value of `entry` (its keys are there)."""
+        check_caption(entry)
+
+    def __len__(self) -> int:
+        return len(self.ann)
+
+    def image_and_caption(self, index: int) -> tuple[Tensor, str]:
+        """Entry `index` -> (transformed image (3,H,W), cleaned caption); a list caption gives a random
+        member on every visit (python ``random``, which DataLoader seeds per worker)."""
+        ann = self.ann[index]
+        caption = ann["caption"]
+        if isinstance(caption, list):
+            caption = random.choice(caption)
+        image = self.transform(read_image(resolve_image(self.image_root, ann["image"])))
+        return image, pre_caption(caption, self.max_words)
 
 
-class PretrainDataset(Dataset):
+class PretrainDataset(ImageCaptionDataset):
     """``[{"image", "caption": str | [str, ...]}]`` -> (image Tensor (3,H,W), caption str, index int).
 
-    A list caption yields a random member on every visit (python ``random``, which DataLoader
-    seeds per worker). The index is what the GRIT sampler collects features under.
+    A list caption yields a random member on every visit. The index is what the GRIT sampler collects
+    features under.
 
     ``image_keys[i]`` identifies entry i's image: entries whose resolved, normalised image paths
     are equal (ALBEF's COCO/VG files hold one entry per caption) share a key, numbered in order of
@@ -49,24 +73,18 @@ class PretrainDataset(Dataset):
     """
 
     def __init__(self, files: str | Sequence[str], transform: Callable, image_root: str = "",
-                 max_words: int = 30):
-        self.ann = load_json_list(files, required=("image", "caption"), check=check_caption)
-        self.transform = transform
-        self.image_root = image_root
-        self.max_words = max_words
+                 max_words: int = 30) -> None:
+        super().__init__(files, transform, image_root, max_words)
         first_seen: dict[str, int] = {}
         self.image_keys: list[int] = [
             first_seen.setdefault(os.path.normpath(resolve_image(image_root, ann["image"])), len(first_seen))
             for ann in self.ann
         ]
 
-    def __len__(self) -> int:
-        return len(self.ann)
-
-    def __getitem__(self, index: int):
-        image, caption = image_and_caption(self.ann[index], self.transform, self.image_root, self.max_words)
+    def __getitem__(self, index: int) -> tuple[Tensor, str, int]:
+        image, caption = self.image_and_caption(index)
         return image, caption, index
 
-    def placeholder(self, index: int):
+    def placeholder(self, index: int) -> tuple[Tensor, str, int]:
         """An item of the right shapes standing in for bad entry `index` (masked out of every loss)."""
         return blank_image(self.transform), PLACEHOLDER_CAPTION, index

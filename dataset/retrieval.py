@@ -4,41 +4,45 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 
-from torch.utils.data import Dataset
+from torch import Tensor
 
 from .bad_samples import blank_image
-from .pretrain import PLACEHOLDER_CAPTION, check_caption, image_and_caption
-from .utils import EmptyTextError, load_json_list, pre_caption, read_image, resolve_image
+from .pretrain import PLACEHOLDER_CAPTION, ImageCaptionDataset, check_caption
+from .utils import EmptyTextError, pre_caption, read_image, resolve_image
 
 __all__ = ["RetrievalEvalDataset", "RetrievalTrainDataset"]
 
 
-class RetrievalTrainDataset(Dataset):
+class RetrievalTrainDataset(ImageCaptionDataset):
     """``[{"image", "caption", "image_id"}]`` -> (image Tensor (3,H,W), caption str, img_id int).
 
     ``img_id`` is a contiguous 0..K-1 id per distinct json image_id (in order of first appearance),
     so captions of the same image are known positives of each other.
     """
 
+    required = ("image", "caption", "image_id")
+
     def __init__(self, files: str | Sequence[str], transform: Callable, image_root: str = "",
-                 max_words: int = 30):
-        self.ann = load_json_list(files, required=("image", "caption", "image_id"), check=_check_train)
-        self.transform = transform
-        self.image_root = image_root
-        self.max_words = max_words
+                 max_words: int = 30) -> None:
+        super().__init__(files, transform, image_root, max_words)
         self.img_ids: dict = {}
         for ann in self.ann:
             self.img_ids.setdefault(ann["image_id"], len(self.img_ids))
 
-    def __len__(self) -> int:
-        return len(self.ann)
+    @staticmethod
+    def check_entry(entry: dict) -> None:
+        """A caption as check_caption wants it, and a hashable image_id (it keys img_ids)."""
+        check_caption(entry)
+        try:
+            hash(entry["image_id"])
+        except TypeError:
+            raise ValueError(f"'image_id' must be a string or an int, got {entry['image_id']!r}") from None
 
-    def __getitem__(self, index: int):
-        ann = self.ann[index]
-        image, caption = image_and_caption(ann, self.transform, self.image_root, self.max_words)
-        return image, caption, self.img_ids[ann["image_id"]]
+    def __getitem__(self, index: int) -> tuple[Tensor, str, int]:
+        image, caption = self.image_and_caption(index)
+        return image, caption, self.img_ids[self.ann[index]["image_id"]]
 
-    def placeholder(self, index: int):
+    def placeholder(self, index: int) -> tuple[Tensor, str, int]:
         """An item of the right shapes standing in for bad entry `index` (masked out of every loss).
 
         Its img_id, -1 - index, is no real image's (those are 0..K-1) and no other placeholder's, so
@@ -47,15 +51,7 @@ class RetrievalTrainDataset(Dataset):
         return blank_image(self.transform), PLACEHOLDER_CAPTION, -1 - index
 
 
-def _check_train(entry: dict) -> None:
-    check_caption(entry)
-    try:
-        hash(entry["image_id"])
-    except TypeError:
-        raise ValueError(f"'image_id' must be a string or an int, got {entry['image_id']!r}") from None
-
-
-class RetrievalEvalDataset(Dataset):
+class RetrievalEvalDataset(ImageCaptionDataset):
     """``[{"image", "caption": [str, ...]}]`` -> (image Tensor (3,H,W), image index int).
 
     Texts are flattened into ``.text`` (cleaned); ``.img2txt[i]`` lists image i's text indices and
@@ -67,11 +63,8 @@ class RetrievalEvalDataset(Dataset):
     """
 
     def __init__(self, files: str | Sequence[str], transform: Callable, image_root: str = "",
-                 max_words: int = 30):
-        self.ann = load_json_list(files, required=("image", "caption"), check=check_caption)
-        self.transform = transform
-        self.image_root = image_root
-        self.max_words = max_words
+                 max_words: int = 30) -> None:
+        super().__init__(files, transform, image_root, max_words)
         self.text: list[str] = []
         self.image: list[str] = []
         self.img2txt: dict[int, list[int]] = {}
@@ -91,13 +84,10 @@ class RetrievalEvalDataset(Dataset):
                 self.img2txt[img_id].append(len(self.text))
                 self.text.append(text)
 
-    def __len__(self) -> int:
-        return len(self.image)
-
-    def __getitem__(self, index: int):
+    def __getitem__(self, index: int) -> tuple[Tensor, int]:
         image = self.transform(read_image(resolve_image(self.image_root, self.image[index])))
         return image, index
 
-    def placeholder(self, index: int):
+    def placeholder(self, index: int) -> tuple[Tensor, int]:
         """An item of the right shapes standing in for unreadable image `index` (left out of the scores)."""
         return blank_image(self.transform), index

@@ -1,5 +1,5 @@
 """Built-in synthetic image-text data, in ALBEF's json formats, for CPU demos and tests: this module
-writes the corpus (splits, files, statistics, CLI); the scenes, images and captions are in
+writes the corpus (splits, files, statistics); the scenes, images and captions are in
 dataset/synthetic_world.py, the NLVR2 sentences and VQA questions in dataset/synthetic_tasks.py.
 
 Images are 48x48 PNGs of one to three coloured shapes of two sizes on a lightly noisy grey
@@ -19,7 +19,7 @@ Like ALBEF's COCO and VG files, some pre-training images are listed under severa
 its own captions (the false negatives the pre-training guard is for). The vocabulary is tiny, and
 ``vocab.txt`` is a word-level BERT vocabulary that tokenises every text without [UNK].
 
-    python -m dataset.synthetic --out data/synthetic [--n 600] [--seed 0]
+    python -m tools.make_synthetic --output_dir data/synthetic [--n 600] [--seed 0]
 
 Files written under the output directory (image paths inside the json files are relative to it,
 so configs use ``image_root: data/synthetic``):
@@ -49,7 +49,6 @@ The same (n, seed) gives byte-identical files.
 
 from __future__ import annotations
 
-import argparse
 import json
 import logging
 import os
@@ -60,6 +59,8 @@ import time
 import warnings
 
 import numpy as np
+
+from files import read_json
 
 from .synthetic_tasks import nlvr_split, vqa_split
 from .synthetic_world import (
@@ -73,7 +74,7 @@ from .synthetic_world import (
     scene_captions,
 )
 
-__all__ = ["MARKER", "SPECIAL_TOKENS", "ensure_synthetic", "generate", "main"]
+__all__ = ["MARKER", "SPECIAL_TOKENS", "ensure_synthetic", "generate"]
 
 logger = logging.getLogger(__name__)
 
@@ -294,8 +295,7 @@ def ensure_synthetic(root: str = "data/synthetic", n: int = 600, seed: int = 0) 
     """
     marker = os.path.join(root, MARKER)
     if os.path.isfile(marker):
-        with open(marker, encoding="utf-8") as f:
-            meta = json.load(f)
+        meta = read_json(marker, "synthetic dataset marker")
         if meta.get("format_version") != FORMAT_VERSION:
             # written by an older generator: its files may differ from what the configs expect
             logger.info("synthetic dataset at %s has format %s, regenerating as format %s", root,
@@ -324,24 +324,3 @@ def ensure_synthetic(root: str = "data/synthetic", n: int = 600, seed: int = 0) 
         shutil.rmtree(tmp, ignore_errors=True)
     logger.info("synthetic dataset ready at %s (n=%d, seed=%d, %.1fs)", root, n, seed, time.time() - start)
     return root
-
-
-def main(argv: list[str] | None = None) -> None:
-    """CLI: python -m dataset.synthetic --out DIR [--n N] [--seed S]."""
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--out", required=True, help="output directory (use it as image_root in configs)")
-    parser.add_argument("--n", type=int, default=600, help="number of pre-training images")
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--image-size", type=int, default=48)
-    args = parser.parse_args(argv)
-    start = time.time()
-    try:
-        meta = generate(args.out, args.n, args.seed, args.image_size)
-    except (ValueError, OSError) as e:
-        parser.error(str(e))  # one line, exit code 2
-    print(json.dumps({"out": args.out, "seconds": round(time.time() - start, 2), **meta["sizes"],
-                      "pretrain_statistics": meta["pretrain_statistics"]}))
-
-
-if __name__ == "__main__":
-    main()

@@ -44,7 +44,7 @@ def _nlvr_has(rng, scenes, want, side):
     sc = scenes[side]
     # A false sentence names any object that image lacks (it often shares a colour or a shape with
     # one it has). Always one attribute off, as in the captions' hard negatives, the tiny model did
-    # not learn the split within minutes (README, "NLVR2 on the synthetic data").
+    # not learn the split within minutes (docs/synthetic-world.md, 'NLVR2 on the synthetic data').
     obj = pick(rng, sc.objects) if want else random_object(rng)
     verb = pick(rng, ("has", "contains", "shows"))
     return f"the {_side(side)} image {verb} {_obj_words(rng, obj)}", sc.has(obj)

@@ -1,17 +1,20 @@
 """Text cleaning, json-list loading and image reading shared by every dataset.
 
 All errors name the offending file (or caption), so a bad entry in a 4M-line json list is found
-from the message alone.
+from the message alone. A fault of a json list stops the run (files.InputFileError); a bad sample
+(ImageReadError, EmptyTextError: found only when the entry is read) is skipped and counted instead
+(dataset.bad_samples).
 """
 
 from __future__ import annotations
 
-import json
 import os
 import re
 from collections.abc import Callable, Iterable, Sequence
 
 from PIL import Image
+
+from files import InputFileError, read_json
 
 __all__ = [
     "EmptyTextError",
@@ -64,10 +67,6 @@ def pre_question(question: str, max_words: int = 30) -> str:
     return _clean(question, max_words, "question")
 
 
-def _describe_json_error(path: str, err: json.JSONDecodeError) -> str:
-    return f"{path}: invalid JSON at line {err.lineno}, column {err.colno}: {err.msg}"
-
-
 def load_json_list(
     paths: str | os.PathLike | Sequence[str | os.PathLike],
     required: Iterable[str] = (),
@@ -75,8 +74,9 @@ def load_json_list(
 ) -> list[dict]:
     """Concatenate json lists of dict entries; every entry must have the ``required`` keys.
 
-    ``check(entry)`` may raise ValueError for a bad value; the message is re-raised naming the
-    file and entry index. Missing files raise FileNotFoundError, everything else ValueError.
+    ``check(entry)`` may raise ValueError for a bad value. Any fault of a file (missing, not JSON, not a
+    list, an entry that is no object, lacks a key or fails ``check``) raises files.InputFileError naming
+    the file and, for an entry, its index.
     """
     if isinstance(paths, (str, os.PathLike)):
         paths = [paths]
@@ -86,28 +86,20 @@ def load_json_list(
     out: list[dict] = []
     for path in paths:
         path = os.fspath(path)
-        if not os.path.isfile(path):
-            raise FileNotFoundError(f"json file not found: {path}")
-        try:
-            with open(path, encoding="utf-8") as f:
-                data = json.load(f)
-        except json.JSONDecodeError as e:
-            raise ValueError(_describe_json_error(path, e)) from None
-        except UnicodeDecodeError as e:
-            raise ValueError(f"{path}: not UTF-8 text ({e.reason})") from None
+        data = read_json(path)
         if not isinstance(data, list):
-            raise ValueError(f"{path}: expected a JSON list of entries, got {type(data).__name__}")
+            raise InputFileError(f"{path}: expected a JSON list of entries, got {type(data).__name__}")
         for i, entry in enumerate(data):
             if not isinstance(entry, dict):
-                raise ValueError(f"{path}: entry {i} is a {type(entry).__name__}, expected an object")
+                raise InputFileError(f"{path}: entry {i} is a {type(entry).__name__}, expected an object")
             missing = [k for k in required if k not in entry]
             if missing:
-                raise ValueError(f"{path}: entry {i} is missing key(s) {missing} (has {sorted(entry)})")
+                raise InputFileError(f"{path}: entry {i} is missing key(s) {missing} (has {sorted(entry)})")
             if check is not None:
                 try:
                     check(entry)
                 except ValueError as e:
-                    raise ValueError(f"{path}: entry {i}: {e}") from None
+                    raise InputFileError(f"{path}: entry {i}: {e}") from None
         out.extend(data)
     return out
 

@@ -2,19 +2,20 @@
 
 from __future__ import annotations
 
-import json
-import os
 from collections import Counter
 from collections.abc import Callable, Sequence
+from typing import Any
 
-import torch
+from torch import Tensor
 from torch.utils.data import Dataset
+
+from files import InputFileError, read_json
 
 from .bad_samples import blank_image
 from .pretrain import PLACEHOLDER_CAPTION
 from .utils import load_json_list, pre_question, read_image, resolve_image
 
-__all__ = ["VQADataset", "answer_weights", "load_answer_list", "vqa_collate"]
+__all__ = ["VQADataset", "answer_weights", "load_answer_list"]
 
 VG_WEIGHT = 0.5  # ALBEF's fixed score for a Visual Genome answer (one annotator)
 
@@ -45,16 +46,11 @@ def answer_weights(answer: str | list[str], dataset: str = "vqa") -> tuple[list[
 
 
 def load_answer_list(path: str) -> list[str]:
-    """Read the json list of candidate answers; clear errors naming the file."""
-    if not os.path.isfile(path):
-        raise FileNotFoundError(f"answer list not found: {path}")
-    try:
-        with open(path, encoding="utf-8") as f:
-            answers = json.load(f)
-    except json.JSONDecodeError as e:
-        raise ValueError(f"{path}: invalid JSON at line {e.lineno}, column {e.colno}: {e.msg}") from None
+    """The json list of candidate answers; files.InputFileError naming the file when it is missing, not
+    JSON or not a non-empty list of strings."""
+    answers = read_json(path, "answer list")
     if not (isinstance(answers, list) and answers and all(isinstance(a, str) for a in answers)):
-        raise ValueError(f"{path}: expected a non-empty JSON list of answer strings")
+        raise InputFileError(f"answer list {path}: expected a non-empty JSON list of answer strings")
     return answers
 
 
@@ -84,7 +80,7 @@ class VQADataset(Dataset):
     def __len__(self) -> int:
         return len(self.ann)
 
-    def __getitem__(self, index: int):
+    def __getitem__(self, index: int) -> tuple[Tensor, str, Any] | tuple[Tensor, str, list[str], list[float]]:
         ann = self.ann[index]
         image = self.transform(read_image(resolve_image(self.image_root, ann["image"])))
         question = pre_question(ann["question"], self.max_words)
@@ -93,10 +89,10 @@ class VQADataset(Dataset):
         answers, weights = answer_weights(ann["answer"], ann.get("dataset", "vqa"))
         return image, question, answers, weights
 
-    def placeholder(self, index: int):
+    def placeholder(self, index: int) -> tuple[Tensor, str, Any] | tuple[Tensor, str, list[str], list[float]]:
         """An item of the right shapes standing in for bad entry `index` (masked out of every loss).
 
-        train: one answer of weight 1.0, so that vqa_collate's per-question answer counts stay
+        train: one answer of weight 1.0, so that QACollate's per-question answer counts stay
         well-formed; test: the entry's own question_id (the json's, read without the image).
         """
         image = blank_image(self.transform)
@@ -110,15 +106,3 @@ def _both(*checks: Callable[[dict], None]) -> Callable[[dict], None]:
         for c in checks:
             c(entry)
     return check
-
-
-def vqa_collate(batch: list[tuple]) -> tuple[torch.Tensor, list[str], list[str], torch.Tensor, list[int]]:
-    """Train batch -> (images (B,3,H,W), questions [B], answers [sum n], weights (sum n,), n [B])."""
-    images, questions, answers, weights, n = [], [], [], [], []
-    for image, question, ans, w in batch:
-        images.append(image)
-        questions.append(question)
-        answers.extend(ans)
-        weights.extend(w)
-        n.append(len(ans))
-    return torch.stack(images), questions, answers, torch.tensor(weights, dtype=torch.float), n

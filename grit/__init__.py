@@ -64,7 +64,7 @@ Per epoch, on every rank:
 
 from .chain import greedy_chain
 from .collector import GritCollector
-from .config import load_index_array, parse_grit_config
+from .config import load_index_array, option_problems
 from .sampler import GritSampler
 
-__all__ = ["greedy_chain", "GritCollector", "GritSampler", "load_index_array", "parse_grit_config"]
+__all__ = ["greedy_chain", "GritCollector", "GritSampler", "load_index_array", "option_problems"]

@@ -11,7 +11,7 @@ import torch.distributed as dist
 
 from . import dist as gdist
 from .collector import GritCollector
-from .config import load_index_array, parse_grit_config
+from .config import load_index_array, option_problems
 
 __all__ = ["GritSampler"]
 
@@ -37,8 +37,12 @@ class GritSampler(torch.utils.data.Sampler):
 
     def __init__(self, dataset, num_replicas: int | None = None, rank: int | None = None,
                  shuffle: bool = True, seed: int = 0, drop_last: bool = True, *, batch_size: int,
-                 grit: dict | None = None, dim: int = 256, device: torch.device | str | None = None,
+                 enabled: bool, queue_size: int | None, search_space: int | None, example_shuffle: bool,
+                 batch_shuffle: bool, mode: str, warmstart_indices: str | None, shard_grouping: bool,
+                 dim: int = 256, device: torch.device | str | None = None,
                  index_dtype: torch.dtype | None = None) -> None:
+        """The GRIT options are the `grit` block's keys (training.config.Grit: what each means; a script
+        passes config.grit.sampler_options()); ValueError when they break grit.config.option_problems."""
         self.dataset_len = int(dataset) if isinstance(dataset, numbers.Integral) else len(dataset)
         # The epoch arrays hold D indices on every rank (3.2 GB as int64 for LAION-400M): int32 whenever
         # the dataset fits, int64 beyond 2**31 - 1 entries or when asked. The batches are the same.
@@ -64,7 +68,14 @@ class GritSampler(torch.utils.data.Sampler):
         self.drop_last = True
         self.dim = int(dim)
         self.device = torch.device(device) if device is not None else torch.device("cpu")
-        self.grit = parse_grit_config(grit, batch_size)
+        problems = option_problems(batch_size=batch_size, enabled=enabled, queue_size=queue_size,
+                                   search_space=search_space, mode=mode)
+        if problems:
+            raise ValueError(f"GritSampler: {problems[0]}")
+        self.grit = {"enabled": bool(enabled), "queue_size": queue_size, "search_space": search_space,
+                     "example_shuffle": bool(example_shuffle), "batch_shuffle": bool(batch_shuffle),
+                     "mode": mode, "warmstart_indices": warmstart_indices,
+                     "shard_grouping": bool(shard_grouping)}
         self.global_batch = batch_size * self.num_replicas
         if self.dataset_len < self.global_batch:
             raise ValueError(

@@ -8,16 +8,16 @@ surgery; the attention masks are built once per forward.
 
 from __future__ import annotations
 
-import json
 import logging
-import os
 from collections.abc import Sequence
+from typing import Any
 
 import torch
 from torch import Tensor, nn
 from torch.utils.checkpoint import checkpoint
 from transformers import BertConfig
 
+from files import InputFileError, read_json
 from models.bert_layers import BertBackbone, BertLayer, BertLMPredictionHead, BertOnlyMLMHead
 from models.bert_weights import normalise_bert_keys, read_bert_weights, resolve_bert_weights
 from models.state_dicts import check_shapes, missing_after_tying, summarise_keys
@@ -28,21 +28,20 @@ _MODES = ("text", "fusion", "multimodal")
 
 
 def load_bert_config(path: str) -> BertConfig:
-    """Read a BERT json config that also carries the ALBEF keys fusion_layer and encoder_width."""
-    if not path or not os.path.isfile(path):
-        raise FileNotFoundError(f"bert_config: no such file: {path!r}")
-    try:
-        with open(path) as f:
-            values = json.load(f)
-    except json.JSONDecodeError as err:
-        raise ValueError(f"bert_config {path!r} is not valid json: {err}") from err
+    """Read a BERT json config that also carries the ALBEF keys fusion_layer and encoder_width;
+    InputFileError naming the file when it is missing, not json, or lacks or misplaces those keys."""
+    values = read_json(path, "bert_config")
+    if not isinstance(values, dict):
+        raise InputFileError(f"bert_config {path}: expected a json object of BERT settings, got "
+                             f"{type(values).__name__}")
     missing = [k for k in ("fusion_layer", "encoder_width") if k not in values]
     if missing:
-        raise ValueError(f"bert_config {path!r} lacks the key(s) {missing} (needed to split BERT for fusion)")
+        raise InputFileError(f"bert_config {path} lacks the key(s) {missing} (needed to split BERT for "
+                             "fusion)")
     config = BertConfig(**values)
     if not 0 <= config.fusion_layer <= config.num_hidden_layers:
-        raise ValueError(
-            f"bert_config {path!r}: fusion_layer={config.fusion_layer} must lie in "
+        raise InputFileError(
+            f"bert_config {path}: fusion_layer={config.fusion_layer} must lie in "
             f"[0, num_hidden_layers={config.num_hidden_layers}]"
         )
     return config
@@ -203,7 +202,7 @@ class BertEncoder(nn.Module):
         own = model.state_dict()
         word_key = "bert.embeddings.word_embeddings.weight"
         if word_key in state and state[word_key].shape[0] != config.vocab_size:
-            raise ValueError(
+            raise InputFileError(
                 f"text_encoder {name_or_dir!r} has a vocabulary of {state[word_key].shape[0]} tokens but the "
                 f"model expects vocab_size={config.vocab_size} (the tokenizer's length); use the tokenizer "
                 "that belongs to these weights"
@@ -223,21 +222,23 @@ class BertEncoder(nn.Module):
         return model
 
 
-def build_text_encoder(
-    config: dict, text_encoder: str | None, tokenizer, mlm_head: bool = True, **kwargs
-) -> BertEncoder:
-    """BertEncoder from config['bert_config'], random or loaded from `text_encoder`; vocab = tokenizer's.
+def build_text_encoder(config: Any, tokenizer: Any, mlm_head: bool, *,
+                       pretrained: bool = True) -> BertEncoder:
+    """The split BERT of config.bert_config, its vocabulary the tokenizer's (len(tokenizer)); its forward
+    maps ids (B,L) to hidden states (B,L,H).
 
-    Config grad_checkpointing: true checkpoints every layer while training.
+    config: the resolved task config (training.config.TaskConfig); reads bert_config, text_encoder (BERT
+    weights; null: random init) and grad_checkpointing (checkpoint every layer while training).
+    pretrained=False: random init whatever text_encoder says, for a model whose weights all come from a
+    task checkpoint (VQA).
     """
-    if "bert_config" not in config:
-        raise ValueError("config key 'bert_config' (path to a BERT json) is missing")
-    bert_config = load_bert_config(config["bert_config"])
+    bert_config = load_bert_config(config.bert_config)
+    weights = config.text_encoder if pretrained else None
     vocab = len(tokenizer)
     if vocab != bert_config.vocab_size:
         # Random init: the tokenizer decides the vocabulary; pretrained weights must already match it
         # (from_pretrained raises a clear error if they do not).
-        if text_encoder is None:
+        if weights is None:
             logger.info(
                 "bert_config vocab_size %d != tokenizer length %d: using %d",
                 bert_config.vocab_size,
@@ -245,11 +246,11 @@ def build_text_encoder(
                 vocab,
             )
         bert_config.vocab_size = vocab
-    if text_encoder is None:
-        model = BertEncoder(bert_config, mlm_head=mlm_head, **kwargs)
+    if weights is None:
+        model = BertEncoder(bert_config, mlm_head=mlm_head)
     else:
-        model = BertEncoder.from_pretrained(text_encoder, bert_config, mlm_head=mlm_head, **kwargs)
-    model.set_grad_checkpointing(bool(config.get("grad_checkpointing", False)))
+        model = BertEncoder.from_pretrained(weights, bert_config, mlm_head=mlm_head)
+    model.set_grad_checkpointing(config.grad_checkpointing)
     return model
 
 

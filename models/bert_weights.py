@@ -8,7 +8,8 @@ import re
 
 from torch import Tensor
 
-from torch_files import load_torch_file
+from files import InputFileError
+from models.state_dicts import read_weights_file
 
 _WEIGHT_FILES = ("model.safetensors", "pytorch_model.bin")
 
@@ -47,16 +48,13 @@ def resolve_bert_weights(name_or_dir: str) -> str:
 
 
 def read_bert_weights(path: str) -> dict[str, Tensor]:
-    """A .safetensors / .bin / .pth file (raw or under 'model') -> its state dict."""
-    if path.endswith(".safetensors"):
-        from safetensors.torch import load_file
-
-        return load_file(path)
-    state = load_torch_file(path, what="text_encoder weights")
+    """A .safetensors / .bin / .pth file (raw or under 'model') -> its state dict; InputFileError naming the
+    file when it holds none."""
+    state = read_weights_file(path, "text_encoder weights")
     if isinstance(state, dict) and isinstance(state.get("model"), dict):
         state = state["model"]
-    if not isinstance(state, dict):
-        raise ValueError(f"{path!r} does not hold a state dict")
+    if not isinstance(state, dict) or not all(isinstance(v, Tensor) for v in state.values()):
+        raise InputFileError(f"text_encoder weights {path!r} do not hold a state dict of tensors")
     return state
 
 

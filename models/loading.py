@@ -10,9 +10,9 @@ from dataclasses import dataclass, field
 
 from torch import Tensor, nn
 
-from models.state_dicts import missing_after_tying, summarise_keys
+from files import InputFileError
+from models.state_dicts import missing_after_tying, read_weights_file, summarise_keys
 from models.vit import resample_pos_embed_report
-from torch_files import load_torch_file
 
 logger = logging.getLogger(__name__)
 
@@ -103,27 +103,36 @@ class LoadReport:
         )
 
 
-def read_checkpoint(checkpoint: str | dict) -> dict[str, Tensor]:
-    """A path (.pth/.bin/.safetensors, raw or under 'model') or a dict -> flat state dict of tensors."""
-    source = checkpoint if isinstance(checkpoint, str) else "<state dict>"
+def read_checkpoint(checkpoint: str | os.PathLike | dict) -> dict[str, Tensor]:
+    """A path (.pth/.bin/.safetensors, raw or under 'model') or a dict -> flat state dict of tensors.
+
+    A file that is missing raises FileNotFoundError; one that is not a torch / safetensors file, or holds
+    something other than a state dict (e.g. a bare tensor), InputFileError naming it.
+    """
+    path = None
     if isinstance(checkpoint, (str, os.PathLike)):
         path = os.fspath(checkpoint)
         if not os.path.isfile(path):
             raise FileNotFoundError(f"checkpoint: no such file: {path!r}")
-        if path.endswith(".safetensors"):
-            from safetensors.torch import load_file
-
-            checkpoint = load_file(path)
-        else:
-            checkpoint = load_torch_file(path)
+        checkpoint = read_weights_file(path, "checkpoint")
     if isinstance(checkpoint, dict) and isinstance(checkpoint.get("model"), dict):
         checkpoint = checkpoint["model"]
     if not isinstance(checkpoint, dict) or not all(isinstance(v, Tensor) for v in checkpoint.values()):
-        raise ValueError(
-            f"checkpoint {source!r} does not hold a state dict of tensors (or one under 'model')"
-        )
+        what = f"checkpoint {path!r}" if path else "the checkpoint dict"
+        # A file is the user's (one-line error in the scripts); a dict comes from code.
+        error = InputFileError if path else ValueError
+        raise error(f"{what} does not hold a state dict of tensors (or one under 'model'), but "
+                    f"{_describe(checkpoint)}")
     # DistributedDataParallel-wrapped saves.
     return {k.removeprefix("module."): v for k, v in checkpoint.items()}
+
+
+def _describe(obj: object) -> str:
+    """'a Tensor', 'a dict with non-tensor values under ...': what a checkpoint holds instead."""
+    if isinstance(obj, dict):
+        odd = [str(k) for k, v in obj.items() if not isinstance(v, Tensor)]
+        return f"a dict with non-tensor values under {odd[:4]}"
+    return f"a {type(obj).__name__}"
 
 
 def _match_bert_naming(state: dict[str, Tensor], own_keys: set[str]) -> dict[str, Tensor]:
@@ -165,6 +174,7 @@ def load_weights(
     returns goes into the report (ALBEF_NLVR: the older MLP ta_head).
     """
     state = read_checkpoint(checkpoint)
+    source = os.fspath(checkpoint) if isinstance(checkpoint, (str, os.PathLike)) else None
     notes = []
     adapt = getattr(model, "match_checkpoint_layout", None)
     if adapt is not None:
@@ -191,8 +201,9 @@ def load_weights(
             report.reasons[key] = skipped
         elif key in own_keys:
             if value.shape != own[key].shape:
-                raise ValueError(
-                    f"checkpoint key {key!r} has shape {tuple(value.shape)} but the model expects "
+                where = f"checkpoint {source!r}" if source else "checkpoint"
+                raise (InputFileError if source else ValueError)(
+                    f"{where}: key {key!r} has shape {tuple(value.shape)} but the model expects "
                     f"{tuple(own[key].shape)} (does the config match the checkpoint?)"
                 )
             usable[key] = value
@@ -203,24 +214,22 @@ def load_weights(
             report.unexpected.append(key)
     model.load_state_dict(usable, strict=False)
     report.missing = missing_after_tying(model, set(usable))
-    logger.info(
-        "loaded %s: %s", checkpoint if isinstance(checkpoint, str) else "state dict", report.summary()
-    )
+    logger.info("loaded %s: %s", source or "state dict", report.summary())
     if strict and (report.missing or report.unexpected):
-        source = checkpoint if isinstance(checkpoint, str) else "state dict"
-        raise ValueError(f"strict load of {source} failed: {report.summary()}")
+        raise ValueError(f"strict load of {source or 'state dict'} failed: {report.summary()}")
     return report
 
 
-__all__ = ["ALWAYS_IGNORED", "IGNORE_REASONS", "LoadReport", "ignore_reason", "load_weights",
-           "read_checkpoint"]
+__all__ = ["ALWAYS_IGNORED", "IGNORE_REASONS", "LoadReport", "ignore_reason", "load_task_checkpoint",
+           "load_weights", "read_checkpoint"]
 
 
-def load_task_checkpoint(model: nn.Module, checkpoint: str | None,
+def load_task_checkpoint(model: nn.Module, checkpoint: str | dict | None,
                          log: Callable[[str], None] = print) -> None:
-    """--checkpoint into a task model that names its own key_map() and ignored_keys() (NLVR, VQA)."""
+    """--checkpoint into a task model that names its own key_map() and ignored_keys() (NLVR, VQA); a file
+    that is no state dict, or does not fit the model, raises InputFileError naming it."""
     if not checkpoint:
         log("no --checkpoint: the model starts from random weights")
         return
     report = load_weights(model, checkpoint, key_map=model.key_map(), ignore=model.ignored_keys())
-    log(f"loaded {checkpoint}: {report.summary()}")
+    log(f"loaded {checkpoint if isinstance(checkpoint, str) else 'state dict'}: {report.summary()}")

@@ -13,6 +13,7 @@ from __future__ import annotations
 import copy
 import re
 from collections.abc import Callable
+from typing import Any, Literal
 
 import torch
 import torch.nn.functional as F
@@ -26,7 +27,6 @@ from models.vit import build_vision_encoder, check_vision_text_widths
 __all__ = [
     "ALBEF_NLVR",
     "NLVR_PRETRAIN_ONLY_KEYS",
-    "TA_HEADS",
     "assign_texts",
     "duplicate_fusion_layers",
     "nlvr_bert_config",
@@ -40,7 +40,6 @@ __all__ = [
 # and the feature queues).
 NLVR_PRETRAIN_ONLY_KEYS = ("text_proj.", "temp", "itm_head.", "text_encoder.cls.", "vision_proj.",
                            "ta_head.")
-TA_HEADS = ("linear", "mlp")
 
 _LAYER_KEY = re.compile(r"^(text_encoder\.(?:bert\.)?encoder\.layer\.)(\d+)\.(.+)$")
 
@@ -116,12 +115,10 @@ def _mlp_head(width: int, classes: int) -> nn.Sequential:
     return nn.Sequential(nn.Linear(width, width), nn.ReLU(), nn.Linear(width, classes))
 
 
-def _ta_head(kind: str, width: int) -> nn.Module:
+def _ta_head(kind: Literal["linear", "mlp"], width: int) -> nn.Module:
     """Stage-1 text-assignment head. 'linear': the authors' (GRIT-VLP / ALBEF model_pretrain_nlvr)
     nn.Linear(hidden, 3), keys ta_head.weight/bias; 'mlp': this repository's older two-layer head
     (Linear, ReLU, Linear), keys ta_head.0.* / ta_head.2.*, kept to load stage-1 checkpoints saved with it."""
-    if kind not in TA_HEADS:
-        raise ValueError(f"config key 'ta_head' must be one of {TA_HEADS}, got {kind!r}")
     return nn.Linear(width, 3) if kind == "linear" else _mlp_head(width, 3)
 
 
@@ -172,29 +169,34 @@ class ALBEF_NLVR(nn.Module):
     """ViT + BERT whose fusion layers attend alternately to two images; a head on the fused [CLS]:
     cls_head (MLP, NLVR2) or, in stage 1, ta_head (one Linear as the authors', or our older MLP)."""
 
-    def __init__(self, config: dict, tokenizer, text_assignment: bool = False):
+    def __init__(self, config: Any, tokenizer: Any) -> None:
+        """Build the stage config.text_assignment asks for (true: stage 1, false: NLVR2) from random weights.
+
+        config: the resolved NLVR config (training.config.NLVRConfig); reads text_assignment, ta_head,
+        embed_dim, bert_config, grad_checkpointing and the ViT's keys (text_encoder is not read: every
+        weight comes from a pre-training or stage-1 checkpoint via load_weights). tokenizer: its length
+        is the vocabulary size.
+        """
         super().__init__()
-        if "bert_config" not in config:
-            raise ValueError("config key 'bert_config' (path to a BERT json) is missing")
-        base = load_bert_config(config["bert_config"])
+        base = load_bert_config(config.bert_config)
         base.vocab_size = len(tokenizer)
         self.pretrain_layers = base.num_hidden_layers
         self.fusion_layer = base.fusion_layer
-        self.text_assignment = text_assignment
+        self.text_assignment = config.text_assignment
         check_vision_text_widths(config, base.encoder_width)
         self.visual_encoder = build_vision_encoder(config)
         # Random init: the weights come from a (pre-training or stage-1) checkpoint via load_weights.
         self.text_encoder = BertEncoder(nlvr_bert_config(base), mlm_head=False)
-        self.text_encoder.set_grad_checkpointing(bool(config.get("grad_checkpointing", False)))
+        self.text_encoder.set_grad_checkpointing(config.grad_checkpointing)
         share_cross_attention_kv(self.text_encoder)
         width = base.hidden_size
-        if text_assignment:
+        if self.text_assignment:
             # Only picks similar images (no gradient): frozen so DDP sees no unused trainable parameter.
-            self.vision_proj = nn.Linear(int(config["vision_width"]), int(config.get("embed_dim", 256)))
+            self.vision_proj = nn.Linear(config.vision_width, config.embed_dim)
             self.vision_proj.requires_grad_(False)
-            # config ta_head: 'linear' (default, the authors' layout) or 'mlp' (our older stage-1
-            # checkpoints); load_weights switches to the checkpoint's layout (match_checkpoint_layout).
-            self.ta_head = _ta_head(str(config.get("ta_head", "linear")), width)
+            # ta_head 'linear' (the authors' layout) or 'mlp' (our older stage-1 checkpoints);
+            # load_weights switches to the checkpoint's layout (match_checkpoint_layout).
+            self.ta_head = _ta_head(config.ta_head, width)
         else:
             self.cls_head = _mlp_head(width, 2)
 
@@ -279,7 +281,7 @@ class ALBEF_NLVR(nn.Module):
         (a batch with fewer than three valid images) weighs 0. None: exactly the unweighted mean.
         """
         if not self.text_assignment:
-            raise ValueError("this ALBEF_NLVR was built for NLVR2 (text_assignment=False)")
+            raise ValueError("this ALBEF_NLVR was built for NLVR2 (config text_assignment: false)")
         tokens = self.encode_image(image)
         with torch.no_grad():
             feat = F.normalize(self.vision_proj(tokens[:, 0]), dim=-1)

@@ -2,82 +2,48 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 import torch.nn.functional as F
-from torch import Tensor, nn
+from torch import Tensor
 
-from models.bert import build_text_encoder
+from models.dual_encoder import ImageTextModel
 from models.false_negatives import caption_keys, false_negative_mask
 from models.objectives import (
     concat_all_gather,
     hardest_negative_similarity,
     itc_loss,
-    itm_pair_weights,
     mask_tokens,
-    masked_mean,
     mine_negatives,
 )
-from models.vit import build_vision_encoder, check_vision_text_widths
-
-_NEGATIVES = ("hard", "random")
-_SAMPLINGS = ("argmax", "multinomial")
 
 
-class ALBEF_Base(nn.Module):  # noqa: N801 (the paper's name)
+class ALBEF_Base(ImageTextModel):  # noqa: N801 (the paper's name)
     """ViT image encoder, split BERT (text + fusion encoder, MLM head), ITC projections, ITM head."""
 
-    def __init__(self, config: dict, text_encoder: str | None = None, tokenizer=None):
-        super().__init__()
-        if tokenizer is None:
-            raise ValueError(
-                "ALBEF_Base needs the tokenizer (for the vocabulary size and MLM special tokens)"
-            )
-        self.use_itc = bool(config.get("itc", True))
-        # itm / mlm false (with itc true): the dual encoder of Table 5, trained with ITC alone; the
+    def __init__(self, config: Any, tokenizer: Any) -> None:
+        """Build the model; text weights from config.text_encoder (null: random init).
+
+        config: the resolved pre-training config (training.config.PretrainConfig); reads itc, itm, mlm,
+        itm_negatives, hard_sampling, lambda_cons, itc_gather, guard_false_negatives, mlm_probability,
+        embed_dim, temp and the encoders' keys. tokenizer: vocabulary size and MLM special tokens.
+        """
+        super().__init__(config, tokenizer, mlm_head=True)
+        self.use_itc = config.itc
+        # itm and mlm false (with itc true): the dual encoder of Table 5, trained with ITC alone; the
         # fusion layers and heads are then built but never run (their losses are exact zeros).
-        self.use_itm = bool(config.get("itm", True))
-        self.use_mlm = bool(config.get("mlm", True))
-        if not (self.use_itc or self.use_itm or self.use_mlm):
-            raise ValueError("config: 'itc', 'itm' and 'mlm' are all false: nothing to train")
-        self.itm_negatives = config.get("itm_negatives", "hard")
-        self.hard_sampling = config.get("hard_sampling", "argmax")
-        if self.itm_negatives not in _NEGATIVES:
-            raise ValueError(
-                f"config key 'itm_negatives' must be one of {_NEGATIVES}, got {self.itm_negatives!r}"
-            )
-        if self.hard_sampling not in _SAMPLINGS:
-            raise ValueError(
-                f"config key 'hard_sampling' must be one of {_SAMPLINGS}, got {self.hard_sampling!r}"
-            )
-        if self.use_itm and not self.use_itc and self.itm_negatives == "hard":
-            raise ValueError(
-                "config: 'itc: false' with 'itm_negatives: hard' is not supported: hard ITM negatives are "
-                "mined from ITC similarities; set itm_negatives: random or enable itc"
-            )
-        for key in ("embed_dim", "temp"):
-            if key not in config:
-                raise ValueError(f"config key {key!r} is missing")
-        self.lambda_cons = float(config.get("lambda_cons", 0.0))
-        self.itc_gather = bool(config.get("itc_gather", False))
+        self.use_mlm = config.mlm
+        self.itc_gather = config.itc_gather
         # In-batch false negatives: ALBEF's COCO/VG files hold one entry per caption, so GRIT, which
         # groups similar pairs, often puts several entries of one image (or a verbatim-repeated
         # caption) into one batch, and the hardest "negative" is then a true match. The guard treats
         # same image OR identical caption as positives: multi-positive ITC targets (as MAFA) and never
         # an ITM negative (BLIP masks same-image pairs). Off: the authors' computation, bit for bit.
-        self.guard_false_negatives = bool(config.get("guard_false_negatives", False))
-        self.mlm_probability = float(config.get("mlm_probability", 0.15))
+        self.guard_false_negatives = config.guard_false_negatives
+        self.mlm_probability = config.mlm_probability
 
-        self.visual_encoder = build_vision_encoder(config)
-        self.text_encoder = build_text_encoder(config, text_encoder, tokenizer, mlm_head=True)
-        bert_config = self.text_encoder.config
-        check_vision_text_widths(config, bert_config.encoder_width)
-        hidden = bert_config.hidden_size
-        self.vision_proj = nn.Linear(int(config["vision_width"]), int(config["embed_dim"]))
-        self.text_proj = nn.Linear(hidden, int(config["embed_dim"]))
-        self.temp = nn.Parameter(torch.tensor(float(config["temp"])))
-        self.itm_head = nn.Linear(hidden, 2)
-
-        self.vocab_size = bert_config.vocab_size
+        self.vocab_size = self.text_encoder.config.vocab_size
         self.mask_token_id = tokenizer.mask_token_id
         # ALBEF never masks [PAD] or [CLS]; [SEP] stays maskable.
         self.special_ids = [tokenizer.pad_token_id, tokenizer.cls_token_id]
@@ -86,35 +52,6 @@ class ALBEF_Base(nn.Module):  # noqa: N801 (the paper's name)
     def uses_every_parameter(self) -> bool:
         """False when an objective is switched off: its modules get no gradient (DDP must be told)."""
         return self.use_itc and self.use_itm and self.use_mlm
-
-    def encode_image(self, image: Tensor) -> Tensor:
-        """image (B,3,H,W), already normalised -> tokens (B,1+P,Dv) (final LayerNorm applied)."""
-        return self.visual_encoder.forward_features(image)
-
-    def encode_text(self, input_ids: Tensor, attention_mask: Tensor) -> Tensor:
-        """input_ids, attention_mask (B,L) -> text-encoder hidden states (B,L,H)."""
-        return self.text_encoder(input_ids, attention_mask, mode="text")
-
-    def project(self, image_embeds: Tensor, text_embeds: Tensor) -> tuple[Tensor, Tensor]:
-        """Uni-modal states (B,1+P,Dv), (B,L,H) -> L2-normalised ITC projections of the CLS, (B,d) each."""
-        image_feat = F.normalize(self.vision_proj(image_embeds[:, 0]), dim=-1)
-        text_feat = F.normalize(self.text_proj(text_embeds[:, 0]), dim=-1)
-        return image_feat, text_feat
-
-    def itm_logits(self, text_embeds: Tensor, text_mask: Tensor, image_embeds: Tensor) -> Tensor:
-        """Pairs: text hidden (B,L,H), mask (B,L), image tokens (B,1+P,Dv) -> ITM logits (B,2) (1 = match)."""
-        fused = self.text_encoder(
-            mode="fusion", hidden_states=text_embeds, attention_mask=text_mask,
-            encoder_hidden_states=image_embeds,
-        )
-        return self.itm_head(fused[:, 0])
-
-    @torch.no_grad()
-    def unimodal_features(self, image: Tensor, text) -> tuple[Tensor, Tensor]:
-        """image (B,3,H,W), text (B,L) -> detached ITC projections (B,d) each, fp32 (GRIT's naive pass)."""
-        image_feat, text_feat = self.project(self.encode_image(image),
-                                             self.encode_text(text.input_ids, text.attention_mask))
-        return image_feat.float(), text_feat.float()
 
     @torch.no_grad()
     def false_negative_masks(
@@ -147,28 +84,6 @@ class ALBEF_Base(nn.Module):  # noqa: N801 (the paper's name)
         positive_mining = local & ~full_row[:, None] & ~full_row[None, :]
         return positive_itc, positive_mining
 
-    def _itm_loss(self, image_embeds: Tensor, text_embeds: Tensor, attention_mask: Tensor,
-                  neg_text_idx: Tensor, neg_image_idx: Tensor, valid: Tensor | None = None) -> Tensor:
-        """ITM cross-entropy over B positives and 2B mined negatives (image tokens, text states, (B,) idx);
-        with valid (B,) bool, pairs with a bad sample are left out."""
-        batch = text_embeds.shape[0]
-        # One fusion pass over [positives, (image, negative text), (negative image, text)].
-        itm_logits = self.itm_logits(
-            torch.cat([text_embeds, text_embeds[neg_text_idx], text_embeds]),
-            torch.cat([attention_mask, attention_mask[neg_text_idx], attention_mask]),
-            torch.cat([image_embeds, image_embeds, image_embeds[neg_image_idx]]),
-        )
-        itm_labels = torch.cat(
-            [
-                torch.ones(batch, dtype=torch.long, device=itm_logits.device),
-                torch.zeros(2 * batch, dtype=torch.long, device=itm_logits.device),
-            ]
-        )
-        if valid is None:
-            return F.cross_entropy(itm_logits, itm_labels)
-        return masked_mean(F.cross_entropy(itm_logits, itm_labels, reduction="none"),
-                           itm_pair_weights(valid, neg_text_idx, neg_image_idx))
-
     def _mlm_loss(self, image_embeds: Tensor, input_ids: Tensor, attention_mask: Tensor,
                   valid: Tensor | None = None) -> Tensor:
         """MLM cross-entropy of the fusion encoder over the masked tokens of input_ids (B,L), 0-dim."""
@@ -199,8 +114,7 @@ class ALBEF_Base(nn.Module):  # noqa: N801 (the paper's name)
         left out of every loss and never mined as negatives. None (every sample good) computes
         exactly what the paper's code does.
         """
-        with torch.no_grad():
-            self.temp.clamp_(0.001, 0.5)
+        self.clamp_temperature()
         # Item access works for a BatchEncoding and for a plain dict.
         input_ids, attention_mask = text["input_ids"], text["attention_mask"]
 
@@ -251,8 +165,8 @@ class ALBEF_Base(nn.Module):  # noqa: N801 (the paper's name)
                     logits_i2t, logits_i2t.t(), positive_mining,
                     mode=self.itm_negatives, sampling=self.hard_sampling, valid=valid,
                 )
-            loss_itm = self._itm_loss(image_embeds, text_embeds, attention_mask, neg_text_idx, neg_image_idx,
-                                      valid)
+            loss_itm = self.itm_pair_loss(image_embeds, text_embeds, attention_mask, neg_text_idx,
+                                          neg_image_idx, valid)
         loss_mlm = self._mlm_loss(image_embeds, input_ids, attention_mask, valid) if self.use_mlm else zero
 
         return {

@@ -7,15 +7,15 @@ models/retrieval_eval.py.
 from __future__ import annotations
 
 import copy
+from typing import Any
 
 import torch
 import torch.nn.functional as F
-from torch import Tensor, nn
+from torch import Tensor
 
-from models.bert import build_text_encoder
+from models.dual_encoder import ImageTextModel
 from models.momentum import FeatureQueue, MomentumPairs
-from models.objectives import concat_all_gather, itc_loss, itm_pair_weights, masked_mean, mine_negatives
-from models.vit import build_vision_encoder, check_vision_text_widths
+from models.objectives import concat_all_gather, itc_loss, mine_negatives
 
 __all__ = [
     "ALBEF_Retrieval",
@@ -30,11 +30,9 @@ MOMENTUM_PREFIXES = ("visual_encoder_m.", "text_encoder_m.", "vision_proj_m.", "
 RETRIEVAL_IGNORED_PREFIXES = ("text_encoder.cls.",)
 # Feature queues: state of one training run (and of its queue_size), never taken from --checkpoint.
 QUEUE_KEYS = ("image_queue", "text_queue", "idx_queue", "queue_ptr", "valid_queue")
-_NEGATIVES = ("hard", "random")
-_SAMPLINGS = ("argmax", "multinomial")
 
 
-class ALBEF_Retrieval(FeatureQueue):  # noqa: N801 (ALBEF's naming)
+class ALBEF_Retrieval(ImageTextModel, FeatureQueue):  # noqa: N801 (ALBEF's naming)
     """Retrieval model: ViT + split BERT (no MLM head), ITC projections, ITM head, momentum copies, queues.
 
     Parameter names are ALBEF's retrieval model's: visual_encoder, text_encoder.bert, vision_proj,
@@ -52,37 +50,17 @@ class ALBEF_Retrieval(FeatureQueue):  # noqa: N801 (ALBEF's naming)
     similarities excluding same-image pairs; no momentum distillation.
     """
 
-    def __init__(self, config: dict, text_encoder: str | None = None, tokenizer=None):
-        for key in ("embed_dim", "temp", "queue_size", "momentum"):
-            if key not in config:
-                raise ValueError(f"config key {key!r} is missing (needed by the retrieval model)")
-        super().__init__(int(config["embed_dim"]), int(config["queue_size"]))
-        if tokenizer is None:
-            raise ValueError("ALBEF_Retrieval needs the tokenizer (for the vocabulary size)")
-        self.momentum = float(config["momentum"])
-        self.lambda_cons = float(config.get("lambda_cons", 0.0))
-        self.itm_negatives = config.get("itm_negatives", "hard")
-        self.hard_sampling = config.get("hard_sampling", "multinomial")
-        # itm false: a dual encoder fine-tuned with ITC alone and ranked by ITC alone (paper Table 5).
-        self.use_itm = bool(config.get("itm", True))
-        if self.itm_negatives not in _NEGATIVES:
-            raise ValueError(f"config key 'itm_negatives' must be one of {_NEGATIVES}, "
-                             f"got {self.itm_negatives!r}")
-        if self.hard_sampling not in _SAMPLINGS:
-            raise ValueError(f"config key 'hard_sampling' must be one of {_SAMPLINGS}, "
-                             f"got {self.hard_sampling!r}")
-        if not 0.0 <= self.momentum <= 1.0:
-            raise ValueError(f"config key 'momentum' must be in [0, 1], got {self.momentum}")
+    def __init__(self, config: Any, tokenizer: Any) -> None:
+        """Build the model; text weights from config.text_encoder (null: random init).
 
-        self.visual_encoder = build_vision_encoder(config)
-        self.text_encoder = build_text_encoder(config, text_encoder, tokenizer, mlm_head=False)
-        bert_config = self.text_encoder.config
-        check_vision_text_widths(config, bert_config.encoder_width)
-        hidden, embed_dim = bert_config.hidden_size, int(config["embed_dim"])
-        self.vision_proj = nn.Linear(int(config["vision_width"]), embed_dim)
-        self.text_proj = nn.Linear(hidden, embed_dim)
-        self.temp = nn.Parameter(torch.tensor(float(config["temp"])))
-        self.itm_head = nn.Linear(hidden, 2)
+        config: the resolved retrieval config (training.config.RetrievalConfig); reads embed_dim,
+        queue_size, momentum, temp, lambda_cons, itm, itm_negatives, hard_sampling and the encoders' keys
+        (momentum_init is the script's: it decides whether to call copy_momentum after loading).
+        tokenizer: its length is the vocabulary size.
+        """
+        # The queues (FeatureQueue, next in the MRO) are made first, then the encoders: ALBEF's order.
+        super().__init__(config, tokenizer, mlm_head=False, dim=config.embed_dim, size=config.queue_size)
+        self.momentum = config.momentum
 
         # Momentum copies of the initial weights (paper S.M. D: "the initial model").
         self.visual_encoder_m = copy.deepcopy(self.visual_encoder)
@@ -135,30 +113,6 @@ class ALBEF_Retrieval(FeatureQueue):  # noqa: N801 (ALBEF's naming)
         cols = (ptr + torch.arange(valid_all.shape[0], device=ptr.device)) % self.size
         self.valid_queue.index_copy_(1, cols, valid_all.view(1, -1).to(self.valid_queue.device))
 
-    def encode_image(self, image: Tensor) -> Tensor:
-        """image (B,3,H,W), normalised -> tokens (B,1+P,Dv)."""
-        return self.visual_encoder.forward_features(image)
-
-    def encode_text(self, input_ids: Tensor, attention_mask: Tensor) -> Tensor:
-        """input_ids, attention_mask (B,L) -> text-encoder hidden states (B,L,H)."""
-        return self.text_encoder(input_ids, attention_mask, mode="text")
-
-    def image_feat(self, image_embeds: Tensor) -> Tensor:
-        """Image tokens (B,1+P,Dv) -> L2-normalised ITC feature of the CLS token (B,d)."""
-        return F.normalize(self.vision_proj(image_embeds[:, 0]), dim=-1)
-
-    def text_feat(self, text_embeds: Tensor) -> Tensor:
-        """Text hidden states (B,L,H) -> L2-normalised ITC feature of the CLS token (B,d)."""
-        return F.normalize(self.text_proj(text_embeds[:, 0]), dim=-1)
-
-    def itm_logits(self, text_embeds: Tensor, text_mask: Tensor, image_embeds: Tensor) -> Tensor:
-        """Pairs: text hidden (B,L,H), mask (B,L), image tokens (B,1+P,Dv) -> ITM logits (B,2) (1 = match)."""
-        fused = self.text_encoder(
-            mode="fusion", hidden_states=text_embeds, attention_mask=text_mask,
-            encoder_hidden_states=image_embeds,
-        )
-        return self.itm_head(fused[:, 0])
-
     @property
     def uses_every_parameter(self) -> bool:
         """False with itm: false (the fusion layers and ITM head get no gradient; DDP must be told)."""
@@ -179,17 +133,8 @@ class ALBEF_Retrieval(FeatureQueue):  # noqa: N801 (ALBEF's naming)
                 itc["sim_i2t"][:, :batch].detach(), itc["sim_t2i"][:, :batch].detach(), positive=in_batch,
                 mode=self.itm_negatives, sampling=self.hard_sampling, valid=valid,
             )
-        itm_logits = self.itm_logits(
-            torch.cat([text_embeds, text_embeds[neg_text_idx], text_embeds]),
-            torch.cat([attention_mask, attention_mask[neg_text_idx], attention_mask]),
-            torch.cat([image_embeds, image_embeds, image_embeds[neg_image_idx]]),
-        )
-        itm_labels = torch.zeros(3 * batch, dtype=torch.long, device=itm_logits.device)
-        itm_labels[:batch] = 1
-        if valid is None:
-            return F.cross_entropy(itm_logits, itm_labels)
-        return masked_mean(F.cross_entropy(itm_logits, itm_labels, reduction="none"),
-                           itm_pair_weights(valid, neg_text_idx, neg_image_idx))
+        return self.itm_pair_loss(image_embeds, text_embeds, attention_mask, neg_text_idx, neg_image_idx,
+                                  valid)
 
     def forward(self, image: Tensor, text, idx: Tensor, valid: Tensor | None = None) -> dict[str, Tensor]:
         """image (B,3,H,W), text (tokenizer output (B,L)), idx (B,) image ids -> losses (0-dim) and feats.
@@ -200,8 +145,7 @@ class ALBEF_Retrieval(FeatureQueue):  # noqa: N801 (ALBEF's naming)
         contrasts against them. None: every sample of this batch is good; the result is then exactly
         the one of the model before bad samples existed as long as the queue holds none either.
         """
-        with torch.no_grad():
-            self.temp.clamp_(0.001, 0.5)
+        self.clamp_temperature()
         input_ids, attention_mask = text.input_ids, text.attention_mask
         batch = input_ids.shape[0]
         idx = idx.view(-1)

@@ -193,28 +193,28 @@ def encode_eval_set(model: ALBEF_Retrieval, image_loader, texts: Sequence[str], 
                     ) -> dict[str, Tensor | list[str] | None]:
     """The good images and texts of an evaluation split, on every rank (as ALBEF); collective.
 
-    image_loader yields (images (B,3,H,W), image index (B,)) over all images, or with SkipBadCollate
-    (images, index, valid (B,) bool, reasons). Images are encoded first: with txt2img (text t's image),
-    the unreadable images (AND-ed over ranks), their captions and images without captions are left out
-    (good_subset) before the texts are tokenized, so the kept ones are encoded exactly as in a split
-    without the bad entries. Returns image_embeds (Ni',1+P,Dv), image_feat (Ni',d), text_embeds
-    (Nt',L,H), text_mask (Nt',L), text_feat (Nt',d), image_ids (Ni',) and text_ids (Nt',) (split indices
-    of the kept rows), txt2img (Nt',) into image_ids (None without txt2img), image_valid (Ni,) bool and
-    bad (this rank's reasons). All texts are padded to one length L, so a text's tokens do not depend
-    on which batch encoded it.
+    image_loader yields batches with .image (B,3,H,W), .index (B,), .valid (B,) bool and .reasons over all
+    images (dataset.collate.ImageBatch, through SkipBadCollate). Images are encoded first: with txt2img
+    (text t's image), the unreadable images (AND-ed over ranks), their captions and images without
+    captions are left out (good_subset) before the texts are tokenized, so the kept ones are encoded
+    exactly as in a split without the bad entries. Returns image_embeds (Ni',1+P,Dv), image_feat (Ni',d),
+    text_embeds (Nt',L,H), text_mask (Nt',L), text_feat (Nt',d), image_ids (Ni',) and text_ids (Nt',)
+    (split indices of the kept rows), txt2img (Nt',) into image_ids (None without txt2img), image_valid
+    (Ni,) bool and bad (this rank's reasons). All texts are padded to one length L, so a text's tokens do
+    not depend on which batch encoded it.
     """
     if len(texts) == 0:
         raise ValueError("evaluation split has no captions")
     image_embeds, image_feat, order, valid, bad = [], [], [], [], []
     with _autocast(device, amp):
-        for images, index, *skipped in image_loader:
+        for batch in image_loader:
             # A bad image's placeholder is encoded with the batch (shapes stay fixed) and dropped below.
-            tokens_v = model.encode_image(images.to(device, non_blocking=True))
+            tokens_v = model.encode_image(batch.image.to(device, non_blocking=True))
             image_embeds.append(tokens_v)
             image_feat.append(model.image_feat(tokens_v).float())
-            order.append(torch.as_tensor(index))
-            valid.append(skipped[0] if skipped else torch.ones(len(order[-1]), dtype=torch.bool))
-            bad.extend(skipped[1] if skipped else ())
+            order.append(torch.as_tensor(batch.index))
+            valid.append(batch.valid)
+            bad.extend(batch.reasons)
     if not image_embeds:
         raise ValueError("evaluation split has no images")
     image_embeds, image_feat = torch.cat(image_embeds), torch.cat(image_feat)
@@ -260,9 +260,10 @@ def compute_itr_scores(model: ALBEF_Retrieval, image_loader, texts: Sequence[str
                        txt2img: Sequence[int] | dict[int, int] | Tensor | None = None) -> dict:
     """ITC top-k per image and per text, re-ranked by ITM; collective over all ranks, same result on each.
 
-    rerank=False (a model trained without ITM, config key itm: false): the ITC cosines alone rank.
-    txt2img (text t's image) lets bad images (a loader with SkipBadCollate) be left out with their
-    captions, and images without captions too (encode_eval_set); the scores cover the kept ones only.
+    k_test >= 1 (config key k_test, bounded there). rerank=False (a model trained without ITM, config key
+    itm: false): the ITC cosines alone rank. txt2img (text t's image) lets bad images (a loader with
+    SkipBadCollate) be left out with their captions, and images without captions too (encode_eval_set);
+    the scores cover the kept ones only.
 
     Returns CPU tensors i2t_idx, i2t_score (Ni',k) and t2i_idx, t2i_score (Nt',k) (candidate positions
     among the kept texts / images and score = ITM match logit + ITC cosine, as ALBEF; not sorted),
@@ -271,8 +272,6 @@ def compute_itr_scores(model: ALBEF_Retrieval, image_loader, texts: Sequence[str
     timing: itm_pairs (all ranks), encode_seconds, rerank_seconds. Each forward scores
     max(1, rerank_pairs // k) anchors x k candidates; ranks split the anchor groups (see rerank_topk).
     """
-    if k_test < 1:
-        raise ValueError(f"config key 'k_test' must be >= 1, got {k_test}")
     rank, world = _rank_world()
     model.eval()
     _sync(device)

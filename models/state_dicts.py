@@ -1,20 +1,42 @@
-"""State-dict helpers shared by the weight loaders (bert.py, vit.py, loading.py): do a file's tensors fit
-the model, which model keys stayed unloaded (tied weights counted once), and one-line key summaries."""
+"""State-dict helpers shared by the weight loaders (bert.py, vit.py, loading.py): read a weights file, do
+its tensors fit the model, which model keys stayed unloaded (tied weights counted once), and one-line key
+summaries."""
 
 from __future__ import annotations
 
 import re
 from collections.abc import Mapping, Sequence
+from typing import Any
 
 from torch import Tensor, nn
 
+from files import InputFileError, load_torch_file
+
+__all__ = ["check_shapes", "missing_after_tying", "read_weights_file", "summarise_keys"]
+
+
+def read_weights_file(path: str, what: str) -> Any:
+    """The content of a .safetensors file (a dict of tensors) or of a torch.save file (weights-only load);
+    InputFileError naming `what` and the file when it cannot be read."""
+    if not path.endswith(".safetensors"):
+        return load_torch_file(path, what=what)
+    from safetensors import SafetensorError
+    from safetensors.torch import load_file
+
+    try:
+        return load_file(path)
+    except (SafetensorError, OSError) as err:
+        raise InputFileError(f"{what} {path!r} could not be read as safetensors: {err}") from err
+
 
 def check_shapes(state: Mapping[str, Tensor], own: Mapping[str, Tensor], what: str, limit: int = 5) -> None:
-    """Raise ValueError: `what`, then up to `limit` keys whose shapes differ between state and own."""
+    """Raise InputFileError (a ValueError): `what`, then up to `limit` keys whose shapes differ between the
+    file's state and the model's own."""
     mismatched = [f"{k}: checkpoint {tuple(v.shape)} vs model {tuple(own[k].shape)}"
                   for k, v in state.items() if k in own and v.shape != own[k].shape]
     if mismatched:
-        raise ValueError(f"{what}: " + "; ".join(mismatched[:limit]))
+        # The file does not fit the configured model: a user's mistake, reported in one line by the scripts.
+        raise InputFileError(f"{what}: " + "; ".join(mismatched[:limit]))
 
 
 def missing_after_tying(model: nn.Module, loaded: set[str]) -> list[str]:

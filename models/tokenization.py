@@ -3,8 +3,13 @@
 from __future__ import annotations
 
 import os
+from typing import Any
 
 from transformers import BertTokenizerFast
+
+from files import InputFileError
+
+__all__ = ["build_tokenizer", "tokenizer_from_vocab"]
 
 
 def tokenizer_from_vocab(vocab_file: str) -> BertTokenizerFast:
@@ -16,22 +21,25 @@ def tokenizer_from_vocab(vocab_file: str) -> BertTokenizerFast:
     tokenizer = BertTokenizerFast(vocab_file=vocab_file, do_lower_case=True)
     # transformers 5 silently ignores vocab_file (the requirements pin 4.x); never train on [UNK]s.
     if len(tokenizer) < n_tokens:
-        raise ValueError(f"{vocab_file}: the tokenizer read {len(tokenizer)} tokens, the file has {n_tokens}")
+        raise InputFileError(f"vocab_file {vocab_file}: the tokenizer read {len(tokenizer)} tokens, the file "
+                             f"has {n_tokens}")
     return tokenizer
 
 
-def build_tokenizer(config: dict) -> BertTokenizerFast:
-    """Return the BERT tokenizer named by `vocab_file` (a vocab.txt) or else by `text_encoder`."""
-    vocab_file = config.get("vocab_file")
-    if vocab_file:
-        return tokenizer_from_vocab(str(vocab_file))
-    name = config.get("text_encoder")
-    if not name:
+def build_tokenizer(config: Any) -> BertTokenizerFast:
+    """The BERT tokenizer of config.vocab_file (a vocab.txt) or else of config.text_encoder.
+
+    config: the resolved task config (training.config.TaskConfig); reads vocab_file and text_encoder.
+    """
+    if config.vocab_file:
+        return tokenizer_from_vocab(config.vocab_file)
+    if not config.text_encoder:
+        # Each key is optional on its own (text_encoder null: random BERT weights); the tokenizer needs one.
         raise ValueError("config needs 'vocab_file' or 'text_encoder' to build the tokenizer")
     try:
-        return BertTokenizerFast.from_pretrained(str(name))
+        return BertTokenizerFast.from_pretrained(config.text_encoder)
     except OSError as err:
         raise FileNotFoundError(
-            f"config key 'text_encoder': could not load a tokenizer from {name!r} "
+            f"config key 'text_encoder': could not load a tokenizer from {config.text_encoder!r} "
             "(a local directory with vocab.txt, or a hub id reachable from this machine)"
         ) from err

@@ -6,6 +6,7 @@ import logging
 import math
 import os
 from functools import partial
+from typing import Any
 
 import timm
 import torch
@@ -13,8 +14,8 @@ from timm.models.vision_transformer import VisionTransformer
 from torch import Tensor, nn
 from torch.nn import functional as F
 
-from models.state_dicts import check_shapes
-from torch_files import load_torch_file
+from files import InputFileError
+from models.state_dicts import check_shapes, read_weights_file
 
 logger = logging.getLogger(__name__)
 
@@ -38,56 +39,74 @@ class VisionEncoder(VisionTransformer):
         self._grad_checkpointing = bool(enable)
 
 
-# The vision_init value naming the ViT pre-trained on the synthetic world (models/vit_synthetic.py).
+# The vision_init value naming the ViT pre-trained on the synthetic world (dataset/synthetic_vit.py).
 SYNTHETIC = "synthetic"
-# The ViT-B/16 values build_vision_encoder takes for shape keys a config leaves out.
-VIT_DEFAULTS = {"patch_size": 16, "vision_depth": 12, "vision_heads": 12, "vision_stem": "linear"}
+# The config keys that shape the ViT: a synthetic ViT file records them, and its name spells them.
+VIT_KEYS = ("image_res", "patch_size", "vision_width", "vision_depth", "vision_heads", "vision_stem")
+# How to make the synthetic ViT file when it is missing (named in the error).
+_MAKE_SYNTHETIC = "python -m tools.vit_pretrain --config CONFIG"
 
 
-def build_vision_encoder(config: dict) -> VisionEncoder:
-    """ViT from image_res/patch_size/vision_width/vision_depth/vision_heads; forward_features -> (B,1+P,D).
+def build_vision_encoder(config: Any) -> VisionEncoder:
+    """The configured ViT; its forward_features maps images (B,3,H,W) to tokens (B,1+P,D).
 
-    Config grad_checkpointing: true makes timm checkpoint every block while training.
+    config: the resolved task config (training.config.TaskConfig, any task); reads image_res, patch_size,
+    vision_width, vision_depth, vision_heads, vision_drop_path, vision_stem, grad_checkpointing,
+    vision_init and, for vision_init 'synthetic', synthetic_root. grad_checkpointing: timm checkpoints
+    every block while training. vision_init 'synthetic' only loads the file synthetic_vit_path(config);
+    training.inputs.prepare_inputs (every task script) or tools.vit_pretrain makes it.
     """
-    missing = [k for k in ("image_res", "vision_width") if k not in config]
-    if missing:
-        raise ValueError(f"config lacks the vision key(s) {missing}")
-    image_res, patch = int(config["image_res"]), int(config.get("patch_size", VIT_DEFAULTS["patch_size"]))
-    if image_res % patch:
-        raise ValueError(f"config: image_res={image_res} is not a multiple of patch_size={patch}")
     model = VisionEncoder(
-        img_size=image_res,
-        patch_size=patch,
-        embed_dim=int(config["vision_width"]),
-        depth=int(config.get("vision_depth", VIT_DEFAULTS["vision_depth"])),
-        num_heads=int(config.get("vision_heads", VIT_DEFAULTS["vision_heads"])),
+        img_size=config.image_res,
+        patch_size=config.patch_size,
+        embed_dim=config.vision_width,
+        depth=config.vision_depth,
+        num_heads=config.vision_heads,
         mlp_ratio=4.0,
         qkv_bias=True,
         norm_layer=partial(nn.LayerNorm, eps=1e-6),
         num_classes=0,
         global_pool="",
         class_token=True,
-        drop_path_rate=float(config.get("vision_drop_path", 0.0)),
+        drop_path_rate=config.vision_drop_path,
     )
-    stem = config.get("vision_stem", VIT_DEFAULTS["vision_stem"])
-    if stem not in _STEMS:
-        raise ValueError(f"config key 'vision_stem' must be one of {_STEMS}, got {stem!r}")
-    if stem == "conv":
-        model.patch_embed.proj = conv_stem(patch, int(config["vision_width"]))
+    if config.vision_stem == "conv":
+        model.patch_embed.proj = conv_stem(config.patch_size, config.vision_width)
     # Only each block's input is kept, the rest is recomputed in backward; torch.utils.checkpoint
     # restores the RNG state (its default, kept by timm's checkpoint_seq): drop_path redraws its masks.
-    model.set_grad_checkpointing(bool(config.get("grad_checkpointing", False)))
-    init = config.get("vision_init")
-    if init == SYNTHETIC:  # the ViT pre-trained on the synthetic world, made on first use
-        from models.vit_synthetic import ensure_synthetic_vit  # imports dataset/: only when asked for
-
-        init = ensure_synthetic_vit(config)
+    model.set_grad_checkpointing(config.grad_checkpointing)
+    init = config.vision_init
+    if init == SYNTHETIC:
+        init = synthetic_vit_path(config)
+        if not os.path.isfile(init):
+            # Made before the model is built, not here: generating trains a ViT on the synthetic world
+            # (dataset/), which models/ does not import.
+            raise FileNotFoundError(
+                f"vision_init 'synthetic': the pre-trained synthetic ViT {init} does not exist; make it with "
+                f"`{_MAKE_SYNTHETIC}` (any task script also makes it before building the model)")
     if init:
-        load_vision_init(model, str(init))
+        load_vision_init(model, init)
     return model
 
 
-_STEMS = ("linear", "conv")
+def vit_shape(config: Any) -> dict[str, int | str]:
+    """The ViT-shaping keys (VIT_KEYS) of the config (training.config.TaskConfig) as plain ints and a str."""
+    # Plain types: a value of a YAML scalar subclass would make the saved file need unpickling.
+    return {k: (str if k == "vision_stem" else int)(getattr(config, k)) for k in VIT_KEYS}
+
+
+def synthetic_vit_path(config: Any) -> str:
+    """Where `vision_init: synthetic` finds the ViT of the config's shape:
+    <synthetic_root>/vit_r{image_res}_p{patch}_w{width}_d{depth}_h{heads}_{stem}.pth.
+
+    config: the resolved task config (training.config.TaskConfig); reads synthetic_root and VIT_KEYS.
+    """
+    root = config.synthetic_root
+    if not root:
+        raise ValueError("config key 'vision_init' is 'synthetic' (the ViT pre-trained on the synthetic "
+                         "world), which needs 'synthetic_root'; set vision_init to null or to a weights file")
+    tag = "r{image_res}_p{patch_size}_w{vision_width}_d{vision_depth}_h{vision_heads}_{vision_stem}"
+    return os.path.join(root, f"vit_{tag.format(**vit_shape(config))}.pth")
 
 
 def conv_stem(patch: int, width: int) -> nn.Sequential:
@@ -97,12 +116,10 @@ def conv_stem(patch: int, width: int) -> nn.Sequential:
     Why: a ViT trained from scratch on little data does not learn what small shapes look like inside
     a patch (Xiao et al. 2021, "Early convolutions help transformers see better"). The paper's ViT
     starts from ImageNet DeiT and sees; the tiny CPU configs start from nothing, and with the linear
-    stem their ViT never told a circle from a square (README, "Does GRIT help the tiny model?").
+    stem their ViT never told a circle from a square (docs/synthetic-world.md, 'Does GRIT help the tiny model?').
     Channels grow 3/8, 3/4, 1 x width (for patch 8), GELU between the convolutions.
     """
-    n = patch.bit_length() - 1
-    if patch < 2 or 1 << n != patch:
-        raise ValueError(f"config: vision_stem 'conv' needs patch_size a power of two >= 2, got {patch}")
+    n = patch.bit_length() - 1  # a power of two >= 2 (training.config checks patch_size for vision_stem conv)
     channels = [3] + [(3 * width) >> (n - i) for i in range(n - 1)] + [width]
     layers: list[nn.Module] = []
     for i in range(n):
@@ -128,7 +145,7 @@ def load_vision_init(model: VisionTransformer, init: str) -> list[str]:
                  limit=4)
     result = model.load_state_dict(state, strict=False)
     if result.missing_keys or result.unexpected_keys:
-        raise ValueError(
+        raise InputFileError(
             f"vision_init {init!r} does not fit the configured ViT (vision_width/depth/heads/patch_size): "
             f"missing {result.missing_keys[:6]}, unexpected {result.unexpected_keys[:6]}"
         )
@@ -137,18 +154,14 @@ def load_vision_init(model: VisionTransformer, init: str) -> list[str]:
 
 
 def read_vit_state_dict(path: str) -> dict[str, Tensor]:
-    """A ViT state dict from a .pth/.bin/.safetensors file (unwraps 'model'/'state_dict', ALBEF prefixes)."""
-    if path.endswith(".safetensors"):
-        from safetensors.torch import load_file
-
-        state = load_file(path)
-    else:
-        state = load_torch_file(path, what="vision_init")
+    """A ViT state dict from a .pth/.bin/.safetensors file (unwraps 'model'/'state_dict', ALBEF prefixes);
+    InputFileError naming the file when it holds none."""
+    state = read_weights_file(path, "vision_init")
     for key in ("model", "state_dict"):
         if isinstance(state, dict) and isinstance(state.get(key), dict):
             state = state[key]
     if not isinstance(state, dict) or not all(isinstance(v, Tensor) for v in state.values()):
-        raise ValueError(f"vision_init {path!r} does not hold a state dict of tensors")
+        raise InputFileError(f"vision_init {path!r} does not hold a state dict of tensors")
     state = {k.removeprefix("module."): v for k, v in state.items()}
     # An ALBEF / GRIT-VLP checkpoint: take the (online) vision tower only.
     if any(k.startswith("visual_encoder.") for k in state):
@@ -237,12 +250,13 @@ def _square_grid(key: str, n_patches: int) -> int:
     return side
 
 
-def check_vision_text_widths(config: dict, encoder_width: int) -> None:
-    """The fusion layers' cross-attention reads image tokens: vision_width must equal encoder_width."""
-    if int(config["vision_width"]) != int(encoder_width):
-        raise ValueError(
-            f"config key 'vision_width' ({config['vision_width']}) must equal 'encoder_width' "
-            f"({encoder_width}) in bert_config {config.get('bert_config')!r}"
+def check_vision_text_widths(config: Any, encoder_width: int) -> None:
+    """The fusion layers' cross-attention reads image tokens: config.vision_width must equal the
+    encoder_width of the config's bert_config file (InputFileError naming both otherwise)."""
+    if config.vision_width != encoder_width:
+        raise InputFileError(
+            f"config key 'vision_width' ({config.vision_width}) must equal 'encoder_width' ({encoder_width}) "
+            f"in bert_config {config.bert_config!r}"
         )
 
 
@@ -252,10 +266,12 @@ __all__ = [
     "conv_stem",
     "check_vision_text_widths",
     "SYNTHETIC",
-    "VIT_DEFAULTS",
+    "VIT_KEYS",
     "load_vision_init",
     "read_vit_state_dict",
     "interpolate_pos_embed",
     "resample_pos_embed",
     "resample_pos_embed_report",
+    "synthetic_vit_path",
+    "vit_shape",
 ]

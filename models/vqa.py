@@ -13,6 +13,7 @@ from __future__ import annotations
 import copy
 import re
 from collections.abc import Callable, Mapping, Sequence
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -106,11 +107,16 @@ def majority_answer_accuracy(
 class ALBEF_VQA(nn.Module):
     """ViT + BERT (question fused with the image) + causal answer decoder with an LM head."""
 
-    def __init__(self, config: dict, tokenizer):
+    def __init__(self, config: Any, tokenizer: Any) -> None:
+        """Build the model from random weights.
+
+        config: the resolved VQA config (training.config.VQAConfig); reads bert_config, grad_checkpointing
+        and the ViT's keys (text_encoder is not read: every weight comes from a pre-training or VQA
+        checkpoint via load_weights). tokenizer: vocabulary size and the decoder's start token ([CLS]).
+        """
         super().__init__()
         self.visual_encoder = build_vision_encoder(config)
-        # Random init: the weights come from a pre-training (or VQA) checkpoint via load_weights.
-        self.text_encoder = build_text_encoder(config, None, tokenizer, mlm_head=False)
+        self.text_encoder = build_text_encoder(config, tokenizer, mlm_head=False, pretrained=False)
         check_vision_text_widths(config, self.text_encoder.config.encoder_width)
         self.fusion_layer = self.text_encoder.config.fusion_layer
         self.text_decoder = BertEncoder(

@@ -1,4 +1,4 @@
-"""Fixtures shared by the downstream-task tests (NLVR, VQA)."""
+"""Helpers and fixtures shared by the tests: typed tiny configs, tokenizers, the repo root as working dir."""
 
 from __future__ import annotations
 
@@ -19,6 +19,27 @@ def word_tokenizer(folder, words: list[str]):
     with open(path, "w") as f:
         f.write("\n".join(SPECIAL_TOKENS + list(words)) + "\n")
     return BertTokenizerFast(vocab_file=path, do_lower_case=True)
+
+
+TINY_CONFIGS = {"pretrain": "configs/tiny/Pretrain.yaml", "retrieval": "configs/tiny/Retrieval.yaml",
+                "nlvr": "configs/tiny/NLVR.yaml", "vqa": "configs/tiny/VQA.yaml"}
+
+
+def tiny_config(task: str, path: str | None = None, **values):
+    """The typed config (training.config) of configs/tiny/<Task>.yaml, or of `path` (repo-relative), with
+    `values` laid over its keys: a dict value merges into a block (grit={"enabled": False}). Data paths
+    are not checked to exist (nothing is read)."""
+    from training.config_files import load_config, to_plain
+    from training.config_resolve import config_from_mapping
+
+    path = path or TINY_CONFIGS[task]
+    raw = to_plain(dict(load_config(os.path.join(ROOT, path))))
+    for key, value in values.items():
+        if isinstance(value, dict) and isinstance(raw.get(key), dict):
+            raw[key] = {**raw[key], **value}
+        else:
+            raw[key] = value
+    return config_from_mapping(task, raw, source=path)
 
 
 def small_pretrain_sets(data: str, **values) -> list[str]:
@@ -55,11 +76,9 @@ def in_repo():
 def pretrain_checkpoint(tmp_path_factory, tokenizer) -> tuple[str, dict]:
     """A tiny ALBEF_Base (tiny Pretrain.yaml sizes, the module's tokenizer) saved as {'model': state_dict}."""
     from models.pretrain import ALBEF_Base
-    from training.config import load_config
 
     torch.manual_seed(0)
-    pre_config = dict(load_config(os.path.join(ROOT, "configs/tiny/Pretrain.yaml")))
-    model = ALBEF_Base(pre_config, text_encoder=None, tokenizer=tokenizer)
+    model = ALBEF_Base(tiny_config("pretrain", vision_init=None), tokenizer)
     path = str(tmp_path_factory.mktemp("pretrain") / "checkpoint.pth")
     state = model.state_dict()
     torch.save({"model": state}, path)

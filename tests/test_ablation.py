@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import glob
 import json
 import os
@@ -9,9 +10,9 @@ import os
 import pytest
 import torch
 
-from grit.config import parse_grit_config
 from tools import ablate
-from training.config import ConfigError, load_config, to_plain
+from training.config_files import ConfigError, load_config, to_plain
+from training.config_resolve import resolve_config
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 ABLATION = os.path.join(ROOT, "configs", "ablation")
@@ -54,26 +55,27 @@ def test_every_table_row_has_a_config_in_both_presets():
 
 @pytest.mark.parametrize("path", _row_files(), ids=lambda p: os.path.relpath(p, ABLATION))
 def test_ablation_config_loads_and_validates(path):
-    config = to_plain(load_config(path))
-    assert "base" not in config
-    grit = parse_grit_config(config["grit"], int(config["batch_size"]))
+    assert "base" not in to_plain(load_config(path))
+    # The typed config: keys, types, values and GRIT's size rules all hold (data paths not checked).
+    config = resolve_config("pretrain", path, check_paths=False)
+    grit = config.grit
     name = os.path.basename(path)[:-5]
     # The switches each row stands for (paper Tables 1, 2, 4, 5).
     expect_grit = name.startswith(("grit", "itc_grit", "itc_cons"))
-    assert grit["enabled"] == expect_grit
-    assert (config["itm"], config["mlm"]) == ((False, False) if name.startswith("itc") else (True, True))
-    assert config["itc"] == (name != "mlm_itm_rand")
-    assert (config["lambda_cons"] > 0) == (name in ("grit_cons15", "grit_vlp", "itc_cons_grit"))
+    assert grit.enabled == expect_grit
+    assert (config.itm, config.mlm) == ((False, False) if name.startswith("itc") else (True, True))
+    assert config.itc == (name != "mlm_itm_rand")
+    assert (config.lambda_cons > 0) == (name in ("grit_cons15", "grit_vlp", "itc_cons_grit"))
     masking = {"albef_base": 0.15, "albef_base35": 0.35, "albef_base50": 0.5, "albef_base75": 0.75,
                "grit_cons15": 0.15, "mlm_itm_rand": 0.15, "mlm_itm_rand_itc": 0.15}
-    if config["mlm"]:
-        assert config["mlm_probability"] == masking.get(name, 0.5)
+    if config.mlm:
+        assert config.mlm_probability == masking.get(name, 0.5)
     if name == "grit_naive":
-        assert grit["mode"] == "naive"
+        assert grit.mode == "naive"
     if name in ("grit_naive", "grit_no_shuffle"):
-        assert not grit["example_shuffle"] and not grit["batch_shuffle"]
+        assert not grit.example_shuffle and not grit.batch_shuffle
     if name.startswith("mlm_itm_rand"):
-        assert config["itm_negatives"] == "random"
+        assert config.itm_negatives == "random"
 
 
 def test_tiny_ablation_models_build(tmp_path):
@@ -85,11 +87,12 @@ def test_tiny_ablation_models_build(tmp_path):
     vocab.write_text("\n".join(["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]", "a", "red", "circle"]) + "\n")
     tokenizer = BertTokenizerFast(vocab_file=str(vocab))
     for path in glob.glob(os.path.join(ABLATION, "tiny", "*.yaml")):
-        config = to_plain(load_config(path))
-        config["bert_config"] = os.path.join(ROOT, config["bert_config"])
-        config["vision_init"] = None  # building only: the synthetic ViT is not needed
-        model = ALBEF_Base(config, tokenizer=tokenizer)
-        assert model.uses_every_parameter == (config["itm"] and config["mlm"] and config["itc"])
+        config = resolve_config("pretrain", path, check_paths=False)
+        # Building only: the synthetic ViT is not needed; the BERT json is the repository's.
+        config = dataclasses.replace(config, bert_config=os.path.join(ROOT, config.bert_config),
+                                     vision_init=None)
+        model = ALBEF_Base(config, tokenizer)
+        assert model.uses_every_parameter == (config.itm and config.mlm and config.itc)
 
 
 def test_itc_only_retrieval_ranks_by_itc():
@@ -139,8 +142,9 @@ def test_ablate_micro_end_to_end_and_reuse(micro_env, tmp_path, monkeypatch):
     log = [json.loads(line) for line in open(log_path)]
     assert len(log) == 2 and all(r["loss_itm"] == 0 and r["loss_mlm"] == 0 for r in log)
     assert all(-1 <= r["grit_hardness"] <= 1 for r in log)  # a cosine similarity, logged every epoch
-    saved = load_config(os.path.join(out, "micro", "itc_grit", "seed1", "pretrain", "config.yaml"))
-    assert saved["grit"]["enabled"] and not saved["itm"]  # the row ran GRIT without ITM
+    saved = resolve_config("pretrain", os.path.join(os.path.dirname(log_path), "config.yaml"),
+                           check_paths=False)
+    assert saved.grit.enabled and not saved.itm  # the row ran GRIT without ITM
     table = open(os.path.join(out, "micro", "table5.md")).read()
     assert "| ITC |" in table and "| ITC + GRIT |" in table and "ITC_cons" not in table
     report = open(os.path.join(out, "micro", "table5_report", "report.md")).read()
@@ -151,15 +155,19 @@ def test_ablate_micro_end_to_end_and_reuse(micro_env, tmp_path, monkeypatch):
 
     monkeypatch.setattr(ablate, "run", no_run)
     assert ablate.main(args)["rows"] == record["rows"]
-    with pytest.raises(SystemExit, match="another --output_dir"):
+    with pytest.raises(ConfigError, match="another --output_dir"):
         ablate.main([*args, "--set", "lambda_cons=0.5"])
 
 
-def test_ablate_micro_table2_reads_uov(micro_env, tmp_path):
-    """Table 2 rows also run tools.uov; its UoV@1/@5 per masking probability reach the table."""
-    out = str(tmp_path / "abl2")
+def test_ablate_micro_table2_reads_uov(micro_env, tmp_path, monkeypatch):
+    """Table 2 rows also run tools.uov; its UoV@1/@5 per masking probability reach the table. Started from
+    another working directory with a relative --output_dir: the scripts and tools it launches (tools.launch)
+    write where the user meant and read the configs' repository-relative paths from the repository."""
+    monkeypatch.chdir(tmp_path)
     record = ablate.main(["--preset", "micro", "--table", "2", "--seeds", "1", "--rows", "albef_base",
-                          "--no-finetune", "--output_dir", out])
+                          "--no_finetune", "--output-dir", "abl2"])
+    assert os.getcwd() == str(tmp_path) and not os.path.exists(tmp_path / "data")
+    out = str(tmp_path / "abl2")
     metrics = record["rows"]["albef_base"]["1"]
     with open(os.path.join(out, "micro", "albef_base", "seed1", "uov.json")) as f:
         uov = {f'{float(e["prob"]):g}': e for e in json.load(f)["results"]}

@@ -6,42 +6,39 @@ import os
 
 import pytest
 import torch
+from conftest import ROOT, tiny_config
 
 from training.optimizer import autocast_dtype
-
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def test_autocast_dtype_choices():
     cpu = torch.device('cpu')
-    assert autocast_dtype({'amp': True}, cpu) is None  # `true` is GPU-only, as before
-    assert autocast_dtype({'amp': False}, cpu) is None
-    assert autocast_dtype({'amp': 'bf16'}, cpu) is torch.bfloat16
+    assert autocast_dtype(True, cpu) is None  # `true` is GPU-only, as before
+    assert autocast_dtype(False, cpu) is None
+    assert autocast_dtype('bf16', cpu) is torch.bfloat16
     with pytest.raises(ValueError, match="'amp'"):
-        autocast_dtype({'amp': 'fp8'}, cpu)
+        autocast_dtype('fp8', cpu)
 
 
 def test_bf16_step_close_to_fp32_and_grit_features_fp32(one_thread):
     from models.pretrain import ALBEF_Base
     from models.tokenization import build_tokenizer
-    from training.config import load_config
+    from training.inputs import prepare_inputs
 
-    config = dict(load_config(os.path.join(ROOT, 'configs/tiny/Pretrain.yaml')))
-    from dataset import ensure_synthetic
-
-    ensure_synthetic(os.path.join(ROOT, 'data/synthetic'))
-    config['vocab_file'] = os.path.join(ROOT, 'data/synthetic/vocab.txt')
+    data = os.path.join(ROOT, 'data/synthetic')
+    config = tiny_config('pretrain', synthetic_root=data, vocab_file=os.path.join(data, 'vocab.txt'))
+    prepare_inputs(config)  # the synthetic data and the synthetic ViT (vision_init), as the scripts do
     tokenizer = build_tokenizer(config)
     torch.manual_seed(0)
-    model = ALBEF_Base(config, tokenizer=tokenizer)
-    image = torch.randn(8, 3, config['image_res'], config['image_res'])
+    model = ALBEF_Base(config, tokenizer)
+    image = torch.randn(8, 3, config.image_res, config.image_res)
     text = tokenizer(['a small red circle left of a large blue square'] * 4 + ['a green cross'] * 4,
                      padding='longest', return_tensors='pt')
     keys = ('loss_itc', 'loss_cons', 'loss_itm', 'loss_mlm')
     torch.manual_seed(1)
     fp32 = model(image, text, image_key=torch.arange(8))
     torch.manual_seed(1)  # the same MLM masks
-    with torch.autocast('cpu', dtype=autocast_dtype({'amp': 'bf16'}, torch.device('cpu'))):
+    with torch.autocast('cpu', dtype=autocast_dtype('bf16', torch.device('cpu'))):
         bf16 = model(image, text, image_key=torch.arange(8))
     for key in keys:
         assert bf16[key].dtype == torch.float32, key

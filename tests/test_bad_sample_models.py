@@ -16,19 +16,19 @@ from pathlib import Path
 import pytest
 import torch
 import torch.nn.functional as F
-from conftest import word_tokenizer
+from conftest import tiny_config, word_tokenizer
 from PIL import Image
 from transformers import BatchEncoding
 
 import models.pretrain as pretrain_module
 import models.retrieval as retrieval_module
 from dataset.bad_samples import SkipBadCollate, SkipBadSamples
-from dataset.collate import ImageTextCollate
+from dataset.collate import ImageTextCollate, QACollate
 from dataset.nlvr import NLVRDataset
 from dataset.pretrain import PLACEHOLDER_CAPTION
 from dataset.retrieval import RetrievalTrainDataset
 from dataset.transforms import test_transform as eval_transform  # not collected as a test
-from dataset.vqa import VQADataset, vqa_collate
+from dataset.vqa import VQADataset
 from models.momentum import FeatureQueue
 from models.nlvr import ALBEF_NLVR, assign_texts, nlvr_loss
 from models.objectives import itc_loss, mask_tokens
@@ -50,13 +50,23 @@ def tokenizer(tmp_path_factory):
     return word_tokenizer(tmp_path_factory.mktemp("vocab"), WORDS)
 
 
-def tiny_config(**overrides) -> dict:
-    values = dict(bert_config=TINY_BERT, image_res=32, patch_size=8, vision_width=64, vision_depth=2,
-                  vision_heads=4, vision_init=None, embed_dim=32, temp=0.07, mlm_probability=0.5,
-                  lambda_cons=0.2, itm_negatives="hard", hard_sampling="argmax", itc_gather=False,
-                  queue_size=32, momentum=0.995)
-    values.update(overrides)
-    return values
+# One small model shape for every task; each task's config takes the keys its model reads.
+MODEL_KEYS = dict(bert_config=TINY_BERT, image_res=32, patch_size=8, vision_width=64, vision_depth=2,
+                  vision_heads=4, vision_init=None, embed_dim=32, text_encoder=None, vision_stem="linear",
+                  grad_checkpointing=False)
+OBJECTIVE_KEYS = dict(temp=0.07, lambda_cons=0.2, itm_negatives="hard", hard_sampling="argmax", itm=True)
+TASK_KEYS = {
+    "pretrain": dict(OBJECTIVE_KEYS, mlm_probability=0.5, itc_gather=False, itc=True, mlm=True,
+                     guard_false_negatives=False),
+    "retrieval": dict(OBJECTIVE_KEYS, queue_size=32, momentum=0.995),
+    "nlvr": dict(text_assignment=False, ta_head="linear"),
+    "vqa": {},
+}
+
+
+def model_config(task: str, **overrides):
+    """The typed config (tests/conftest.py tiny_config) of `task` with the small model's keys."""
+    return tiny_config(task, **{**MODEL_KEYS, **TASK_KEYS[task], **overrides})
 
 
 # Rows 2 and 5 are bad samples: placeholders (blank image, PLACEHOLDER_CAPTION) as SkipBadSamples makes.
@@ -136,9 +146,10 @@ def test_placeholders_have_the_shapes_of_real_items(tmp_path, tokenizer):
     (real, _), (hole, _), (empty, _) = items
     assert hole[0].shape == real[0].shape and hole[1] == PLACEHOLDER_CAPTION and hole[2] == -2
     assert empty[2] == -3  # -1 - index: no real img_id (0..K-1), no other placeholder's
-    image, text, img_id, valid, bad = SkipBadCollate(ImageTextCollate(tokenizer, 40))(items)
-    assert image.shape == (3, 3, 32, 32) and text.input_ids.shape[0] == 3
-    assert img_id.tolist() == [0, -2, -3] and valid.tolist() == [True, False, False] and len(bad) == 2
+    collated = SkipBadCollate(ImageTextCollate(tokenizer, 40))(items)
+    assert collated.image.shape == (3, 3, 32, 32) and collated.text.input_ids.shape[0] == 3
+    assert collated.ids.tolist() == [0, -2, -3] and collated.valid.tolist() == [True, False, False]
+    assert len(collated.reasons) == 2
 
     nlvr = SkipBadSamples(NLVRDataset(write("n.json", [
         {"images": [good, good], "sentence": "the dog", "label": True},
@@ -156,8 +167,9 @@ def test_placeholders_have_the_shapes_of_real_items(tmp_path, tokenizer):
     (real, _), (hole, reason) = train[0], train[1]
     assert reason is not None and hole[0].shape == real[0].shape
     assert hole[2:] == ([PLACEHOLDER_CAPTION], [1.0])
-    images, questions, answers, weights, counts, valid, _ = SkipBadCollate(vqa_collate)([train[0], train[1]])
-    assert counts == [2, 1] and len(answers) == weights.shape[0] == 3 and valid.tolist() == [True, False]
+    qa = SkipBadCollate(QACollate(tokenizer, 40))([train[0], train[1]])
+    assert qa.counts.tolist() == [2, 1] and qa.answer.input_ids.shape[0] == qa.weights.shape[0] == 3
+    assert qa.valid.tolist() == [True, False]
 
     answers_file = write("answers.json", ["red", "yes"])
     test = SkipBadSamples(VQADataset(write("t.json", [
@@ -172,7 +184,7 @@ def test_placeholders_have_the_shapes_of_real_items(tmp_path, tokenizer):
 
 def base_model(tokenizer, **overrides) -> ALBEF_Base:
     torch.manual_seed(0)
-    return ALBEF_Base(tiny_config(**overrides), tokenizer=tokenizer)
+    return ALBEF_Base(model_config("pretrain", **overrides), tokenizer)
 
 
 def seeded(model, *args, **kwargs) -> dict[str, torch.Tensor]:
@@ -250,7 +262,7 @@ def test_base_invalid_rows_get_no_gradient_and_all_invalid_is_zero(tokenizer):
 
 def retrieval_model(tokenizer, **overrides) -> ALBEF_Retrieval:
     torch.manual_seed(0)
-    return ALBEF_Retrieval(tiny_config(**overrides), None, tokenizer)
+    return ALBEF_Retrieval(model_config("retrieval", **overrides), tokenizer)
 
 
 # Image ids: pairs 0 and 3 show one image; placeholders carry -1 - index (RetrievalTrainDataset).
@@ -439,7 +451,7 @@ def test_retrieval_valid_queue_in_checkpoints(tokenizer):
 
 def nlvr_model(tokenizer, text_assignment: bool = False) -> ALBEF_NLVR:
     torch.manual_seed(0)
-    return ALBEF_NLVR(tiny_config(), tokenizer, text_assignment=text_assignment)
+    return ALBEF_NLVR(model_config("nlvr", text_assignment=text_assignment), tokenizer)
 
 
 def test_nlvr_classification_loss(tokenizer):
@@ -525,7 +537,7 @@ def test_assign_texts_never_pairs_a_valid_text_with_a_bad_image():
 
 def vqa_batch(tokenizer):
     images, question = batch(tokenizer)
-    # Answers grouped by question (vqa_collate); the placeholders (rows 2, 5) have one of weight 1.
+    # Answers grouped by question (QACollate); the placeholders (rows 2, 5) have one of weight 1.
     per_question = [["red", "blue"], ["yes"], [PLACEHOLDER_CAPTION], ["no", "yes", "dog"], ["cat"],
                     [PLACEHOLDER_CAPTION], ["ball", "grass"], ["small"]]
     weights = [[0.6, 0.4], [1.0], [1.0], [0.5, 0.3, 0.2], [1.0], [1.0], [0.7, 0.3], [1.0]]
@@ -536,7 +548,7 @@ def vqa_batch(tokenizer):
 
 def test_vqa_loss(tokenizer):
     torch.manual_seed(0)
-    model = ALBEF_VQA(tiny_config(), tokenizer)
+    model = ALBEF_VQA(model_config("vqa"), tokenizer)
     images, question, answer, weights, counts = vqa_batch(tokenizer)
     args = (question["input_ids"], question["attention_mask"], answer["input_ids"], answer["attention_mask"],
             weights, counts)

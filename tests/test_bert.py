@@ -7,6 +7,7 @@ import pytest
 import torch
 from transformers import BertConfig, BertForMaskedLM, BertModel
 
+from files import InputFileError
 from models.bert import BertEncoder, load_bert_config
 
 VOCAB, HIDDEN, LAYERS, FUSION = 100, 64, 4, 2
@@ -194,11 +195,18 @@ def test_missing_dir_and_vocab_mismatch(tmp_path, mlm_dir):
 
 
 def test_load_bert_config_errors(tmp_path):
-    with pytest.raises(FileNotFoundError, match="missing.json"):
+    # A user's file that is missing or malformed: InputFileError naming it (the scripts print one line).
+    with pytest.raises(InputFileError, match="missing.json"):
         load_bert_config(str(tmp_path / "missing.json"))
     path = tmp_path / "cfg.json"
     path.write_text(json.dumps(tiny_hf_config().to_dict()))
-    with pytest.raises(ValueError, match="fusion_layer"):
+    with pytest.raises(InputFileError, match="cfg.json.*fusion_layer"):
+        load_bert_config(str(path))
+    path.write_text('{"hidden_size": 64,')
+    with pytest.raises(InputFileError, match="cfg.json.*line 1"):
+        load_bert_config(str(path))
+    path.write_text(json.dumps({**tiny_hf_config().to_dict(), "fusion_layer": 9, "encoder_width": 64}))
+    with pytest.raises(InputFileError, match="cfg.json.*fusion_layer=9"):
         load_bert_config(str(path))
     path.write_text(json.dumps({**tiny_hf_config().to_dict(), "fusion_layer": 2, "encoder_width": 64}))
     config = load_bert_config(str(path))

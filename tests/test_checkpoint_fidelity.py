@@ -4,10 +4,9 @@ a reason."""
 
 from __future__ import annotations
 
-import os
-
 import pytest
 import torch
+from conftest import tiny_config
 from torch import nn
 
 from models.loading import IGNORE_REASONS, load_task_checkpoint, load_weights
@@ -16,17 +15,20 @@ from models.pretrain import ALBEF_Base
 from models.retrieval import RETRIEVAL_IGNORED_PREFIXES
 from models.tokenization import build_tokenizer
 from models.vqa import ALBEF_VQA
-from training.config import load_config
+from training.config_files import ConfigError
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 MOMENTUM = IGNORE_REASONS["*_m."]
 QUEUE = IGNORE_REASONS["image_queue"]
+TASKS = {"Pretrain.yaml": "pretrain", "Retrieval.yaml": "retrieval", "NLVR.yaml": "nlvr",
+         "NLVR_pretrain.yaml": "nlvr", "VQA.yaml": "vqa"}
 
 pytestmark = pytest.mark.usefixtures("in_repo")
 
 
-def tiny(name: str, **overrides) -> dict:
-    return {**dict(load_config(os.path.join(ROOT, "configs/tiny", name))), **overrides}
+def tiny(name: str, **overrides):
+    """The typed config of configs/tiny/<name> with `overrides`; the ViT starts from random weights (these
+    tests are about checkpoint keys, not the synthetic ViT's warm start)."""
+    return tiny_config(TASKS[name], f"configs/tiny/{name}", **{"vision_init": None, **overrides})
 
 
 @pytest.fixture(scope="module")
@@ -39,7 +41,7 @@ def albef_state(tokenizer) -> dict[str, torch.Tensor]:
     """Our ALBEF_Base state dict in ALBEF's pre-training layout: a momentum copy of every online module
     (*_m, text_encoder_m.cls included), the feature queues and an old position_ids buffer."""
     torch.manual_seed(0)
-    base = ALBEF_Base(tiny("Pretrain.yaml"), text_encoder=None, tokenizer=tokenizer)
+    base = ALBEF_Base(tiny("Pretrain.yaml"), tokenizer)
     state = dict(base.state_dict())
     for key, value in list(state.items()):
         head, _, rest = key.partition(".")
@@ -54,7 +56,7 @@ def albef_state(tokenizer) -> dict[str, torch.Tensor]:
 
 def stage1(tokenizer, **overrides) -> ALBEF_NLVR:
     torch.manual_seed(1)
-    return ALBEF_NLVR(tiny("NLVR_pretrain.yaml", **overrides), tokenizer, text_assignment=True)
+    return ALBEF_NLVR(tiny("NLVR_pretrain.yaml", **overrides), tokenizer)
 
 
 def load(model: nn.Module, state: dict):
@@ -94,9 +96,10 @@ def test_old_mlp_stage1_checkpoint_still_loads_completely(tokenizer, capsys):
     assert report.missing == [] and report.unexpected == [] and isinstance(old.ta_head, nn.Linear)
 
 
-def test_stage1_head_option_is_checked(tokenizer):
-    with pytest.raises(ValueError, match="ta_head"):
-        stage1(tokenizer, ta_head="deep")
+def test_stage1_head_option_is_checked():
+    # The allowed heads are the config's (training.config.NLVRConfig.ta_head): refused at resolution.
+    with pytest.raises(ConfigError, match="ta_head.*linear.*mlp.*deep"):
+        tiny("NLVR_pretrain.yaml", ta_head="deep")
 
 
 def assert_momentum_and_queues_ignored(report, state) -> None:
@@ -111,7 +114,7 @@ def assert_momentum_and_queues_ignored(report, state) -> None:
 
 def test_albef_pretrain_layout_into_pretrain_model(tokenizer, albef_state):
     torch.manual_seed(3)
-    model = ALBEF_Base(tiny("Pretrain.yaml"), text_encoder=None, tokenizer=tokenizer)
+    model = ALBEF_Base(tiny("Pretrain.yaml"), tokenizer)
     report = load_weights(model, albef_state)
     assert report.missing == []
     assert_momentum_and_queues_ignored(report, albef_state)
@@ -125,7 +128,8 @@ def test_albef_pretrain_layout_into_pretrain_model(tokenizer, albef_state):
 def test_albef_pretrain_layout_into_nlvr(tokenizer, albef_state, text_assignment):
     torch.manual_seed(4)
     config = tiny("NLVR_pretrain.yaml" if text_assignment else "NLVR.yaml")
-    model = ALBEF_NLVR(config, tokenizer, text_assignment=text_assignment)
+    assert config.text_assignment == text_assignment
+    model = ALBEF_NLVR(config, tokenizer)
     report = load(model, albef_state)
     assert all(k.startswith(("ta_head.", "cls_head.")) for k in report.missing), report.missing
     assert_momentum_and_queues_ignored(report, albef_state)
@@ -183,7 +187,7 @@ def test_albef_pretrain_layout_into_retrieval(tokenizer, albef_state, momentum_i
 
 def test_unknown_key_is_still_unexpected(tokenizer, albef_state):
     torch.manual_seed(8)
-    model = ALBEF_Base(tiny("Pretrain.yaml"), text_encoder=None, tokenizer=tokenizer)
+    model = ALBEF_Base(tiny("Pretrain.yaml"), tokenizer)
     state = {**albef_state, "mystery_head.weight": torch.zeros(2), "text_encoder.bert.pooler.dense.weight":
              torch.zeros(2), "text_queue_extra": torch.zeros(1)}
     report = load_weights(model, state)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import os
 
 from tools.compare import side_by_side, summary_row
@@ -46,15 +47,29 @@ def test_evaluations_get_the_overrides_their_config_accepts():
 
 def test_the_downstream_pretraining_is_the_tiny_one_for_longer(monkeypatch):
     # demo --downstream's checkpoint must come from the demo's GRIT-VLP run with a longer schedule only,
-    # so that NLVR2 and VQA measure the same model and method (README, "NLVR2 on the synthetic data").
+    # so that NLVR2 and VQA measure the same model and method (docs/synthetic-world.md, 'NLVR2 on the synthetic data').
     import demo
     from tools.compare import PRETRAIN_CONFIG, pretrain_command
-    from training.config import load_config
+    from training.config_resolve import resolve_config
 
     monkeypatch.chdir(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    tiny, long = dict(load_config(PRETRAIN_CONFIG)), dict(load_config(demo.DOWNSTREAM_PRETRAIN_CONFIG))
-    assert long.pop("max_epoch") == long["schedular"].pop("epochs") == 36
-    assert tiny.pop("max_epoch") == tiny["schedular"].pop("epochs") == 12
-    assert long == tiny and long["grit"]["enabled"]
+    tiny = resolve_config("pretrain", PRETRAIN_CONFIG, check_paths=False)
+    long = resolve_config("pretrain", demo.DOWNSTREAM_PRETRAIN_CONFIG, check_paths=False)
+    assert long.max_epoch == long.schedular.epochs == 36
+    assert tiny.max_epoch == tiny.schedular.epochs == 12
+    schedule = dataclasses.replace(long.schedular, epochs=12)
+    assert dataclasses.replace(long, max_epoch=12, schedular=schedule) == tiny
+    assert long.grit.enabled
     assert pretrain_command("out", ["--seed", "1"], demo.DOWNSTREAM_PRETRAIN_CONFIG) == [
-        "Pretrain.py", "--config", "configs/tiny/Pretrain_long.yaml", "--output_dir", "out", "--seed", "1"]
+        "Pretrain", "--config", "configs/tiny/Pretrain_long.yaml", "--output_dir", "out", "--seed", "1"]
+
+
+def test_demo_reads_the_trainers_log_keys():
+    # The demo's table shows the optimiser steps' time under the name every script logs it.
+    import demo
+
+    assert "train_seconds" in demo.COLUMNS and "seconds" not in demo.COLUMNS
+    rows = [{"epoch": 0, "loss_itc": 1.0, "loss_cons": 0.0, "loss_itm": 0.6, "loss_mlm": 3.0,
+             "grit_hardness": 0.4, "train_seconds": 12.5}]
+    assert demo.table(rows, demo.COLUMNS).splitlines()[1].split() == [
+        "0", "1.0000", "0.0000", "0.6000", "3.0000", "0.4000", "12.5000"]

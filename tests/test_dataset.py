@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 import os
@@ -16,16 +17,30 @@ from collections import Counter
 import numpy as np
 import pytest
 import torch
+from conftest import tiny_config
 from PIL import Image
-from torch.utils.data import DataLoader
+from torch.utils.data import DataLoader, default_collate
 from torchvision import transforms as T
 
 from dataset import (
+    Batch,
+    ImageBatch,
+    ImageCollate,
+    ImagePairBatch,
     ImageReadError,
+    ImageTextBatch,
+    ImageTextCollate,
+    NLVRCollate,
     NLVRDataset,
     PretrainDataset,
+    QABatch,
+    QACollate,
+    QuestionBatch,
+    QuestionCollate,
     RetrievalEvalDataset,
     RetrievalTrainDataset,
+    SkipBadCollate,
+    SkipBadSamples,
     VQADataset,
     create_dataset,
     ensure_synthetic,
@@ -37,11 +52,13 @@ from dataset import (
     synthetic_tasks,
     synthetic_world,
     train_transform,
-    vqa_collate,
 )
 from dataset import transforms as dtf
 from dataset.transforms import ALBEF_RANDAUG_OPS, AlbefRandAugment
+from files import InputFileError
 from models.tokenization import tokenizer_from_vocab
+from tools import make_synthetic
+from training.config import PretrainConfig, RetrievalConfig
 
 N = 24
 RES = 32
@@ -82,9 +99,14 @@ def test_tf():
     return dtf.test_transform(RES)
 
 
+@pytest.fixture(scope="module")
+def tokenizer(data_root):
+    return tokenizer_from_vocab(os.path.join(data_root, "vocab.txt"))
+
+
 # ----------------------------------------------------------------------------- generator
 def test_generator_is_deterministic_and_seed_dependent(tmp_path, data_root):
-    synthetic.main(["--out", str(tmp_path / "a"), "--n", str(N), "--seed", "0"])
+    make_synthetic.main(["--output_dir", str(tmp_path / "a"), "--n", str(N), "--seed", "0"])
     synthetic.generate(str(tmp_path / "b"), n=N, seed=1)
     same, other = _hashes(str(tmp_path / "a")), _hashes(str(tmp_path / "b"))
     assert same == _hashes(data_root)
@@ -272,18 +294,51 @@ def test_load_json_list_errors_name_the_file(tmp_path):
     nokey.write_text(json.dumps([{"image": "a.png", "caption": "x"}, {"image": "b.png"}]))
 
     assert len(load_json_list([str(good), str(good)], required=("image", "caption"))) == 2
-    with pytest.raises(FileNotFoundError, match="missing.json"):
+    # Every fault of a file is an InputFileError (a ValueError) naming the file: the scripts print it as
+    # one error line.
+    with pytest.raises(InputFileError, match="json file not found: .*missing.json"):
         load_json_list([str(good), str(tmp_path / "missing.json")])
-    with pytest.raises(ValueError, match="bad.json.*line 1"):
+    with pytest.raises(InputFileError, match="bad.json.*line 1"):
         load_json_list(str(bad))
-    with pytest.raises(ValueError, match="obj.json.*list"):
+    with pytest.raises(InputFileError, match="obj.json.*list"):
         load_json_list(str(obj))
-    with pytest.raises(ValueError, match=r"nokey.json: entry 1 .*caption"):
+    with pytest.raises(InputFileError, match=r"nokey.json: entry 1 .*caption"):
         load_json_list(str(nokey), required=("image", "caption"))
-    with pytest.raises(ValueError, match="nokey.json.*caption"):
+    with pytest.raises(InputFileError, match="nokey.json.*caption"):
         PretrainDataset(str(nokey), dtf.test_transform(RES))
-    with pytest.raises(ValueError, match="good.json.*image_id"):
+    with pytest.raises(InputFileError, match="good.json.*image_id"):
         RetrievalTrainDataset(str(good), dtf.test_transform(RES))
+    assert issubclass(InputFileError, ValueError)
+
+
+@pytest.mark.parametrize("entries, match", [
+    ([{"image": "a.png", "caption": "x"}, {"image": "b.png", "caption": 7}], r"entry 1: 'caption' must be"),
+    ([{"image": "a.png", "caption": ["a cat", None]}], r"entry 0: 'caption' must be"),
+    ([{"image": "a.png", "caption": []}], r"entry 0: 'caption' must be"),
+    ([{"image": "a.png", "caption": "x"}, "a.png"], r"entry 1 is a str"),
+    ({"image": "a.png", "caption": "x"}, "expected a JSON list"),
+])
+def test_malformed_caption_lists_raise_input_file_error(tmp_path, entries, match):
+    path = tmp_path / "captions.json"
+    path.write_text(json.dumps(entries))
+    for make in (PretrainDataset, RetrievalEvalDataset):
+        with pytest.raises(InputFileError, match=f"captions.json.*{match}"):
+            make(str(path), dtf.test_transform(RES))
+
+
+def test_bad_samples_are_no_input_file_errors(tmp_path):
+    # A missing image or a caption empty after cleaning is the entry's fault, found when it is read:
+    # the json list loads, and the entry is skipped at train time (dataset.bad_samples).
+    Image.new("RGB", (8, 8)).save(tmp_path / "ok.png")
+    path = tmp_path / "p.json"
+    path.write_text(json.dumps([{"image": "nope.png", "caption": "a cat"},
+                                {"image": "ok.png", "caption": "?!"}]))
+    ds = SkipBadSamples(PretrainDataset(str(path), dtf.test_transform(RES), image_root=str(tmp_path)))
+    (_, missing), (_, empty) = ds[0], ds[1]
+    assert missing.startswith("entry 0: cannot read image") and "nope.png" in missing
+    assert empty.startswith("entry 1: caption '?!' is empty")
+    ev = RetrievalEvalDataset(str(path), dtf.test_transform(RES), image_root=str(tmp_path))
+    assert ev.text == ["a cat"] and ev.bad_texts == ["entry 1: caption '?!' is empty after cleaning"]
 
 
 def test_read_image_errors(tmp_path):
@@ -401,14 +456,14 @@ def test_nlvr_dataset(tmp_path, data_root, test_tf):
     ann.write_text(json.dumps([entry]))
     assert NLVRDataset(str(ann), test_tf, data_root)[0][3] == 0
     ann.write_text(json.dumps([dict(entry, label="maybe")]))
-    with pytest.raises(ValueError, match="n.json: entry 0.*label"):
+    with pytest.raises(InputFileError, match="n.json: entry 0.*label"):
         NLVRDataset(str(ann), test_tf, data_root)
     ann.write_text(json.dumps([dict(entry, images=entry["images"][:1])]))
-    with pytest.raises(ValueError, match="n.json.*two"):
+    with pytest.raises(InputFileError, match="n.json.*two"):
         NLVRDataset(str(ann), test_tf, data_root)
 
 
-def test_vqa_datasets(tmp_path, data_root, train_tf, test_tf):
+def test_vqa_datasets(tmp_path, data_root, train_tf, test_tf, tokenizer):
     train = VQADataset(os.path.join(data_root, "vqa_train.json"), train_tf, data_root, split="train")
     image, question, answers, weights = train[0]
     raw = train.ann[0]
@@ -417,11 +472,13 @@ def test_vqa_datasets(tmp_path, data_root, train_tf, test_tf):
     assert dict(zip(answers, weights)) == {a: c / 10 for a, c in counts.items()}
     assert sum(weights) == pytest.approx(1.0)
 
-    batch = [train[i] for i in range(3)]
-    images, questions, flat, w, n = vqa_collate(batch)
-    assert images.shape == (3, 3, RES, RES) and len(questions) == 3
-    assert n == [len(b[2]) for b in batch] and len(flat) == sum(n) and w.shape == (sum(n),)
-    assert w.dtype == torch.float32
+    items = [train[i] for i in range(3)]
+    batch = QACollate(tokenizer, 40)(items)
+    assert batch.image.shape == (3, 3, RES, RES) and batch.question.input_ids.shape[0] == 3
+    n = [len(item[2]) for item in items]
+    assert batch.counts.tolist() == n and batch.answer.input_ids.shape[0] == sum(n)
+    assert batch.weights.shape == (sum(n),) and batch.weights.dtype == torch.float32
+    assert batch.weights.tolist() == pytest.approx([w for item in items for w in item[3]])
 
     test = VQADataset(os.path.join(data_root, "vqa_test.json"), test_tf, data_root, split="test",
                       answer_list=os.path.join(data_root, "answer_list.json"))
@@ -433,24 +490,248 @@ def test_vqa_datasets(tmp_path, data_root, train_tf, test_tf):
                                 "dataset": "vg"}]))
     _, _, answers, weights = VQADataset(str(ann), test_tf, data_root)[0]
     assert answers == ["circle"] and weights == [0.5]
-    with pytest.raises(ValueError, match="vg.json.*question_id"):
+    with pytest.raises(InputFileError, match="vg.json.*question_id"):
         VQADataset(str(ann), test_tf, data_root, split="test")
-    with pytest.raises(FileNotFoundError, match="nope.json"):
+    with pytest.raises(InputFileError, match="answer list not found: .*nope.json"):
         VQADataset(str(ann), test_tf, data_root, split="train", answer_list=str(tmp_path / "nope.json"))
+    for content, match in (("[", "answer list .*answers.json: invalid JSON at line 1"),
+                           ('{"yes": 1}', "answers.json: expected a non-empty JSON list"),
+                           ('["yes", 2]', "answers.json: expected a non-empty JSON list")):
+        (tmp_path / "answers.json").write_text(content)
+        with pytest.raises(InputFileError, match=match):
+            VQADataset(str(ann), test_tf, data_root, answer_list=str(tmp_path / "answers.json"))
+
+
+def _task_config(task: str, data_root: str, **values):
+    """The tiny config of `task` on the module's synthetic set (RES px, no flip)."""
+    return tiny_config(task, image_root=data_root, image_res=RES, hflip=False, **values)
 
 
 def test_create_dataset_from_config(data_root):
-    config = {"image_res": RES, "image_root": data_root, "hflip": False,
-              "train_file": [os.path.join(data_root, "retrieval_train.json")],
-              "val_file": os.path.join(data_root, "retrieval_val.json"),
-              "test_file": os.path.join(data_root, "retrieval_test.json")}
+    config = _task_config("retrieval", data_root, crop_scale=[0.5, 1.0],
+                          train_file=[os.path.join(data_root, "retrieval_train.json")],
+                          val_file=os.path.join(data_root, "retrieval_val.json"),
+                          test_file=os.path.join(data_root, "retrieval_test.json"))
     train, val, test = create_dataset("retrieval", config)
+    assert isinstance(train, RetrievalTrainDataset) and isinstance(val, RetrievalEvalDataset)
     assert train.transform.transforms[0].scale == (0.5, 1.0)
     assert not any(isinstance(t, T.RandomHorizontalFlip) for t in train.transform.transforms)
+    assert isinstance(val.transform.transforms[0], T.Resize)  # evaluation: the test transform
     sizes = synthetic.split_sizes(N)
     assert (len(val), len(test)) == (sizes["val_images"], sizes["test_images"])
-    with pytest.raises(ValueError, match="answer_list"):
-        create_dataset("vqa", dict(config, train_file=os.path.join(data_root, "vqa_train.json")))
+    # The crop scale is the config's; its per-task default (fine-tuning 0.5-1, pre-training 0.2-1) lives in
+    # training.config alone.
+    defaults = {c: {f.name: f for f in dataclasses.fields(c)}["crop_scale"].default_factory()
+                for c in (RetrievalConfig, PretrainConfig)}
+    assert defaults == {RetrievalConfig: [0.5, 1.0], PretrainConfig: [0.2, 1.0]}
+    train, _, _ = create_dataset("retrieval", dataclasses.replace(config, crop_scale=[0.3, 0.9]))
+    assert train.transform.transforms[0].scale == (0.3, 0.9)
+    # image_root null: the json paths as they are (here relative to a folder that does not hold them)
+    train, _, _ = create_dataset("retrieval", dataclasses.replace(config, image_root=None))
+    with pytest.raises(ImageReadError):
+        train[0]
+    with pytest.raises(ValueError, match="answer_list"):  # VQA needs an answer list: the config says so
+        _task_config("vqa", data_root, answer_list=None)
+    with pytest.raises(ValueError, match="unknown task"):
+        create_dataset("captioning", config)
+
+
+def test_create_dataset_pretrain_and_nlvr(data_root):
+    pretrain = create_dataset("pretrain", _task_config("pretrain", data_root, crop_scale=[0.2, 1.0],
+                                                       train_file=[os.path.join(data_root, "pretrain.json")]))
+    assert isinstance(pretrain, PretrainDataset) and pretrain.transform.transforms[0].scale == (0.2, 1.0)
+    assert len(pretrain) == len(_load(data_root, "pretrain.json"))
+
+    files = {k: os.path.join(data_root, f"nlvr_{s}.json")
+             for k, s in (("train_file", "train"), ("val_file", "dev"), ("test_file", "test"))}
+    config = _task_config("nlvr", data_root, **files)
+    sets = create_dataset("nlvr", config)
+    assert [type(s) for s in sets] == [NLVRDataset] * 3
+    assert [len(s) for s in sets] == [len(_load(data_root, f"nlvr_{s}.json"))
+                                      for s in ("train", "dev", "test")]
+    # Stage 1 (text assignment) trains on pre-training captions: an image-caption set, no evaluation split.
+    stage1, val, test = create_dataset("nlvr", dataclasses.replace(
+        config, text_assignment=True, train_file=[os.path.join(data_root, "pretrain.json")]))
+    assert isinstance(stage1, PretrainDataset) and len(stage1) == len(pretrain) and val is test is None
+    assert stage1.transform.transforms[0].scale == (1.0, 1.0)  # the NLVR config's crop, hflip off
+    assert not any(isinstance(t, T.RandomHorizontalFlip) for t in stage1.transform.transforms)
+    image, caption, index = stage1[0]
+    assert image.shape == (3, RES, RES) and isinstance(caption, str) and index == 0
+
+
+def test_create_dataset_vqa_splits(data_root):
+    config = _task_config("vqa", data_root, train_file=[os.path.join(data_root, "vqa_train.json")],
+                          test_file=[os.path.join(data_root, "vqa_test.json")],
+                          answer_list=os.path.join(data_root, "answer_list.json"), val_file=None)
+    train, val, test = create_dataset("vqa", config)
+    assert val is None
+    assert (train.split, test.split) == ("train", "test") and test.answer_list == _load(data_root,
+                                                                                         "answer_list.json")
+    # val_file set: its questions are answered as the test split's (the test transform, the answer list)
+    _, val, _ = create_dataset("vqa", dataclasses.replace(config, val_file=os.path.join(data_root,
+                                                                                        "vqa_test.json")))
+    assert isinstance(val, VQADataset) and val.split == "test" and len(val) == len(test)
+    assert val.answer_list == test.answer_list
+    assert isinstance(val.transform.transforms[0], T.Resize)
+    image, question, qid = val[0]
+    assert image.shape == (3, RES, RES) and qid == val.ann[0]["question_id"]
+
+
+# ----------------------------------------------------------------------------- named batches
+def _tokens(tokenizer, texts, max_tokens: int = 40):
+    """What every collate's texts were tokenized as before the batches were named."""
+    return tokenizer(list(texts), padding="longest", truncation=True, max_length=max_tokens,
+                     return_tensors="pt")
+
+
+def _assert_same_tokens(got, want) -> None:
+    assert set(got) == set(want)
+    for key in want:
+        assert got[key].dtype == want[key].dtype == torch.long and torch.equal(got[key], want[key]), key
+
+
+def _assert_all_good(batch: Batch, n: int) -> None:
+    assert len(batch) == n and batch.reasons == []
+    assert batch.valid.dtype == torch.bool and batch.valid.tolist() == [True] * n
+    assert batch.valid_on("cpu") is None
+
+
+def test_image_text_and_image_collates(data_root, train_tf, test_tf, tokenizer):
+    ds = PretrainDataset(os.path.join(data_root, "pretrain.json"), test_tf, image_root=data_root)
+    items = [ds[i] for i in range(3)]
+    batch = ImageTextCollate(tokenizer, 40)(items)
+    assert type(batch) is ImageTextBatch and isinstance(batch, Batch)
+    assert batch.image.dtype == torch.float32
+    assert torch.equal(batch.image, torch.stack([it[0] for it in items]))
+    _assert_same_tokens(batch.text, _tokens(tokenizer, [it[1] for it in items]))
+    assert batch.ids.dtype == torch.long and batch.ids.tolist() == [0, 1, 2]
+    _assert_all_good(batch, 3)
+    short = ImageTextCollate(tokenizer, 5)(items)
+    assert short.text.input_ids.shape == (3, 5)  # cut at max_tokens, [SEP] kept
+    assert (short.text.input_ids[:, -1] == tokenizer.sep_token_id).all()
+
+    train = RetrievalTrainDataset(os.path.join(data_root, "retrieval_train.json"), train_tf, data_root)
+    batch = ImageTextCollate(tokenizer, 40)([train[i] for i in (0, 5, 9)])
+    assert batch.ids.tolist() == [train[i][2] for i in (0, 5, 9)]  # retrieval: the image ids
+
+    ev = RetrievalEvalDataset(os.path.join(data_root, "retrieval_test.json"), test_tf, data_root)
+    items = [ev[i] for i in range(4)]
+    batch = ImageCollate()(items)
+    image, index = default_collate(items)  # what the retrieval evaluation batched with before
+    assert type(batch) is ImageBatch and torch.equal(batch.image, image)
+    assert batch.index.dtype == index.dtype == torch.long and torch.equal(batch.index, index)
+    _assert_all_good(batch, 4)
+
+
+def test_nlvr_and_vqa_collates(data_root, test_tf, tokenizer):
+    nlvr = NLVRDataset(os.path.join(data_root, "nlvr_dev.json"), test_tf, data_root)
+    items = [nlvr[i] for i in range(4)]
+    batch = NLVRCollate(tokenizer, 40)(items)
+    assert type(batch) is ImagePairBatch
+    assert torch.equal(batch.image0, torch.stack([it[0] for it in items]))
+    assert torch.equal(batch.image1, torch.stack([it[1] for it in items]))
+    _assert_same_tokens(batch.text, _tokens(tokenizer, [it[2] for it in items]))
+    assert batch.label.dtype == torch.long and batch.label.tolist() == [it[3] for it in items]
+    _assert_all_good(batch, 4)
+
+    train = VQADataset(os.path.join(data_root, "vqa_train.json"), test_tf, data_root, split="train")
+    items = [train[i] for i in range(3)]
+    batch = QACollate(tokenizer, 40)(items)
+    assert type(batch) is QABatch and torch.equal(batch.image, torch.stack([it[0] for it in items]))
+    _assert_same_tokens(batch.question, _tokens(tokenizer, [it[1] for it in items]))
+    answers = [a for it in items for a in it[2]]  # grouped by question, in order, never cut
+    _assert_same_tokens(batch.answer, tokenizer(answers, padding="longest", return_tensors="pt"))
+    assert (batch.answer.input_ids[:, 0] == tokenizer.cls_token_id).all()
+    assert batch.weights.dtype == torch.float32 and batch.counts.dtype == torch.long
+    assert batch.counts.tolist() == [len(it[2]) for it in items]
+    _assert_all_good(batch, 3)
+
+    test = VQADataset(os.path.join(data_root, "vqa_test.json"), test_tf, data_root, split="test")
+    items = [test[i] for i in range(3)]
+    batch = QuestionCollate(tokenizer, 40)(items)
+    assert type(batch) is QuestionBatch and torch.equal(batch.image, torch.stack([it[0] for it in items]))
+    _assert_same_tokens(batch.question, _tokens(tokenizer, [it[1] for it in items]))
+    assert batch.question_ids == [it[2] for it in items]
+    _assert_all_good(batch, 3)
+
+
+def test_skip_bad_collate_sets_valid_and_reasons(tmp_path, data_root, test_tf, tokenizer):
+    good = _load(data_root, "pretrain.json")[:3]
+    entries = [good[0], dict(good[1], image="images/missing.png"), good[2], dict(good[0], caption="?!")]
+    path = tmp_path / "p.json"
+    path.write_text(json.dumps(entries))
+    ds = SkipBadSamples(PretrainDataset(str(path), test_tf, image_root=data_root))
+    batch = SkipBadCollate(ImageTextCollate(tokenizer, 40))([ds[i] for i in range(4)])
+    assert type(batch) is ImageTextBatch and len(batch) == 4
+    assert batch.valid.dtype == torch.bool and batch.valid.tolist() == [True, False, True, False]
+    assert [r.split(":")[0] for r in batch.reasons] == ["entry 1", "entry 3"]
+    assert "missing.png" in batch.reasons[0] and "empty after cleaning" in batch.reasons[1]
+    assert batch.ids.tolist() == [0, 1, 2, 3]  # a placeholder keeps its index: GRIT collects it as invalid
+    assert torch.equal(batch.valid_on("cpu"), batch.valid)
+    # All good: the plain collate's batch, valid all True.
+    batch = SkipBadCollate(ImageTextCollate(tokenizer, 40))([ds[0], ds[2]])
+    _assert_all_good(batch, 2)
+
+    ev = SkipBadSamples(RetrievalEvalDataset(str(path), test_tf, image_root=data_root))
+    batch = SkipBadCollate(ImageCollate())([ev[i] for i in range(4)])
+    assert type(batch) is ImageBatch and batch.valid.tolist() == [True, False, True, True]
+    assert batch.index.tolist() == [0, 1, 2, 3]
+
+    vqa = _load(data_root, "vqa_train.json")[:2]
+    path = tmp_path / "q.json"
+    path.write_text(json.dumps([vqa[0], dict(vqa[1], image="images/missing.png")]))
+    qa = SkipBadSamples(VQADataset(str(path), test_tf, data_root, split="train"))
+    batch = SkipBadCollate(QACollate(tokenizer, 40))([qa[0], qa[1]])
+    assert type(batch) is QABatch and batch.valid.tolist() == [True, False]
+    assert batch.counts.tolist() == [len(qa[0][0][2]), 1]  # the placeholder: one answer
+
+    with pytest.raises(TypeError, match="not a dataset.collate.Batch"):
+        SkipBadCollate(default_collate)([ev[0], ev[2]])
+
+
+def test_batch_pin_memory(data_root, test_tf, tokenizer, monkeypatch):
+    test = VQADataset(os.path.join(data_root, "vqa_test.json"), test_tf, data_root, split="test")
+    batch = QuestionCollate(tokenizer, 40)([test[i] for i in range(3)])
+    pinned = batch.pin_memory()  # callable without CUDA too
+    assert type(pinned) is QuestionBatch and pinned is not batch
+    assert type(pinned.question) is type(batch.question)  # the BatchEncoding, with its .to()
+    assert torch.equal(pinned.image, batch.image) and pinned.question_ids == batch.question_ids
+    _assert_same_tokens(pinned.question, batch.question)
+    assert torch.equal(pinned.valid, batch.valid) and pinned.reasons == batch.reasons
+
+    # Every tensor goes through Tensor.pin_memory, the BatchEncoding's too, into a copy (seen here
+    # without CUDA through a stand-in that clones).
+    seen: list[torch.Tensor] = []
+    with monkeypatch.context() as m:
+        m.setattr(torch.accelerator, "is_available", lambda: True)
+        m.setattr(torch.Tensor, "pin_memory", lambda t: seen.append(t) or t.clone())
+        copied = batch.pin_memory()
+    tensors = [batch.image, batch.valid, *batch.question.values()]
+    assert len(seen) == len(tensors) and all(any(t is s for s in seen) for t in tensors)
+    assert type(copied.question) is type(batch.question) and copied.question is not batch.question
+    assert copied.image is not batch.image and copied.question["input_ids"] is not batch.question["input_ids"]
+    assert batch.question["input_ids"] is tensors[2]  # the original batch is left as it was
+    _assert_same_tokens(copied.question, batch.question)
+    if not torch.cuda.is_available():
+        pytest.skip("pinned memory needs CUDA")
+    assert pinned.image.is_pinned() and pinned.valid.is_pinned()
+    assert all(t.is_pinned() for t in pinned.question.values())
+    # The DataLoader pins a custom batch through its pin_memory().
+    loader = DataLoader(test, batch_size=2, collate_fn=QuestionCollate(tokenizer, 40), pin_memory=True)
+    batch = next(iter(loader))
+    assert type(batch) is QuestionBatch and batch.image.is_pinned() and batch.question.input_ids.is_pinned()
+
+
+def test_batches_cross_worker_processes(data_root, test_tf, tokenizer):
+    # Named batches are built in the loader's worker processes and sent back to the main one.
+    ds = SkipBadSamples(NLVRDataset(os.path.join(data_root, "nlvr_dev.json"), test_tf, data_root))
+    collate = SkipBadCollate(NLVRCollate(tokenizer, 40))
+    loader = DataLoader(ds, batch_size=3, num_workers=1, collate_fn=collate)
+    batch = next(iter(loader))
+    assert type(batch) is ImagePairBatch and batch.image0.shape == (3, 3, RES, RES)
+    want = NLVRCollate(tokenizer, 40)([ds.dataset[i] for i in range(3)])
+    assert torch.equal(batch.image0, want.image0) and torch.equal(batch.label, want.label)
+    _assert_all_good(batch, 3)
 
 
 def test_generator_cli_does_not_import_torch():

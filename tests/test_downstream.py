@@ -5,8 +5,6 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
-import sys
 
 import pytest
 
@@ -16,10 +14,10 @@ pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("in_repo")]
 def test_pretrain_then_retrieval_and_vqa_beat_chance_and_nlvr_runs(tmp_path):
     import demo
     from tools.compare import last_checkpoint
+    from tools.launch import run
 
     pre_dir = str(tmp_path / "pretrain")
-    subprocess.run([sys.executable, "Pretrain.py", "--config", "configs/tiny/Pretrain.yaml",
-                    "--output_dir", pre_dir], check=True)
+    run(["Pretrain", "--config", "configs/tiny/Pretrain.yaml", "--output_dir", pre_dir])
     checkpoint = last_checkpoint(pre_dir)
     # Retrieval fine-tuning (2 epochs) must keep the zero-shot recall on the 1,000 test images, which
     # is already high: test r_mean 85.7 -> 85.5 (seed 42), 80.9 -> 82.5 (seed 1). A model that learned
@@ -28,8 +26,8 @@ def test_pretrain_then_retrieval_and_vqa_beat_chance_and_nlvr_runs(tmp_path):
     for mode in ("zeroshot", "finetune"):
         out = str(tmp_path / f"retrieval_{mode}")
         extra = ["--evaluate"] if mode == "zeroshot" else ["--set", "max_epoch=2", "schedular.epochs=2"]
-        subprocess.run([sys.executable, "Retrieval.py", "--config", "configs/tiny/Retrieval.yaml",
-                        "--output_dir", out, "--checkpoint", checkpoint, *extra], check=True)
+        run(["Retrieval", "--config", "configs/tiny/Retrieval.yaml", "--output_dir", out,
+             "--checkpoint", checkpoint, *extra])
         with open(os.path.join(out, "log.txt")) as f:
             ret[mode] = [json.loads(line) for line in f][-1]
     assert ret["finetune"]["test_r_mean"] > max(ret["zeroshot"]["test_r_mean"] - 2, 70), ret
@@ -39,12 +37,12 @@ def test_pretrain_then_retrieval_and_vqa_beat_chance_and_nlvr_runs(tmp_path):
     # NLVR2 runs end to end (text assignment, fine-tune, best dev epoch) and its accuracies are read.
     # From this 12-epoch checkpoint it stays near chance (seed 42: dev 0.558, test-P 0.512); the
     # accuracy is asserted in test_grit_helps, from the 36-epoch checkpoints that the downstream chain
-    # starts from (README, "NLVR2 on the synthetic data").
-    from training.config import load_config
+    # starts from (docs/synthetic-world.md, 'NLVR2 on the synthetic data').
+    from training.config_resolve import resolve_config
 
     with open(tmp_path / "nlvr" / "log.txt") as f:
         nlvr_log = [json.loads(line) for line in f]
-    epochs = load_config("configs/tiny/NLVR.yaml")["max_epoch"]
+    epochs = resolve_config("nlvr", "configs/tiny/NLVR.yaml", check_paths=False).max_epoch
     assert len(nlvr_log) == epochs and result["nlvr_dev"] == max(r["val_acc"] for r in nlvr_log), result
     assert result["vqa_test"] > result["vqa_majority"] + 0.2, result
     with open(result["vqa_results"]) as f:

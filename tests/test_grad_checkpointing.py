@@ -17,11 +17,12 @@ from collections import Counter
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
 import torch.utils.checkpoint
-from conftest import small_pretrain_sets, word_tokenizer
+from conftest import ROOT, TINY_CONFIGS, small_pretrain_sets, tiny_config, word_tokenizer
 from timm.models.vision_transformer import Block
 from torch import Tensor, nn
 from transformers import BertTokenizerFast
@@ -32,7 +33,8 @@ from models.nlvr import ALBEF_NLVR, nlvr_loss
 from models.pretrain import ALBEF_Base
 from models.retrieval import ALBEF_Retrieval
 from models.vqa import ALBEF_VQA
-from training.config import load_config
+from training.config_files import load_config, to_plain
+from training.config_resolve import config_from_mapping
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # tests/conftest.py
 
@@ -47,16 +49,17 @@ def tokenizer(tmp_path_factory) -> BertTokenizerFast:
 
 
 @pytest.fixture(scope="module")
-def config(tmp_path_factory) -> dict:
-    """configs/tiny/Pretrain.yaml at 32 px, with dropout and drop_path on (the RNG must be replayed)."""
+def config(tmp_path_factory) -> dict[str, dict]:
+    """Per task: keys laid over configs/tiny/<Task>.yaml for a 32 px model with dropout and drop_path on
+    (the RNG must be replayed); build() adds grad_checkpointing."""
     bert = json.loads((REPO / "configs" / "tiny" / "config_bert.json").read_text())
     bert.update(hidden_dropout_prob=0.1, attention_probs_dropout_prob=0.1)
     bert_path = tmp_path_factory.mktemp("bert") / "config_bert.json"
     bert_path.write_text(json.dumps(bert))
-    values = dict(load_config(REPO / "configs" / "tiny" / "Pretrain.yaml"))
-    values.update(bert_config=str(bert_path), image_res=32, vision_drop_path=0.1, queue_size=16, momentum=0.9,
+    values = dict(bert_config=str(bert_path), image_res=32, vision_drop_path=0.1,
                   vision_init=None)  # exactness of checkpointing, not the warm start
-    return values
+    return {task: {**values, **({"queue_size": 16, "momentum": 0.9} if task == "retrieval" else {})}
+            for task in CASES}
 
 
 def text(tokenizer: BertTokenizerFast, seed: int, n: int = N):
@@ -76,27 +79,27 @@ def total(out: dict[str, Tensor]) -> Tensor:
     return sum(v for k, v in out.items() if k.startswith("loss"))
 
 
-def base_case(config: dict, tokenizer) -> tuple[nn.Module, Callable[[nn.Module], Tensor]]:
-    model = ALBEF_Base(config, tokenizer=tokenizer)
+def base_case(config: Any, tokenizer) -> tuple[nn.Module, Callable[[nn.Module], Tensor]]:
+    model = ALBEF_Base(config, tokenizer)
     image, caption = images(0), text(tokenizer, 0)
     keys = torch.arange(N)  # the tiny config guards false negatives
     return model, lambda m: total(m(image, caption, image_key=keys))
 
 
-def retrieval_case(config: dict, tokenizer) -> tuple[nn.Module, Callable[[nn.Module], Tensor]]:
-    model = ALBEF_Retrieval(config, tokenizer=tokenizer)
+def retrieval_case(config: Any, tokenizer) -> tuple[nn.Module, Callable[[nn.Module], Tensor]]:
+    model = ALBEF_Retrieval(config, tokenizer)
     image, caption, idx = images(1), text(tokenizer, 1), torch.tensor([0, 1, 2, 0, 3, 4])
     return model, lambda m: total(m(image, caption, idx))
 
 
-def nlvr_case(config: dict, tokenizer) -> tuple[nn.Module, Callable[[nn.Module], Tensor]]:
+def nlvr_case(config: Any, tokenizer) -> tuple[nn.Module, Callable[[nn.Module], Tensor]]:
     model = ALBEF_NLVR(config, tokenizer)
     image0, image1, sentence = images(2), images(3), text(tokenizer, 2)
     labels = torch.tensor([0, 1, 1, 0, 1, 0])
     return model, lambda m: nlvr_loss(m(image0, image1, sentence.input_ids, sentence.attention_mask), labels)
 
 
-def vqa_case(config: dict, tokenizer) -> tuple[nn.Module, Callable[[nn.Module], Tensor]]:
+def vqa_case(config: Any, tokenizer) -> tuple[nn.Module, Callable[[nn.Module], Tensor]]:
     model = ALBEF_VQA(config, tokenizer)
     image, question = images(4), text(tokenizer, 4)
     counts = torch.tensor([2, 1, 1, 3, 1, 1])
@@ -109,10 +112,13 @@ def vqa_case(config: dict, tokenizer) -> tuple[nn.Module, Callable[[nn.Module], 
 CASES = {"pretrain": base_case, "retrieval": retrieval_case, "nlvr": nlvr_case, "vqa": vqa_case}
 
 
-def build(case: str, config: dict, tokenizer, on: bool) -> tuple[nn.Module, Callable[[nn.Module], Tensor]]:
-    """The case's model from seed 0 (the same weights either way) with grad_checkpointing `on`."""
+def build(case: str, config: dict[str, dict], tokenizer, on: bool
+          ) -> tuple[nn.Module, Callable[[nn.Module], Tensor]]:
+    """The case's model (its task's typed tiny config) from seed 0 (the same weights either way) with
+    grad_checkpointing `on`."""
+    typed = tiny_config(case, **config[case], grad_checkpointing=on)
     torch.manual_seed(0)
-    return CASES[case]({**config, "grad_checkpointing": on}, tokenizer)
+    return CASES[case](typed, tokenizer)
 
 
 @contextmanager
@@ -197,8 +203,10 @@ def test_nothing_is_checkpointed_in_eval_mode_or_without_grad(config, tokenizer,
 
 
 def test_the_switch_is_off_by_default(config, tokenizer):
-    defaults = {k: v for k, v in config.items() if k != "grad_checkpointing"}
-    model = ALBEF_Retrieval(defaults, tokenizer=tokenizer).train()
+    raw = to_plain(dict(load_config(os.path.join(ROOT, TINY_CONFIGS["retrieval"]))))
+    raw.update(config["retrieval"])
+    del raw["grad_checkpointing"]  # the config's default decides
+    model = ALBEF_Retrieval(config_from_mapping("retrieval", raw), tokenizer).train()
     encoders = [model.visual_encoder, model.text_encoder, model.visual_encoder_m, model.text_encoder_m]
     assert not any(e.grad_checkpointing for e in encoders)
     assert copy.deepcopy(build("vqa", config, tokenizer, on=True)[0]).text_decoder.grad_checkpointing

@@ -127,9 +127,10 @@ def test_workspace_reuse_gives_the_same_chains():
 
 
 def test_bench_runs_small_and_agrees_with_the_reference(capsys):
-    from grit import bench
-    result = bench.main(["--queue-size", "512", "--search-space", "128", "--dim", "16", "--batch-size", "16",
-                         "--repeats", "1", "--ref-subqueues", "0", "--clusters", "20"])
+    from tools import grit_bench
+    result = grit_bench.main(["--queue-size", "512", "--search-space", "128", "--dim", "16",
+                              "--batch-size", "16", "--repeats", "1", "--ref-subqueues", "0",
+                              "--clusters", "20"])
     assert capsys.readouterr().out.strip().startswith("{")
     assert result["reference_chains_identical"] == "4/4" and not result["reference_extrapolated"]
     assert result["grouping_s_per_fill"] > 0 and result["speedup_vs_reference"] > 0

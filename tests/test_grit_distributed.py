@@ -11,7 +11,7 @@ from grit import GritSampler
 
 D, N, DIM = 83, 4, 8
 GRIT = dict(enabled=True, queue_size=20, search_space=12, example_shuffle=True, batch_shuffle=True,
-            mode="concurrent", warmstart_indices=None)
+            mode="concurrent", warmstart_indices=None, shard_grouping=True)
 
 
 def _features():
@@ -37,7 +37,7 @@ def _worker(rank, world, init_file, out_dir):
     torch.set_num_threads(1)
     image, text = _features()
     result = {}
-    s = GritSampler(D, batch_size=N, grit=GRIT, dim=DIM, seed=3)  # num_replicas/rank from the group
+    s = GritSampler(D, batch_size=N, **GRIT, dim=DIM, seed=3)  # num_replicas/rank from the group
     result["world"] = (s.num_replicas, s.rank)
     result["epoch0"] = _epoch(s, 0, image, text)
     result["epoch1"] = _epoch(s, 1, image, text)
@@ -49,14 +49,14 @@ def _worker(rank, world, init_file, out_dir):
             b = indices[k:k + N]
             yield image[b], text[b], b
 
-    naive = GritSampler(D, batch_size=N, grit=dict(GRIT, mode="naive"), dim=DIM, seed=3)
+    naive = GritSampler(D, batch_size=N, **dict(GRIT, mode="naive"), dim=DIM, seed=3)
     result["naive"] = _epoch(naive, 0, image, text, naive_pass=naive_pass)
     result["naive_array"] = naive.epoch_indices()
 
     # a corrupted index array on one rank must be caught at the next epoch boundary, on every rank
     if rank == 1:
         state["indices"][[0, 1]] = state["indices"][[1, 0]]
-    fresh = GritSampler(D, batch_size=N, grit=GRIT, dim=DIM, seed=3)
+    fresh = GritSampler(D, batch_size=N, **GRIT, dim=DIM, seed=3)
     fresh.load_state_dict(state)
     try:
         fresh.set_epoch(2)

@@ -3,6 +3,7 @@ chains are all-gathered, and G equals the unsharded grouping exactly."""
 
 from __future__ import annotations
 
+import json
 import os
 
 import pytest
@@ -10,12 +11,14 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from grit.bench import clustered_features
 from grit.collector import GritCollector
+from tools.grit_bench import clustered_features
+from training.config import Grit
 
 # 2 full fills of 6 sub-queues and a partial one of 68 entries (5 sub-queues, the last one short):
 # uneven shares for W = 2 (3 + 2) and W = 3 (2 + 2 + 1).
 N_SAMPLES, QUEUE, SEARCH, DIM, BATCH = 260, 96, 16, 8, 10
+GRIT_ON = Grit(queue_size=QUEUE, search_space=SEARCH).sampler_options()  # the grit block's defaults
 
 
 def _features() -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -74,12 +77,14 @@ def test_sharding_changes_the_work_not_the_result(monkeypatch):
     assert seen == [2, 2, 2]  # 6, 6 and 5 sub-queues: rank 0 chains sub-queues 0 and 3 of each fill
 
 
-def test_bench_sharded_mode_reports_per_rank_times_and_memory(capsys):
-    from grit import bench
+def test_bench_sharded_mode_reports_per_rank_times_and_memory(capsys, tmp_path):
+    from tools import grit_bench
 
-    result = bench.main(['--worlds', '1', '2', '--queue-size', '256', '--search-space', '64', '--dim', '8',
-                         '--repeats', '1', '--clusters', '8'])
+    result = grit_bench.main(['--worlds', '1', '2', '--queue_size', '256', '--search_space', '64',
+                              '--dim', '8', '--repeats', '1', '--clusters', '8',
+                              '--output-dir', str(tmp_path)])  # the hyphenated alias of --output_dir
     assert capsys.readouterr().out.strip().startswith('{')
+    assert json.loads((tmp_path / 'grit_bench.json').read_text()) == json.loads(json.dumps(result))
     assert set(result['worlds']) == {'1', '2'} and result['subqueues_per_fill'] == 4
     assert all(row['max_rank_cpu_s'] > 0 and row['max_rank_wall_s'] > 0 for row in result['worlds'].values())
     laion = result['memory']['LAION-400M (L=48000)']
@@ -92,7 +97,7 @@ def _sampler_epochs(index_dtype: torch.dtype, epochs: int = 3) -> tuple[list[lis
 
     image, text, valid = _features()
     sampler = GritSampler(N_SAMPLES, num_replicas=1, rank=0, seed=4, batch_size=BATCH, dim=DIM,
-                          grit={'queue_size': QUEUE, 'search_space': SEARCH}, index_dtype=index_dtype)
+                          index_dtype=index_dtype, **GRIT_ON)
     batches = []
     for epoch in range(epochs):
         sampler.set_epoch(epoch)
@@ -113,12 +118,12 @@ def test_int32_and_int64_index_arrays_give_the_same_batches():
     assert state32['indices'].dtype == torch.int32 and state64['indices'].dtype == torch.int64
     assert torch.equal(state32['indices'].long(), state64['indices'])
     # a checkpoint written with int64 arrays (before int32) resumes into an int32 sampler
-    resumed = GritSampler(N_SAMPLES, num_replicas=1, rank=0, seed=4, batch_size=BATCH, dim=DIM,
-                          grit={'queue_size': QUEUE, 'search_space': SEARCH})
+    resumed = GritSampler(N_SAMPLES, num_replicas=1, rank=0, seed=4, batch_size=BATCH, dim=DIM, **GRIT_ON)
     assert resumed.index_dtype == torch.int32  # the default when the dataset fits
     resumed.load_state_dict(state64)
     resumed.set_epoch(3)
     assert resumed.epoch_indices().dtype == torch.int32
     assert torch.equal(resumed.epoch_indices().long(), state64['indices'])
     with pytest.raises(ValueError, match='cannot hold'):
-        GritSampler(2**31, num_replicas=1, rank=0, batch_size=8, grit=None, index_dtype=torch.int32)
+        GritSampler(2**31, num_replicas=1, rank=0, batch_size=8, index_dtype=torch.int32,
+                    **Grit(enabled=False).sampler_options())

@@ -4,11 +4,13 @@ import logging
 
 import pytest
 import torch
+from conftest import tiny_config
 from torch import nn
 from transformers import BertConfig
 
+from files import InputFileError
 from models.bert import BertEncoder
-from models.loading import LoadReport, load_weights
+from models.loading import LoadReport, load_task_checkpoint, load_weights
 from models.vit import build_vision_encoder
 
 
@@ -31,7 +33,8 @@ class TinyVLM(nn.Module):
     def __init__(self, image_res: int = 32, mlm_head: bool = True):
         super().__init__()
         self.visual_encoder = build_vision_encoder(
-            dict(image_res=image_res, patch_size=8, vision_width=64, vision_depth=1, vision_heads=4)
+            tiny_config("pretrain", image_res=image_res, patch_size=8, vision_width=64, vision_depth=1,
+                        vision_heads=4, vision_init=None)
         )
         self.text_encoder = BertEncoder(bert_config(), mlm_head=mlm_head)
         self.vision_proj = nn.Linear(64, 16)
@@ -111,3 +114,41 @@ def test_errors_name_the_file_or_key(tmp_path):
         load_weights(fresh(), bad)
     with pytest.raises(ValueError, match="state dict"):
         load_weights(fresh(), {"model": {"a": 1}})
+
+
+class TaskModel(TinyVLM):
+    """A TinyVLM with the key_map / ignored_keys that load_task_checkpoint asks a task model for."""
+
+    @staticmethod
+    def key_map():
+        return None
+
+    @staticmethod
+    def ignored_keys() -> tuple[str, ...]:
+        return ()
+
+
+def test_checkpoint_files_that_are_not_state_dicts_name_the_file(tmp_path, capsys):
+    """--checkpoint pointing at a tensor, a list, a text file or a checkpoint of another model: one
+    InputFileError (the scripts' one-line `error:`) that names the file."""
+    torch.manual_seed(0)
+    model = TaskModel()
+    tensor = tmp_path / "tensor.pth"
+    torch.save(torch.zeros(3), tensor)
+    listed = tmp_path / "list.pth"
+    torch.save([torch.zeros(3)], listed)
+    text = tmp_path / "notes.pth"
+    text.write_text("not a checkpoint")
+    with_strings = tmp_path / "strings.pth"
+    torch.save({"model": {"a": torch.zeros(1), "note": "hello"}}, with_strings)
+    for path, what in ((tensor, "a Tensor"), (listed, "a list"), (text, "could not be read"),
+                       (with_strings, "note")):
+        with pytest.raises(InputFileError, match=f"{path.name}.*{what}"):
+            load_task_checkpoint(model, str(path))
+    wrong = fresh().state_dict()
+    wrong["vision_proj.weight"] = torch.zeros(8, 64)
+    torch.save({"model": wrong}, tmp_path / "other_model.pth")
+    with pytest.raises(InputFileError, match="other_model.pth.*vision_proj.weight"):
+        load_task_checkpoint(model, str(tmp_path / "other_model.pth"))
+    load_task_checkpoint(model, None)
+    assert "random weights" in capsys.readouterr().out

@@ -2,20 +2,21 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import re
 
 import pytest
 import torch
+from conftest import tiny_config
 
 from models.loading import load_weights
 from models.nlvr import ALBEF_NLVR, assign_texts, duplicate_fusion_layers
 from models.tokenization import build_tokenizer
-from training.config import load_config
+from training.config import NLVRConfig
 from training.optimizer import build_optimizer
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 LAYER = re.compile(r"^text_encoder\.bert\.encoder\.layer\.(\d+)\.(.+)$")
 
 
@@ -23,8 +24,13 @@ pytestmark = pytest.mark.usefixtures("in_repo")
 
 
 @pytest.fixture(scope="module")
-def config() -> dict:
-    return dict(load_config(os.path.join(ROOT, "configs/tiny/NLVR.yaml")))
+def config() -> NLVRConfig:
+    return tiny_config("nlvr")
+
+
+def stage(config: NLVRConfig, text_assignment: bool) -> NLVRConfig:
+    """The config of stage 1 (text_assignment true) or stage 2: ALBEF_NLVR builds the stage it names."""
+    return dataclasses.replace(config, text_assignment=text_assignment)
 
 
 @pytest.fixture(scope="module")
@@ -37,7 +43,7 @@ def test_pretrain_checkpoint_loads_into_both_stages(config, tokenizer, pretrain_
     fusion = 2  # configs/tiny/config_bert.json: 4 layers, fusion_layer 2
     for text_assignment, head in ((False, "cls_head."), (True, "ta_head.")):
         torch.manual_seed(1)
-        model = ALBEF_NLVR(config, tokenizer, text_assignment=text_assignment)
+        model = ALBEF_NLVR(stage(config, text_assignment), tokenizer)
         report = load_weights(model, path, key_map=model.key_map(), ignore=model.ignored_keys())
         assert report.unexpected == []
         assert report.missing and all(k.startswith(head) for k in report.missing), report.missing
@@ -65,7 +71,7 @@ def test_pretrain_checkpoint_loads_into_both_stages(config, tokenizer, pretrain_
             first, second = layers[j].crossattention.self, layers[j + 1].crossattention.self
             assert second.key.weight is first.key.weight and second.value.bias is first.value.bias
             assert second.query.weight is not first.query.weight
-        optimizer = build_optimizer(model, config["optimizer"])
+        optimizer = build_optimizer(model, config.optimizer)
         params = [p for group in optimizer.param_groups for p in group["params"]]
         assert len(params) == len({id(p) for p in params})
         if text_assignment:
@@ -75,9 +81,9 @@ def test_pretrain_checkpoint_loads_into_both_stages(config, tokenizer, pretrain_
 
 def test_stage1_checkpoint_loads_into_stage2_unchanged(config, tokenizer, pretrain_checkpoint):
     torch.manual_seed(2)
-    stage1 = ALBEF_NLVR(config, tokenizer, text_assignment=True)
+    stage1 = ALBEF_NLVR(stage(config, True), tokenizer)
     load_weights(stage1, pretrain_checkpoint[0], key_map=stage1.key_map(), ignore=stage1.ignored_keys())
-    stage2 = ALBEF_NLVR(config, tokenizer)
+    stage2 = ALBEF_NLVR(stage(config, False), tokenizer)
     report = load_weights(stage2, {"model": stage1.state_dict()}, key_map=stage2.key_map(),
                           ignore=stage2.ignored_keys())
     assert report.unexpected == []
@@ -172,7 +178,7 @@ def test_tiny_text_assignment_then_finetune(tmp_path, pretrain_checkpoint):
 
 
 def test_finetune_resume_equals_uninterrupted_run(tmp_path):
-    # run_finetune (training/loop.py; Retrieval, NLVR and VQA): resuming from the epoch-0 checkpoint gives
+    # training.trainer.Trainer (Retrieval, NLVR and VQA): resuming from the epoch-0 checkpoint gives
     # the same weights, log record and best-checkpoint bookkeeping as the run that never stopped.
     import NLVR
 
@@ -186,7 +192,7 @@ def test_finetune_resume_equals_uninterrupted_run(tmp_path):
     full, resumed = str(tmp_path / "full"), str(tmp_path / "resumed")
     record = NLVR.main(["--output_dir", full, *common])
     again = NLVR.main(["--output_dir", resumed, "--resume", os.path.join(full, "checkpoint_00.pth"), *common])
-    drop = ("train_seconds", "samples_per_s", "eval_seconds")
+    drop = ("train_seconds", "samples_per_s", "epoch_seconds", "eval_seconds")  # timings
     assert ({k: v for k, v in again.items() if k not in drop}
             == {k: v for k, v in record.items() if k not in drop})
     a, b = (torch.load(os.path.join(d, "checkpoint_01.pth"), map_location="cpu", weights_only=True)

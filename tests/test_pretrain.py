@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -14,8 +15,8 @@ import torch
 from conftest import small_pretrain_sets
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-LOG_KEYS = {'epoch', 'step', 'lr', 'loss_itc', 'loss_cons', 'loss_itm', 'loss_mlm', 'seconds',
-            'samples_per_s', 'grit_hardness', 'grit_seconds'}
+LOG_KEYS = {'epoch', 'step', 'lr', 'loss_itc', 'loss_cons', 'loss_itm', 'loss_mlm', 'train_seconds',
+            'epoch_seconds', 'samples_per_s', 'bad_samples', 'grit_hardness', 'grit_seconds'}
 CKPT_KEYS = {'model', 'optimizer', 'lr_scheduler', 'scaler', 'sampler', 'config', 'epoch', 'step'}
 
 
@@ -75,6 +76,7 @@ def test_one_process_two_epochs(data_dir, tmp_path):
     for record in log:
         assert LOG_KEYS <= set(record)
         assert all(torch.isfinite(torch.tensor(float(record[k]))) for k in LOG_KEYS)
+        assert record['bad_samples'] == 0  # every synthetic entry reads: no placeholder was trained on
     total = [sum(r[k] for k in ('loss_itc', 'loss_cons', 'loss_itm', 'loss_mlm')) for r in log]
     assert total[-1] < total[0]
     n = n_entries(data_dir)
@@ -85,8 +87,10 @@ def test_one_process_two_epochs(data_dir, tmp_path):
     assert_valid_next_epoch(state['sampler']['indices'], n, 8)
     with open(os.path.join(out, 'config.yaml')) as f:
         written = f.read()
-    # comments kept, --set applied
-    assert '# Tiny GRIT-VLP pre-training' in written and 'batch_size: 8' in written
+    # the resolved config, every key with its meaning as a comment, --set applied
+    assert written.startswith('# PretrainConfig: the resolved config')
+    assert re.search(r'^batch_size: 8 +# per-rank batch N', written, re.MULTILINE)
+    assert re.search(r'^  queue_size: 40 +# L: ', written, re.MULTILINE)
 
 
 @pytest.mark.parametrize('launcher', ['launch', 'torchrun'])

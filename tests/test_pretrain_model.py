@@ -5,11 +5,13 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import word_tokenizer
+from conftest import tiny_config, word_tokenizer
 from transformers import BertConfig, BertForMaskedLM, BertModel
 
+from files import InputFileError
 from models.loading import load_weights
 from models.pretrain import ALBEF_Base
+from training.config_files import ConfigError
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # tests/conftest.py
 
@@ -38,7 +40,9 @@ def tokenizer(tmp_path_factory):
     return word_tokenizer(tmp_path_factory.mktemp("vocab"), WORDS)
 
 
-def config(**overrides) -> dict:
+def config(**overrides):
+    """The typed pre-training config (configs/tiny/Pretrain.yaml) of a 32 px, 2-block model with these
+    tests' objectives; resolved by config_from_mapping, so a refused value raises ConfigError here."""
     values = dict(
         bert_config=TINY_BERT,
         image_res=32,
@@ -55,9 +59,11 @@ def config(**overrides) -> dict:
         itm_negatives="hard",
         hard_sampling="argmax",
         itc_gather=False,
+        guard_false_negatives=False,
+        text_encoder=None,
     )
     values.update(overrides)
-    return values
+    return tiny_config("pretrain", **values)
 
 
 def synthetic_batch(tokenizer, n=6):
@@ -139,7 +145,7 @@ def albef_reference_shapes(vocab: int) -> dict[str, tuple]:
 
 def test_albef_checkpoint_names_load_strictly(tokenizer):
     torch.manual_seed(0)
-    model = ALBEF_Base(config(), tokenizer=tokenizer)
+    model = ALBEF_Base(config(), tokenizer)
     shapes = albef_reference_shapes(len(tokenizer))
     state = {k: torch.randn(s) for k, s in shapes.items()}
     state["text_encoder.cls.predictions.decoder.weight"] = state[
@@ -159,7 +165,7 @@ def test_albef_checkpoint_names_load_strictly(tokenizer):
 
 def test_losses_outputs_and_training_signal(tokenizer):
     torch.manual_seed(0)
-    model = ALBEF_Base(config(), tokenizer=tokenizer)
+    model = ALBEF_Base(config(), tokenizer)
     images, text = synthetic_batch(tokenizer)
     out = model(images, text)
     for key in ("loss_itc", "loss_cons", "loss_itm", "loss_mlm", "hardness"):
@@ -188,7 +194,7 @@ def test_losses_outputs_and_training_signal(tokenizer):
 
 def test_every_parameter_gets_a_gradient(tokenizer):
     torch.manual_seed(0)
-    model = ALBEF_Base(config(hard_sampling="multinomial"), tokenizer=tokenizer)
+    model = ALBEF_Base(config(hard_sampling="multinomial"), tokenizer)
     images, text = synthetic_batch(tokenizer)
     out = model(images, text)
     (out["loss_itc"] + out["loss_cons"] + out["loss_itm"] + out["loss_mlm"]).backward()
@@ -197,10 +203,11 @@ def test_every_parameter_gets_a_gradient(tokenizer):
 
 
 def test_itc_off(tokenizer):
-    with pytest.raises(ValueError, match="itc.*hard"):
-        ALBEF_Base(config(itc=False, itm_negatives="hard"), tokenizer=tokenizer)
+    # Hard ITM negatives are mined from ITC: the config refuses itc off with them (training.config).
+    with pytest.raises(ConfigError, match="itc.*hard"):
+        config(itc=False, itm_negatives="hard")
     torch.manual_seed(0)
-    model = ALBEF_Base(config(itc=False, itm_negatives="random"), tokenizer=tokenizer)
+    model = ALBEF_Base(config(itc=False, itm_negatives="random"), tokenizer)
     out = model(*synthetic_batch(tokenizer))
     assert out["loss_itc"] == 0 and out["loss_cons"] == 0
     assert torch.isfinite(out["loss_itm"]) and torch.isfinite(out["loss_mlm"])
@@ -217,7 +224,7 @@ def test_pretrained_text_encoder_matches_transformers(tmp_path, tokenizer, caplo
         max_position_embeddings=128,
     )
     BertForMaskedLM(hf_config).save_pretrained(tmp_path / "bert")
-    model = ALBEF_Base(config(), text_encoder=str(tmp_path / "bert"), tokenizer=tokenizer).eval()
+    model = ALBEF_Base(config(text_encoder=str(tmp_path / "bert")), tokenizer).eval()
     _, text = synthetic_batch(tokenizer)
     ref = BertModel.from_pretrained(tmp_path / "bert").eval()
     with torch.no_grad():
@@ -228,27 +235,28 @@ def test_pretrained_text_encoder_matches_transformers(tmp_path, tokenizer, caplo
     # Weights with another vocabulary than the tokenizer's: a clear error.
     hf_config.vocab_size = len(tokenizer) + 5
     BertForMaskedLM(hf_config).save_pretrained(tmp_path / "bert_big")
-    with pytest.raises(ValueError, match="vocab"):
-        ALBEF_Base(config(), text_encoder=str(tmp_path / "bert_big"), tokenizer=tokenizer)
+    with pytest.raises(InputFileError, match="bert_big.*vocab"):
+        ALBEF_Base(config(text_encoder=str(tmp_path / "bert_big")), tokenizer)
 
 
 def test_config_errors(tmp_path, tokenizer):
     with pytest.raises(FileNotFoundError, match="no_such_bert"):
-        ALBEF_Base(config(), text_encoder=str(tmp_path / "no_such_bert"), tokenizer=tokenizer)
-    with pytest.raises(FileNotFoundError, match="missing_config.json"):
-        ALBEF_Base(config(bert_config=str(tmp_path / "missing_config.json")), tokenizer=tokenizer)
-    with pytest.raises(ValueError, match="vision_width.*encoder_width"):
-        ALBEF_Base(config(vision_width=32), tokenizer=tokenizer)
-    with pytest.raises(ValueError, match="tokenizer"):
-        ALBEF_Base(config())
+        ALBEF_Base(config(text_encoder=str(tmp_path / "no_such_bert")), tokenizer)
+    # Files the config names but cannot look into: InputFileError naming the file (and the key).
+    with pytest.raises(InputFileError, match="missing_config.json"):
+        ALBEF_Base(config(bert_config=str(tmp_path / "missing_config.json")), tokenizer)
+    with pytest.raises(InputFileError, match="vision_width.*encoder_width.*config_bert.json"):
+        ALBEF_Base(config(vision_width=32), tokenizer)
+    with pytest.raises(TypeError, match="tokenizer"):
+        ALBEF_Base(config())  # type: ignore[call-arg]
     partial = tmp_path / "partial.json"
     partial.write_text(json.dumps({"hidden_size": 64}))
-    with pytest.raises(ValueError, match="fusion_layer"):
-        ALBEF_Base(config(bert_config=str(partial)), tokenizer=tokenizer)
+    with pytest.raises(InputFileError, match="partial.json.*fusion_layer"):
+        ALBEF_Base(config(bert_config=str(partial)), tokenizer)
 
 
 def test_random_init_takes_the_tokenizer_vocabulary(tokenizer):
-    model = ALBEF_Base(config(), tokenizer=tokenizer)
+    model = ALBEF_Base(config(), tokenizer)
     assert model.text_encoder.bert.embeddings.word_embeddings.weight.shape[0] == len(tokenizer)
     assert model.text_encoder.config.vocab_size == len(tokenizer)
 
@@ -259,8 +267,8 @@ def test_random_init_takes_the_tokenizer_vocabulary(tokenizer):
 def guard_models(tokenizer, **overrides) -> tuple[ALBEF_Base, ALBEF_Base]:
     """The same weights with guard_false_negatives off and on."""
     torch.manual_seed(0)
-    off = ALBEF_Base(config(guard_false_negatives=False, **overrides), tokenizer=tokenizer)
-    on = ALBEF_Base(config(guard_false_negatives=True, **overrides), tokenizer=tokenizer)
+    off = ALBEF_Base(config(guard_false_negatives=False, **overrides), tokenizer)
+    on = ALBEF_Base(config(guard_false_negatives=True, **overrides), tokenizer)
     on.load_state_dict(off.state_dict())
     assert on.guard_false_negatives and not off.guard_false_negatives
     return off, on
@@ -289,9 +297,15 @@ def test_guard_is_a_no_op_without_duplicates(tokenizer, negatives, sampling):
 
 
 def duplicate_batch(tokenizer):
-    """Six pairs: 0 and 1 one image (two captions), 2 and 4 one caption on two images."""
+    """Six pairs: 0 and 1 one image (two captions), 2 and 4 one caption on two images.
+
+    Pair 1 holds another view of image 0 (flipped), as two entries of one image get different crops and
+    flips in training: with bit-identical pixels (or captions) the multi-positive ITC target gives
+    exactly the one-hot loss (the two positive columns have equal log-probabilities), so only the
+    image key says they are one image.
+    """
     images, _ = synthetic_batch(tokenizer)
-    images[1] = images[0]
+    images[1] = images[0].flip(-1)
     captions = ["a red ball on the grass", "a big dog left of the cat", "the small cat",
                 "blue ball right of a dog", "the small cat", "a big red dog"]
     text = tokenizer(captions, padding="longest", return_tensors="pt")
@@ -371,9 +385,9 @@ def test_itc_only_dual_encoder(tokenizer):
     """itm/mlm false (Table 5): exact-zero ITM and MLM losses, no gradient into the fusion layers or
     heads, the same ITC loss as the full model, and a training signal for the uni-modal encoders."""
     torch.manual_seed(0)
-    full = ALBEF_Base(config(), tokenizer=tokenizer)
+    full = ALBEF_Base(config(), tokenizer)
     torch.manual_seed(0)
-    dual = ALBEF_Base(config(itm=False, mlm=False), tokenizer=tokenizer)
+    dual = ALBEF_Base(config(itm=False, mlm=False), tokenizer)
     assert not dual.uses_every_parameter and full.uses_every_parameter
     images, text = synthetic_batch(tokenizer)
     out, ref = dual(images, text), full(images, text)
@@ -384,7 +398,7 @@ def test_itc_only_dual_encoder(tokenizer):
     assert "itm_head.weight" not in grads and not any("crossattention" in n for n in grads)
     assert not any(n.startswith("text_encoder.cls.") for n in grads)
     assert {"vision_proj.weight", "text_proj.weight", "visual_encoder.patch_embed.proj.weight"} <= grads
-    with pytest.raises(ValueError, match="nothing to train"):
-        ALBEF_Base(config(itc=False, itm=False, mlm=False), tokenizer=tokenizer)
+    with pytest.raises(ConfigError, match="nothing to train"):  # refused by the config (training.config)
+        config(itc=False, itm=False, mlm=False)
     # Hard negatives come from ITC, but without ITM no negative is mined: itc off + hard is then fine.
-    ALBEF_Base(config(itc=False, itm=False), tokenizer=tokenizer)
+    ALBEF_Base(config(itc=False, itm=False), tokenizer)

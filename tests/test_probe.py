@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import subprocess
@@ -10,6 +11,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from conftest import tiny_config
 from PIL import Image
 from torch import nn
 
@@ -17,18 +19,20 @@ from models.pretrain import ALBEF_Base
 from models.tokenization import tokenizer_from_vocab
 from tools.probe import (
     ProbeFileError,
-    cli,
     default_probe_file,
     load_probe_file,
     main,
     probe_accuracy,
     score_probe,
 )
+from training.cli import run_main
+from training.config_resolve import resolve_config
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # tests/conftest.py
 
 REPO = Path(__file__).parents[1]
 TINY_BERT = str(REPO / "configs" / "tiny" / "config_bert.json")
+TINY_PRETRAIN = str(REPO / "configs" / "tiny" / "Pretrain.yaml")
 SPECIALS = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"]
 WORDS = ["a", "an", "small", "large", "red", "blue", "green", "circle", "square", "triangle", "left",
          "right", "of", "above", "below", "two", "one", "and"]
@@ -55,7 +59,8 @@ KIND_PAIRS = {"colour": 4, "shape": 2, "size": 1, "count": 1, "relation": 2}
 
 @pytest.fixture(scope="module")
 def probe_root(tmp_path_factory) -> Path:
-    """A folder with vocab.txt, three PNGs under images/, probe.json and a tiny config.yaml."""
+    """A folder with vocab.txt, three PNGs under images/, probe.json and a tiny config.yaml (the tiny
+    pre-training config, smaller still, with no synthetic_root)."""
     root = tmp_path_factory.mktemp("probe")
     (root / "vocab.txt").write_text("\n".join(SPECIALS + WORDS) + "\n")
     (root / "images").mkdir()
@@ -65,6 +70,7 @@ def probe_root(tmp_path_factory) -> Path:
         image.save(root / "images" / f"{i}.png")
     (root / "probe.json").write_text(json.dumps(PROBE))
     (root / "config.yaml").write_text(
+        f"base: '{TINY_PRETRAIN}'\nsynthetic_root: null\n"
         f"image_root: '{root}'\nvocab_file: '{root / 'vocab.txt'}'\nbert_config: '{TINY_BERT}'\n"
         "text_encoder: null\nimage_res: 32\npatch_size: 8\nvision_width: 64\nvision_depth: 1\n"
         "vision_heads: 4\nvision_init: null\nembed_dim: 32\ntemp: 0.07\nmax_words: 30\nmax_tokens: 40\n"
@@ -79,11 +85,9 @@ def tokenizer(probe_root):
 
 
 def tiny_model(probe_root: Path, tokenizer, seed: int = 0) -> ALBEF_Base:
-    from training.config import load_config
-
     torch.manual_seed(seed)
-    config = dict(load_config(probe_root / "config.yaml"))
-    return ALBEF_Base(config, text_encoder=None, tokenizer=tokenizer).eval()
+    config = resolve_config("pretrain", str(probe_root / "config.yaml"), check_paths=False)
+    return ALBEF_Base(config, tokenizer).eval()
 
 
 def flat(scores: list) -> list[float]:
@@ -172,9 +176,11 @@ def test_bad_probe_file_names_the_file_and_entry(probe_root, tmp_path, entry, me
 
 
 def test_default_probe_file_needs_a_synthetic_root():
-    assert default_probe_file({"synthetic_root": "data/synthetic"}) == "data/synthetic/probe_test.json"
+    config = tiny_config("pretrain")
+    assert config.synthetic_root == "data/synthetic"
+    assert default_probe_file(config) == "data/synthetic/probe_test.json"
     with pytest.raises(ValueError, match="--probe_file is required: my.yaml names no synthetic_root"):
-        default_probe_file({}, "my.yaml")
+        default_probe_file(dataclasses.replace(config, synthetic_root=None), "my.yaml")
 
 
 # ----------------------------------------------------------------------------------------------
@@ -265,10 +271,10 @@ def checkpoint(probe_root, tokenizer) -> str:
 
 
 def test_cli_prints_table_and_json(probe_root, checkpoint, capsys, tmp_path):
-    out = tmp_path / "sub" / "probe.json"
+    out = tmp_path / "sub" / "probe.json"  # --output_dir is created when missing
     record = main(["--config", str(probe_root / "config.yaml"), "--checkpoint", checkpoint,
                    "--probe_file", str(probe_root / "probe.json"), "--device", "cpu", "--batch_size", "6",
-                   "--output", str(out), "--set", "max_words=20"])
+                   "--output_dir", str(out.parent), "--set", "max_words=20"])
     lines = capsys.readouterr().out.strip().splitlines()
     assert lines[0].startswith(f"loaded {checkpoint}: missing: none; unexpected: none")
     assert lines[1].split() == ["kind", "pairs", "accuracy"]
@@ -291,8 +297,8 @@ def test_cli_bad_probe_file_is_a_one_line_error(probe_root, checkpoint, capsys, 
     bad = tmp_path / "bad.json"
     bad.write_text(json.dumps([PROBE[0], {"image": "images/1.png", "caption": "a green square"}]))
     with pytest.raises(SystemExit) as exit_info:
-        cli(["--config", str(probe_root / "config.yaml"), "--checkpoint", checkpoint,
-             "--probe_file", str(bad)])
+        run_main(main, ["--config", str(probe_root / "config.yaml"), "--checkpoint", checkpoint,
+                        "--probe_file", str(bad)])
     assert exit_info.value.code == 2
     captured = capsys.readouterr()
     assert captured.out == ""  # fails before a model is built
@@ -310,7 +316,8 @@ def test_cli_module_entry_point_errors_in_one_line(probe_root, checkpoint, capsy
     assert proc.stderr == f"error: --probe_file is required: {config} names no synthetic_root " \
                           "(whose probe_test.json would be the default)\n"
     with pytest.raises(SystemExit) as exit_info:
-        cli([*base[3:], "--probe_file", str(probe_root / "probe.json"), "--set", "image_rez=48"])
+        run_main(main, [*base[3:], "--probe_file", str(probe_root / "probe.json"), "--set", "image_rez=48"])
     assert exit_info.value.code == 2
-    assert capsys.readouterr().err == (
-        f"error: unknown config key 'image_rez' (did you mean 'image_res'?) in {config}\n")
+    err = capsys.readouterr().err
+    assert err.startswith("error: unknown config key 'image_rez' (did you mean 'image_res'?)")
+    assert err.count("\n") == 1

@@ -20,21 +20,23 @@ from tools.report import (
     plot_metrics,
     run_names,
 )
+from training.cli import run_main
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
-# What Pretrain.py appends to log.txt per epoch, in its order.
-PRETRAIN_KEYS = ("epoch", "step", "lr", "loss_itc", "loss_cons", "loss_itm", "loss_mlm", "seconds",
-                 "samples_per_s", "grit_hardness", "grit_seconds", "epoch_seconds")
-PLOTTED = ["loss_itc", "loss_cons", "loss_itm", "loss_mlm", "grit_hardness", "samples_per_s", "grit_seconds",
+# What Pretrain.py appends to log.txt per epoch, in its order (training.trainer).
+PRETRAIN_KEYS = ("epoch", "step", "lr", "grit_hardness", "loss_cons", "loss_itc", "loss_itm", "loss_mlm",
+                 "train_seconds", "samples_per_s", "epoch_seconds", "bad_samples", "skipped_steps",
+                 "grit_seconds")
+PLOTTED = ["loss_cons", "loss_itc", "loss_itm", "loss_mlm", "grit_hardness", "samples_per_s", "grit_seconds",
            "epoch_seconds"]
 
 
 def pretrain_record(epoch: int, scale: float) -> dict:
     """A realistic Pretrain.py log record (values shaped like a tiny run's)."""
-    values = (epoch, 360 * (epoch + 1), 4.86875e-4 / (epoch + 1), 1.58 * scale / (epoch + 1), 0.0,
-              0.64 * scale - 0.05 * epoch, 3.53 * scale - 0.1 * epoch, 13.559, 212.41 + epoch,
-              0.46 + 0.1 * epoch, 0.003, 13.56)
+    values = (epoch, 360 * (epoch + 1), 4.86875e-4 / (epoch + 1), 0.46 + 0.1 * epoch, 0.0,
+              1.58 * scale / (epoch + 1), 0.64 * scale - 0.05 * epoch, 3.53 * scale - 0.1 * epoch, 13.559,
+              212.41 + epoch, 13.56, 0, 0, 0.003)
     return dict(zip(PRETRAIN_KEYS, values))
 
 
@@ -78,7 +80,7 @@ def pngs(d) -> list[str]:
 
 def test_table_has_one_row_per_epoch_with_the_logged_values(two_runs, tmp_path):
     out = str(tmp_path / "report")
-    path = main([*two_runs, "--out", out, "--no-plots"])
+    path = main([*two_runs, "--output_dir", out, "--no_plots"])
     assert path == os.path.join(out, "report.md")
     with open(path, encoding="utf-8") as f:
         report = f.read()
@@ -109,7 +111,7 @@ def test_plots_overlay_the_runs_and_are_linked(two_runs, tmp_path, capsys):
     # Any other loss key is plotted too; lr and step are not.
     write_log(rand, [dict(pretrain_record(e, 1.2), loss_extra=0.1 * e) for e in range(2)])
     path = main([grit, rand, "--names", "GRIT-VLP", "random batches"])
-    assert path == os.path.join(grit, "report.md")  # --out defaults to the first run directory
+    assert path == os.path.join(grit, "report.md")  # --output_dir defaults to the first run directory
     expected = PLOTTED[:4] + ["loss_extra"] + PLOTTED[4:]
     assert pngs(grit) == sorted(f"{m}.png" for m in expected)
     with open(path, encoding="utf-8") as f:
@@ -125,7 +127,7 @@ def test_plots_overlay_the_runs_and_are_linked(two_runs, tmp_path, capsys):
 def test_without_matplotlib_the_table_is_still_written(two_runs, tmp_path, monkeypatch, capsys):
     monkeypatch.setitem(sys.modules, "matplotlib", None)  # `import matplotlib` raises ImportError
     out = str(tmp_path / "report")
-    main([*two_runs, "--out", out])
+    main([*two_runs, "--output-dir", out])  # the hyphenated alias of --output_dir
     printed = capsys.readouterr().out
     assert NO_MATPLOTLIB in printed and "pip install matplotlib" in printed
     assert not pngs(out)
@@ -173,7 +175,7 @@ def test_finetune_losses_are_plotted(tmp_path):
 
 @pytest.mark.parametrize("case", ["missing_dir", "missing_log", "bad_json", "not_object", "bad_epoch",
                                   "empty"])
-def test_bad_input_names_the_file_and_line(tmp_path, case):
+def test_bad_input_names_the_file_and_line(tmp_path, case, capsys):
     good = write_log(tmp_path / "good", [pretrain_record(0, 1.0)])
     bad = str(tmp_path / "bad")
     log = os.path.join(bad, "log.txt")
@@ -201,24 +203,31 @@ def test_bad_input_names_the_file_and_line(tmp_path, case):
         load_runs([good, bad])
     assert message in str(info.value)
     with pytest.raises(SystemExit) as info:
-        main([good, bad, "--out", str(tmp_path / "report")])
-    assert str(info.value.code).startswith(f"error: {message}")
+        run_main(main, [good, bad, "--output_dir", str(tmp_path / "report")])
+    err = capsys.readouterr().err
+    assert info.value.code == 2 and err.startswith(f"error: {message}") and err.count("\n") == 1
     assert not os.path.exists(tmp_path / "report")  # nothing written for bad input
 
 
 def test_names_must_match_the_runs(two_runs):
-    with pytest.raises(SystemExit, match="1 names for 2 run directories"):
+    with pytest.raises(ReportError, match="1 names for 2 run directories"):
         main([*two_runs, "--names", "only-one"])
-    with pytest.raises(SystemExit, match="run names must differ"):
+    with pytest.raises(ReportError, match="run names must differ"):
         main([*two_runs, "--names", "same", "same"])
 
 
 def test_command_line_error_is_one_line(tmp_path):
-    """python -m tools.report: a bad run directory ends in one stderr line, no traceback."""
-    proc = subprocess.run([sys.executable, "-m", "tools.report", str(tmp_path / "nope")], cwd=ROOT,
+    """python -m tools.report, from another working directory: a bad run directory ends in one stderr
+    line, no traceback; so does a flag mistake, naming the command as typed."""
+    env = dict(os.environ, PYTHONPATH=ROOT)
+    proc = subprocess.run([sys.executable, "-m", "tools.report", "nope"], cwd=tmp_path, env=env,
                           capture_output=True, text=True, timeout=60)
-    assert proc.returncode == 1
-    assert proc.stderr.strip() == f"error: run directory not found: {tmp_path / 'nope'}"
+    assert proc.returncode == 2
+    assert proc.stderr.strip() == "error: run directory not found: nope"
+    proc = subprocess.run([sys.executable, "-m", "tools.report", "--bogus", "x"], cwd=tmp_path, env=env,
+                          capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 2 and proc.stderr.count("\n") == 1
+    assert proc.stderr.startswith("error: ") and "(see python -m tools.report --help)" in proc.stderr
 
 
 def test_real_pretrain_runs(tmp_path):
@@ -243,7 +252,7 @@ def test_real_pretrain_runs(tmp_path):
         dirs.append(out)
 
     report_dir = str(tmp_path / "report")
-    with open(main([*dirs, "--out", report_dir]), encoding="utf-8") as f:
+    with open(main([*dirs, "--output_dir", report_dir]), encoding="utf-8") as f:
         report = f.read()
     for d, name in zip(dirs, ("grit", "random")):
         with open(os.path.join(d, "log.txt"), encoding="utf-8") as f:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import socket
@@ -11,7 +12,8 @@ import pytest
 import torch
 import torch.multiprocessing as mp
 
-from dataset import create_dataset, ensure_synthetic
+from dataset import ImageCollate, create_dataset, ensure_synthetic
+from dataset.bad_samples import SkipBadCollate, SkipBadSamples
 from models.retrieval import ALBEF_Retrieval
 from models.retrieval_eval import (
     MISSED_RANK,
@@ -24,7 +26,8 @@ from models.retrieval_eval import (
 from models.tokenization import build_tokenizer
 from Retrieval import build_model
 from Retrieval import main as retrieval_main
-from training.config import load_config, to_plain
+from training.config import RetrievalConfig
+from training.config_resolve import resolve_config
 
 pytestmark = pytest.mark.usefixtures("one_thread", "in_repo")  # tests/conftest.py: configs name repo paths
 
@@ -155,15 +158,16 @@ def overrides(root: str, **extra) -> list[str]:
     return ["--set", *(f"{k}={v}" for k, v in values.items())]
 
 
-def tiny_config(root: str) -> dict:
-    return to_plain(load_config(TINY, overrides(root)[1:]))
+def retrieval_config(root: str) -> RetrievalConfig:
+    """The typed config the script resolves from TINY and overrides(root) (data paths exist)."""
+    return resolve_config("retrieval", TINY, overrides(root)[1:])
 
 
 def test_parameter_names_and_momentum_init(data, tmp_path):
-    config = tiny_config(data)
+    config = retrieval_config(data)
     tokenizer = build_tokenizer(config)
     torch.manual_seed(0)
-    model = ALBEF_Retrieval(config, None, tokenizer)
+    model = ALBEF_Retrieval(config, tokenizer)
     keys = set(model.state_dict())
     for key in ("temp", "image_queue", "text_queue", "idx_queue", "queue_ptr", "itm_head.weight",
                 "vision_proj_m.weight", "text_proj_m.bias", "visual_encoder_m.pos_embed",
@@ -175,7 +179,7 @@ def test_parameter_names_and_momentum_init(data, tmp_path):
 
     # A "pre-training checkpoint": different weights, an MLM head, no momentum copies.
     torch.manual_seed(1)
-    other = ALBEF_Retrieval(config, None, tokenizer)
+    other = ALBEF_Retrieval(config, tokenizer)
     ckpt = {k: v for k, v in other.state_dict().items() if not k.split(".")[0].endswith("_m")}
     ckpt["text_encoder.cls.predictions.bias"] = torch.zeros(len(tokenizer))
     path = str(tmp_path / "pretrain.pth")
@@ -183,16 +187,16 @@ def test_parameter_names_and_momentum_init(data, tmp_path):
     initial = model.visual_encoder.pos_embed.detach().clone()
     for mode, expected in (("initial", initial), ("checkpoint", other.visual_encoder.pos_embed)):
         torch.manual_seed(0)
-        loaded = build_model({**config, "momentum_init": mode}, tokenizer, path)
+        loaded = build_model(dataclasses.replace(config, momentum_init=mode), tokenizer, path)
         assert torch.equal(loaded.visual_encoder.pos_embed, other.visual_encoder.pos_embed)
         assert torch.equal(loaded.visual_encoder_m.pos_embed, expected), mode
 
 
 def test_training_step_uses_queue_and_image_id_positives(data):
-    config = tiny_config(data)
+    config = retrieval_config(data)
     tokenizer = build_tokenizer(config)
     torch.manual_seed(0)
-    model = ALBEF_Retrieval(config, None, tokenizer)
+    model = ALBEF_Retrieval(config, tokenizer)
     images = torch.randn(6, 3, 48, 48)
     text = tokenizer(["a red circle", "a red circle", "a blue square", "a green star", "a big dot", "x"],
                      padding="longest", return_tensors="pt")
@@ -207,12 +211,14 @@ def test_training_step_uses_queue_and_image_id_positives(data):
 
 
 def test_rerank_batching_does_not_change_scores(data):
-    config = tiny_config(data)
+    config = retrieval_config(data)
     tokenizer = build_tokenizer(config)
     _, val, _ = create_dataset("retrieval", config)
     torch.manual_seed(0)
-    model = ALBEF_Retrieval(config, None, tokenizer)
-    loader = torch.utils.data.DataLoader(val, batch_size=7)
+    model = ALBEF_Retrieval(config, tokenizer)
+    # Named ImageBatches (.image, .index, .valid), as Retrieval.py's evaluation loader yields them.
+    loader = torch.utils.data.DataLoader(SkipBadSamples(val), batch_size=7,
+                                         collate_fn=SkipBadCollate(ImageCollate()))
     one = compute_itr_scores(model, loader, val.text, tokenizer, torch.device("cpu"), 8, rerank_pairs=8)
     many = compute_itr_scores(model, loader, val.text, tokenizer, torch.device("cpu"), 8, rerank_pairs=40)
     assert one["itm_pairs"] == 8 * (len(val) + len(val.text))
@@ -254,7 +260,7 @@ def test_finetuning_writes_outputs_and_keeps_the_best_epoch(finetuned):
     # That fine-tuning raises recall is checked from a tiny pre-trained checkpoint in the slow
     # tests/test_downstream.py (1,000 test images). From random init, as here, the ITC loss stays at
     # ln(batch + queue) and the old "+5 r_mean on 16 images" check passed on noise (format 3) or failed
-    # on it (format 4); see README, "Retrieval".
+    # on it (format 4); see docs/downstream.md.
     out, records = finetuned
     zero, epochs = records[0], records[1:]
     assert [r["epoch"] for r in epochs] == list(range(FT_EPOCHS))

@@ -13,10 +13,11 @@ import sys
 
 import pytest
 import torch
-from conftest import small_pretrain_sets
+from conftest import small_pretrain_sets, tiny_config
 from PIL import Image
 
 from dataset.bad_samples import SkipBadCollate, SkipBadSamples
+from dataset.collate import ImageTextCollate
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 GOOD = 35  # good entries; with the 5 bad ones the list has 40 = 5 global batches of 8
@@ -102,11 +103,9 @@ def assert_permutation(indices: torch.Tensor, n: int) -> None:
 
 def test_skip_wrapper_reports_each_bad_kind(data_dir, bad_list):
     from dataset import create_dataset
-    from training.config import load_config
 
     path, where = bad_list
-    config = dict(load_config(os.path.join(ROOT, 'configs/tiny/Pretrain.yaml')))
-    config.update(train_file=[path], image_root=data_dir, image_res=32)
+    config = tiny_config('pretrain', train_file=[path], image_root=data_dir, image_res=32)
     dataset = SkipBadSamples(create_dataset('pretrain', config))
     reasons = {i: dataset[i][1] for i in range(len(dataset))}
     assert {i for i, r in reasons.items() if r is not None} == set(where)
@@ -122,9 +121,12 @@ def test_skip_wrapper_reports_each_bad_kind(data_dir, bad_list):
     placeholder, _ = dataset[9]
     assert placeholder[0].shape == (3, 32, 32) and placeholder[2] == 9
     tokens = type('T', (), {'__call__': lambda self, captions, **kw: {'n': len(captions)}})()
-    batch = SkipBadCollate(lambda items: (len(items), tokens([c for _, c, _ in items])))(
-        [dataset[i] for i in range(8)])
-    assert batch[-2].tolist() == [i != 0 for i in range(8)] and len(batch[-1]) == 1
+    batch = SkipBadCollate(ImageTextCollate(tokens, 40))([dataset[i] for i in range(8)])
+    assert batch.text == {'n': 8} and len(batch) == 8
+    assert batch.valid.tolist() == [i != 0 for i in range(8)] and len(batch.reasons) == 1
+    with pytest.raises(TypeError, match='not a dataset.collate.Batch'):  # the collate must name its tensors
+        SkipBadCollate(lambda items: (len(items), tokens([c for _, c, _ in items])))(
+            [dataset[i] for i in range(8)])
 
 
 @pytest.mark.parametrize('processes', [1, 2])

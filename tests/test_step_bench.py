@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import os
@@ -14,7 +15,7 @@ from torch.utils import flop_counter
 
 from models.pretrain import ALBEF_Base
 from models.tokenization import tokenizer_from_vocab
-from training.config import load_config, to_plain
+from training.config_resolve import resolve_config
 
 pytestmark = pytest.mark.usefixtures("in_repo")  # tests/conftest.py: repo root, one thread, synthetic data
 
@@ -26,25 +27,29 @@ FIELDS = ("samples_per_s", "step_seconds", "flops_per_sample", "achieved_flops",
 
 
 @pytest.fixture(scope="module")
-def result() -> dict:
+def result(tmp_path_factory) -> dict:
+    out = tmp_path_factory.mktemp("step_bench")
     env = dict(os.environ, OMP_NUM_THREADS="1")
+    # The old hyphenated spellings (--batch-size, --peak-sizes) still answer as aliases.
     proc = subprocess.run(
-        [sys.executable, "-m", "tools.step_bench", "--config", CONFIG, "--batch-size", str(BATCH),
+        [sys.executable, "-m", "tools.step_bench", "--config", CONFIG, "--batch_size", str(BATCH),
          "--steps", "2", "--warmup", "1", "--device", "cpu", "--variants", "default,bf16",
-         "--threads", "1", "--peak-sizes", "512"],
+         "--threads", "1", "--peak-sizes", "512", "--output_dir", str(out)],
         cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-2000:]
     lines = proc.stdout.strip().splitlines()
     assert len(lines) == 1, proc.stdout  # one JSON object, nothing else on stdout
-    return json.loads(lines[0])
+    record = json.loads(lines[0])
+    assert json.loads((out / "step_bench.json").read_text()) == record  # the same record, written
+    return record
 
 
 def independent_count() -> int:
     """FlopCounterMode over one forward + backward of the tiny model on a random batch of BATCH."""
-    config = to_plain(load_config(CONFIG))
-    tokenizer = tokenizer_from_vocab(config["vocab_file"])
-    model = ALBEF_Base(config, text_encoder=None, tokenizer=tokenizer).train()
-    res, length = config["image_res"], config["max_tokens"]
+    config = resolve_config("pretrain", CONFIG, check_paths=False)
+    tokenizer = tokenizer_from_vocab(config.vocab_file)
+    model = ALBEF_Base(dataclasses.replace(config, vision_init=None), tokenizer).train()
+    res, length = config.image_res, config.max_tokens
     ids = torch.randint(5, len(tokenizer), (BATCH, length))
     text = {"input_ids": ids, "attention_mask": torch.ones_like(ids)}
     def forward(q, k, v, *args, **kwargs):  # shapes (B, heads, L, head dim)
@@ -90,3 +95,5 @@ def test_unknown_variant_is_refused():
     proc = subprocess.run([sys.executable, "-m", "tools.step_bench", "--config", CONFIG,
                            "--variants", "default,fp8"], cwd=ROOT, capture_output=True, text=True)
     assert proc.returncode == 2 and "fp8" in proc.stderr
+    assert proc.stderr.count("\n") == 1 and proc.stderr.startswith("error: ")
+    assert proc.stderr.rstrip().endswith("(see python -m tools.step_bench --help)")

@@ -1,5 +1,6 @@
 """Tests for training/: command line, config overrides, optimiser/schedule, checkpoints, logging."""
 
+import dataclasses
 import json
 import math
 import multiprocessing as mp
@@ -11,6 +12,7 @@ import torch
 from ruamel.yaml.comments import CommentedMap
 from torch import nn
 
+from files import InputFileError
 from training.checkpoints import (
     checkpoint_path,
     find_latest_checkpoint,
@@ -20,8 +22,10 @@ from training.checkpoints import (
     save_checkpoint,
     training_state,
 )
-from training.cli import build_parser, parse_args
-from training.config import config_from_args, get_max_epoch, load_config, require_keys, to_plain
+from training.cli import script_parser
+from training.config import Optimizer, Schedule
+from training.config_files import ConfigError, load_config, save_config, to_plain
+from training.config_resolve import resolve_config
 from training.distributed import (
     all_reduce_mean,
     barrier,
@@ -31,7 +35,7 @@ from training.distributed import (
     is_main_process,
 )
 from training.loaders import create_loader
-from training.logger import TrainLogger, append_log, setup_output_dir
+from training.logger import TrainLogger, append_log
 from training.optimizer import build_optimizer, build_scheduler, schedule_lr, split_decay_params
 from training.reproducibility import make_generator, seed_everything
 
@@ -62,24 +66,24 @@ def config_file(tmp_path):
 
 def test_parser_shared_flags_and_script_flags(monkeypatch):
     monkeypatch.delenv('LOCAL_RANK', raising=False)
-    parser = build_parser('test')
+    parser = script_parser('Test.py', 'test')
     parser.add_argument('--bench', action='store_true')
-    args = parse_args(['--config', 'c.yaml', '--resume', '--bench', '--set', 'a=1', 'b.c=x',
-                       '--set', 'd=[1, 2]', '--seed', '3', '--evaluate'], parser=parser)
+    args = parser.parse_args(['--config', 'c.yaml', '--resume', '--bench', '--set', 'a=1', 'b.c=x',
+                              '--set', 'd=[1, 2]', '--seed', '3', '--evaluate'])
     assert args.bench and args.evaluate and args.resume == 'latest' and args.seed == 3
     assert args.set == ['a=1', 'b.c=x', 'd=[1, 2]']
     assert args.local_rank == 0 and args.device is None and args.checkpoint is None
-    assert parse_args(['--config', 'c.yaml', '--resume', 'x.pth']).resume == 'x.pth'
-    assert parse_args(['--config', 'c.yaml']).resume is None
+    assert parser.parse_args(['--config', 'c.yaml', '--resume', 'x.pth']).resume == 'x.pth'
+    assert parser.parse_args(['--config', 'c.yaml']).resume is None
 
 
 def test_local_rank_spellings_and_env(monkeypatch):
     monkeypatch.delenv('LOCAL_RANK', raising=False)
-    assert parse_args(['--config', 'c', '--local_rank', '3']).local_rank == 3
-    assert parse_args(['--config', 'c', '--local-rank=2']).local_rank == 2
+    parser = script_parser('Test.py', 'test')
+    assert parser.parse_args(['--config', 'c', '--local_rank', '3']).local_rank == 3
+    assert parser.parse_args(['--config', 'c', '--local-rank=2']).local_rank == 2
     monkeypatch.setenv('LOCAL_RANK', '5')
-    assert parse_args(['--config', 'c']).local_rank == 5
-    assert build_parser().parse_args(['--config', 'c']).local_rank == 5
+    assert parser.parse_args(['--config', 'c']).local_rank == 5
 
 
 # ---------------------------------------------------------------- config
@@ -115,27 +119,29 @@ def test_missing_config_and_required_keys(tmp_path, config_file):
     bad.write_text('a: [1, 2\n')
     with pytest.raises(ValueError, match='bad.yaml'):
         load_config(str(bad))
-    cfg = load_config(config_file)
-    require_keys(cfg, ['image_res', 'grit.queue_size'], config_file)
-    with pytest.raises(ValueError, match=r"'grit\.search_space'.*cfg\.yaml"):
-        require_keys(cfg, ['grit.search_space'], config_file)
+    # CONFIG_TEXT lacks the pre-training keys without a default: each is named with the file
+    with pytest.raises(ConfigError) as err:
+        resolve_config('pretrain', config_file, check_paths=False)
+    assert f"config key 'bert_config' is required but missing in {config_file}" in str(err.value)
+    assert f"config key 'batch_size' is required but missing in {config_file}" in str(err.value)
 
 
-def test_cli_overrides_and_max_epoch(config_file):
-    args = parse_args(['--config', config_file, '--set', 'image_res=48', '--seed', '7',
-                       '--text_encoder', 'my/bert'])
-    cfg = config_from_args(args)
-    assert cfg['image_res'] == 48 and cfg['seed'] == 7 and cfg['text_encoder'] == 'my/bert'
-    assert get_max_epoch(cfg) == 20
-    del cfg['max_epoch']
-    assert get_max_epoch(cfg) == 30
+def test_cli_flags_and_max_epoch(config_file):
+    sets = ['image_res=48', 'bert_config=configs/tiny/config_bert.json', 'batch_size=8', 'vocab_file=v.txt',
+            'grit.search_space=32']
+    cfg = resolve_config('pretrain', config_file, sets, {'seed': 7, 'text_encoder': 'my/bert'},
+                         check_paths=False)
+    assert cfg.image_res == 48 and cfg.seed == 7 and cfg.text_encoder == 'my/bert'
+    assert cfg.max_epoch == 20
+    unset = resolve_config('pretrain', config_file, [*sets, 'max_epoch=null'], check_paths=False)
+    assert unset.max_epoch == 30  # null: schedular.epochs, as ALBEF
 
 
 def test_comments_survive_save(tmp_path, config_file):
     cfg = load_config(config_file, ['grit.enabled=false', 'temp=0.05'])
     out = tmp_path / 'out' / 'config.yaml'
-    args = parse_args(['--config', config_file, '--output_dir', str(out.parent)])
-    setup_output_dir(args, cfg)
+    out.parent.mkdir()
+    save_config(cfg, out)
     text = out.read_text()
     for comment in ('# tiny pre-training config', '# ITC temperature, learnable', '# GRIT sampling on/off'):
         assert comment in text
@@ -186,17 +192,18 @@ def test_weight_decay_groups():
         'bert.embeddings.LayerNorm.bias', 'bert.dense.bias', 'visual_encoder.cls_token',
         'visual_encoder.pos_embed', 'visual_encoder.norm1.weight', 'visual_encoder.norm1.bias',
         'visual_encoder.qkv.bias', 'temp', 'decoder.bias'}
-    opt = build_optimizer(model, {'opt': 'adamW', 'lr': '1e-4', 'weight_decay': 0.02})
+    opt = build_optimizer(model, Optimizer(lr=1e-4, weight_decay=0.02))
     assert isinstance(opt, torch.optim.AdamW)
     by_wd = {g['weight_decay']: {id(p) for p in g['params']} for g in opt.param_groups}
     assert by_wd[0.02] == {id(p) for p in decay.values()}
     assert by_wd[0.0] == {id(p) for p in no_decay.values()}
     assert all(g['lr'] == pytest.approx(1e-4) for g in opt.param_groups)
-    with pytest.raises(ValueError, match='sgd'):
-        build_optimizer(model, {'opt': 'sgd', 'lr': 0.1})
+    with pytest.raises(ConfigError, match="'optimizer.opt' must be one of 'adamW'.* got 'sgd'"):
+        resolve_config('pretrain', 'configs/tiny/Pretrain.yaml', ['optimizer.opt=sgd'], check_paths=False)
 
 
-SCHED = {'sched': 'cosine', 'lr': 1e-4, 'epochs': 30, 'min_lr': 1e-5, 'warmup_lr': 1e-5, 'warmup_steps': 5}
+SCHED = Schedule(sched='cosine', lr=1e-4, epochs=30, min_lr=1e-5, warmup_lr=1e-5, warmup_steps=5)
+ADAMW = Optimizer(lr=1e-4, weight_decay=0.02)
 
 
 def _lrs(opt, sched, n):
@@ -213,8 +220,8 @@ def _lrs(opt, sched, n):
 
 def test_scheduler_values():
     model = TinyModel()
-    opt = build_optimizer(model, {'lr': 1e-4, 'weight_decay': 0.02})
-    sched = build_scheduler(opt, {'schedular': SCHED}, steps_per_epoch=10)  # whole config works
+    opt = build_optimizer(model, ADAMW)
+    sched = build_scheduler(opt, SCHED, steps_per_epoch=10)
     lrs = _lrs(opt, sched, 61)
     assert lrs[0] == pytest.approx(1e-5)                     # warm-up starts at warmup_lr
     assert lrs[3] == pytest.approx(1e-5 + 9e-5 * 3 / 5)      # linear
@@ -231,19 +238,20 @@ def test_scheduler_values():
 
 
 def test_scheduler_config_errors():
-    opt = build_optimizer(TinyModel(), {'lr': 1e-4})
+    opt = build_optimizer(TinyModel(), Optimizer(lr=1e-4))
     with pytest.raises(ValueError, match='differs'):
-        build_scheduler(opt, {**SCHED, 'lr': 2e-4}, 10)
-    with pytest.raises(ValueError, match='epochs'):
-        build_scheduler(opt, {'sched': 'cosine', 'lr': 1e-4}, 10)
-    with pytest.raises(ValueError, match='step'):
-        build_scheduler(opt, {'sched': 'step', 'lr': 1e-4, 'epochs': 3}, 10)
+        build_scheduler(opt, dataclasses.replace(SCHED, lr=2e-4), 10)
+    tiny = 'configs/tiny/Pretrain.yaml'
+    with pytest.raises(ConfigError, match="'schedular.epochs' is required"):
+        resolve_config('pretrain', tiny, ['schedular={sched: cosine, lr: 5.0e-4}'], check_paths=False)
+    with pytest.raises(ConfigError, match="'schedular.sched' must be 'cosine', got 'step'"):
+        resolve_config('pretrain', tiny, ['schedular.sched=step'], check_paths=False)
 
 
 def test_scheduler_state_round_trip(tmp_path):
     torch.manual_seed(0)
     model = TinyModel()
-    opt = build_optimizer(model, {'lr': 1e-4, 'weight_decay': 0.02})
+    opt = build_optimizer(model, ADAMW)
     sched = build_scheduler(opt, SCHED, steps_per_epoch=4)
     _lrs(opt, sched, 13)
     path = save_checkpoint(checkpoint_path(tmp_path, step=13), model=model.state_dict(),
@@ -251,7 +259,7 @@ def test_scheduler_state_round_trip(tmp_path):
     expected = _lrs(opt, sched, 6)
 
     model2 = TinyModel()
-    opt2 = build_optimizer(model2, {'lr': 1e-4, 'weight_decay': 0.02})
+    opt2 = build_optimizer(model2, ADAMW)
     sched2 = build_scheduler(opt2, SCHED, steps_per_epoch=4)
     state = load_checkpoint(path)
     model2.load_state_dict(state['model'])
@@ -281,7 +289,7 @@ def test_checkpoint_save_load_and_latest(tmp_path, config_file):
     assert find_latest_checkpoint(tmp_path) == p1
     assert resolve_resume('latest', str(tmp_path)) == p1
     assert resolve_resume(None, str(tmp_path)) is None
-    with pytest.raises(FileNotFoundError):
+    with pytest.raises(InputFileError, match='missing.pth'):
         resolve_resume(str(tmp_path / 'missing.pth'), str(tmp_path))
 
     raw = torch.load(p1, weights_only=True)  # plain contents: loadable by a bare weights-only load
@@ -300,7 +308,7 @@ def test_training_state_format_and_resume(tmp_path, config_file):
     # written before training/ existed (by utils.training_state) has the same keys and resumes alike.
     torch.manual_seed(0)
     model, cfg = TinyModel(), load_config(config_file)
-    opt = build_optimizer(model, {'lr': 1e-4, 'weight_decay': 0.02})
+    opt = build_optimizer(model, ADAMW)
     sched = build_scheduler(opt, SCHED, steps_per_epoch=4)
     scaler = torch.amp.GradScaler('cpu', enabled=False)
     _lrs(opt, sched, 5)
@@ -314,7 +322,7 @@ def test_training_state_format_and_resume(tmp_path, config_file):
     assert set(raw['model']) == set(model.state_dict())
 
     model2 = TinyModel()
-    opt2 = build_optimizer(model2, {'lr': 1e-4, 'weight_decay': 0.02})
+    opt2 = build_optimizer(model2, ADAMW)
     sched2 = build_scheduler(opt2, SCHED, steps_per_epoch=4)
     loaded, start_epoch, step = restore_training(path, model2, opt2, sched2, scaler, seed=3, rank=0)
     assert (start_epoch, step, loaded['best']) == (1, 5, {'val_acc': 0.5})  # mid-epoch: epoch 1 again
@@ -323,12 +331,16 @@ def test_training_state_format_and_resume(tmp_path, config_file):
 
 
 def test_load_checkpoint_errors(tmp_path):
-    with pytest.raises(FileNotFoundError, match='absent.pth'):
+    with pytest.raises(InputFileError, match='absent.pth'):
         load_checkpoint(tmp_path / 'absent.pth')
     bad = tmp_path / 'corrupt.pth'
     bad.write_bytes(b'not a checkpoint')
-    with pytest.raises(ValueError, match='corrupt.pth'):
+    with pytest.raises(InputFileError, match='corrupt.pth'):
         load_checkpoint(bad)
+    tensor = tmp_path / 'tensor.pth'
+    torch.save(torch.zeros(2), tensor)
+    with pytest.raises(InputFileError, match='tensor.pth holds a Tensor, not a checkpoint dict'):
+        load_checkpoint(tensor)
 
 
 # ---------------------------------------------------------------- logging
@@ -403,8 +415,7 @@ def _dist_worker(rank, port, out_dir, queue):
     os.environ.update({'WORLD_SIZE': '2', 'RANK': str(rank), 'LOCAL_RANK': str(rank),
                        'MASTER_ADDR': '127.0.0.1', 'MASTER_PORT': str(port)})
     try:
-        args = parse_args(['--config', 'c.yaml', '--device', 'cpu'])
-        info = init_distributed(args)
+        info = init_distributed('cpu')
         assert info.distributed and info.world_size == 2 and info.device.type == 'cpu'
         assert info.local_rank == rank and get_rank() == rank
         mean = all_reduce_mean({'x': torch.tensor(float(rank))})

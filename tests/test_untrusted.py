@@ -1,24 +1,25 @@
-"""Untrusted files (issue 14): weights-only loads, --trust-checkpoint, partial files on --resume."""
+"""Untrusted files (issue 14): weights-only loads, --trust_checkpoint, partial files on --resume."""
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 from functools import partial
 
 import pytest
 import torch
+from conftest import tiny_config
 from torch import nn
 
+from files import UntrustedCheckpointError, set_trust_checkpoint
 from grit import load_index_array
 from models.bert_weights import read_bert_weights
 from models.loading import load_weights
 from models.vit import build_vision_encoder
 from Retrieval import main as retrieval_main
-from tools.probe import cli as probe_cli
 from tools.probe import main as probe_main
-from torch_files import UntrustedCheckpointError, set_trust_checkpoint
 from training.checkpoints import (
     checkpoint_path,
     find_latest_checkpoint,
@@ -26,8 +27,10 @@ from training.checkpoints import (
     resolve_resume,
     save_checkpoint,
 )
+from training.cli import run_main
 
-VIT = dict(image_res=16, patch_size=8, vision_width=32, vision_depth=1, vision_heads=2)
+VIT = tiny_config("pretrain", image_res=16, patch_size=8, vision_width=32, vision_depth=1, vision_heads=2,
+                  vision_init=None)
 
 
 @pytest.fixture(autouse=True)
@@ -55,7 +58,7 @@ LOADERS = {
     "load_weights": (lambda: {"model": {"weight": torch.ones(2, 3), "bias": torch.zeros(2)}},
                      lambda path: load_weights(nn.Linear(3, 2), path)),
     "vision_init": (lambda: {"model": vit_state()},
-                    lambda path: build_vision_encoder(dict(VIT, vision_init=path))),
+                    lambda path: build_vision_encoder(dataclasses.replace(VIT, vision_init=path))),
     "text_encoder": (lambda: {"model": {"bert.embeddings.word_embeddings.weight": torch.ones(4, 2)}},
                      read_bert_weights),
     "load_index_array": (lambda: {"sampler": {"indices": torch.arange(8)}},  # a training checkpoint
@@ -70,7 +73,7 @@ def test_pickled_objects_are_refused_naming_the_file_and_the_flag(tmp_path, name
     with pytest.raises(UntrustedCheckpointError) as err:
         load(path)
     message = str(err.value)
-    assert path in message and "--trust-checkpoint" in message
+    assert path in message and "--trust_checkpoint" in message
     assert "argparse.Namespace" in message and "arbitrary code" in message
 
 
@@ -80,13 +83,14 @@ def test_trust_checkpoint_loads_them_with_a_warning(tmp_path, capsys, name):
     path = pickled(tmp_path / f"{name}.pth", **make())
     set_trust_checkpoint(True)
     load(path)
-    assert "warning: --trust-checkpoint" in capsys.readouterr().err
+    assert "warning: --trust_checkpoint" in capsys.readouterr().err
 
 
 def test_trusted_vision_init_gets_the_weights(tmp_path):
     state = vit_state()
     set_trust_checkpoint(True)
-    model = build_vision_encoder(dict(VIT, vision_init=pickled(tmp_path / "vit.pth", model=state)))
+    path = pickled(tmp_path / "vit.pth", model=state)
+    model = build_vision_encoder(dataclasses.replace(VIT, vision_init=path))
     assert torch.equal(model.state_dict()["blocks.0.mlp.fc2.weight"], state["blocks.0.mlp.fc2.weight"])
 
 
@@ -117,9 +121,9 @@ def retrieval_argv(tmp_path, checkpoint: str) -> list[str]:
 def test_retrieval_script_refuses_then_trusts(tmp_path, capsys):
     path = pickled(tmp_path / "albef.pth", model={"temp": torch.tensor(0.07)})
     argv = retrieval_argv(tmp_path, path)
-    with pytest.raises(UntrustedCheckpointError, match="albef.pth.*--trust-checkpoint"):
+    with pytest.raises(UntrustedCheckpointError, match="albef.pth.*--trust_checkpoint"):
         retrieval_main(argv)
-    record = retrieval_main([*argv, "--trust-checkpoint"])
+    record = retrieval_main([*argv, "--trust-checkpoint"])  # the hyphenated alias
     assert record["mode"] == "evaluate" and record["checkpoint"] == path and "test_r_mean" in record
     assert f"loaded {path}" in capsys.readouterr().out
     with pytest.raises(UntrustedCheckpointError):  # the next run without the flag is untrusted again
@@ -176,8 +180,8 @@ def test_checkpoint_tool_refuses_in_one_line_then_trusts(tmp_path, capsys):
     path = pickled(tmp_path / "albef.pth", model={"temp": torch.tensor(0.07)})
     argv = ["--config", "configs/tiny/Pretrain.yaml", "--checkpoint", path, "--device", "cpu", "--limit", "1"]
     with pytest.raises(SystemExit) as exit_info:
-        probe_cli(argv)
+        run_main(probe_main, argv)
     err = capsys.readouterr().err
     assert exit_info.value.code == 2 and err.count("\n") == 1  # one line, no traceback
-    assert err.startswith(f"error: checkpoint '{path}'") and "--trust-checkpoint" in err
+    assert err.startswith(f"error: checkpoint '{path}'") and "--trust_checkpoint" in err
     assert probe_main([*argv, "--trust-checkpoint"])["checkpoint"] == path

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import subprocess
@@ -16,13 +17,14 @@ from models.tokenization import tokenizer_from_vocab
 from tools.uov import (
     CaptionFileError,
     blank_image,
-    cli,
     load_captions,
     main,
     masked_positions,
     usage_of_vision,
 )
-from training.config import load_config
+from training.cli import run_main
+from training.config import PretrainConfig
+from training.config_resolve import resolve_config
 
 pytestmark = pytest.mark.usefixtures("in_repo")  # tests/conftest.py: repo root, one thread, synthetic data
 
@@ -37,19 +39,20 @@ def tokenizer(in_repo):
 
 
 @pytest.fixture(scope="module")
-def config(in_repo) -> dict:
-    return dict(load_config(CONFIG))
+def config(in_repo) -> PretrainConfig:
+    # Random weights: the synthetic ViT (vision_init) is not needed to test the metric.
+    return dataclasses.replace(resolve_config("pretrain", CONFIG, check_paths=False), vision_init=None)
 
 
-def tiny_model(config: dict, tokenizer, seed: int = 0) -> ALBEF_Base:
+def tiny_model(config: PretrainConfig, tokenizer, seed: int = 0) -> ALBEF_Base:
     torch.manual_seed(seed)
-    return ALBEF_Base(config, text_encoder=None, tokenizer=tokenizer).eval()
+    return ALBEF_Base(config, tokenizer).eval()
 
 
 @pytest.fixture(scope="module")
 def examples(config, tokenizer):
     """The first 3 test images of the synthetic set, loaded, and their captions tokenized as the tool does."""
-    images, captions, image_index = load_captions(CAPTIONS, config["image_root"], config["image_res"],
+    images, captions, image_index = load_captions(CAPTIONS, config.image_root, config.image_res,
                                                   limit=3)
     text = tokenizer(captions, padding="longest", truncation=True, max_length=40, return_tensors="pt")
     return torch.stack([images[i] for i in range(len(images))]), text, image_index
@@ -107,7 +110,7 @@ def test_both_passes_see_exactly_the_same_masked_tokens(examples, config, tokeni
         length = ids.shape[1]
         assert torch.equal(ids[:b] == tokenizer.mask_token_id, selected[start:start + b, :length])
         # The second half attends to the blank image: one constant set of tokens, unlike the real images.
-        blank = model.encode_image(blank_image(config["image_res"]))
+        blank = model.encode_image(blank_image(config.image_res))
         assert torch.allclose(context[b:], blank.expand(b, -1, -1))
         assert not torch.allclose(context[:b], context[b:])
         start += b
@@ -171,7 +174,7 @@ def test_accuracies_equal_a_hand_computation(examples, config, tokenizer):
     assert results[3] == results[256]  # batching and per-batch trimming change nothing
     result = results[3]
     assert result["pairs"] == len(text.input_ids) and result["seed"] == seed
-    blank = blank_image(config["image_res"])[0]
+    blank = blank_image(config.image_res)[0]
     with torch.no_grad():
         for p, entry in zip(probs, result["results"]):
             selected = masked_positions(text.input_ids, text.attention_mask, p, model.special_ids,
@@ -217,26 +220,27 @@ def test_a_fusion_encoder_blind_to_the_image_has_zero_uov(examples, config, toke
 
 
 def test_load_captions_limits_by_image_and_checks_images(config, tmp_path):
-    images, captions, image_index = load_captions(CAPTIONS, config["image_root"], config["image_res"],
+    images, captions, image_index = load_captions(CAPTIONS, config.image_root, config.image_res,
                                                   limit=2)
     with open(CAPTIONS, encoding="utf-8") as f:
         entries = json.load(f)[:2]
-    assert len(images) == 2 and images[1].shape == (3, config["image_res"], config["image_res"])
+    assert len(images) == 2 and images[1].shape == (3, config.image_res, config.image_res)
     assert len(captions) == len(image_index) == sum(len(e["caption"]) for e in entries)
     assert image_index.tolist() == [i for i, e in enumerate(entries) for _ in e["caption"]]
     bad = tmp_path / "bad.json"
     bad.write_text(json.dumps([entries[0], {"image": "images/none.png", "caption": ["a red square"]}]))
     with pytest.raises(CaptionFileError, match=f"{bad}: entry 1: image not found"):
-        load_captions(str(bad), config["image_root"], config["image_res"])
+        load_captions(str(bad), config.image_root, config.image_res)
     with pytest.raises(FileNotFoundError, match="caption file not found"):
-        load_captions(str(tmp_path / "missing.json"), config["image_root"], config["image_res"])
+        load_captions(str(tmp_path / "missing.json"), config.image_root, config.image_res)
 
 
 def test_cli_prints_table_and_json(pretrain_checkpoint, capsys, tmp_path):
     checkpoint, _ = pretrain_checkpoint
-    out = tmp_path / "sub" / "uov.json"
+    out = tmp_path / "sub" / "uov.json"  # --output_dir (here its hyphenated alias) is created when missing
     record = main(["--config", CONFIG, "--checkpoint", checkpoint, "--probs", "0.15", "0.5", "--limit", "2",
-                   "--device", "cpu", "--batch_size", "4", "--output", str(out), "--set", "max_words=20"])
+                   "--device", "cpu", "--batch_size", "4", "--output-dir", str(out.parent),
+                   "--set", "max_words=20"])
     lines = capsys.readouterr().out.strip().splitlines()
     assert lines[0].startswith(f"loaded {checkpoint}: missing: none; unexpected: none")
     assert lines[1].split() == ["prob", "acc@1", "acc@1", "w/o", "image", "UoV@1", "acc@5", "acc@5", "w/o",
@@ -261,7 +265,7 @@ def test_cli_probability_zero_is_a_one_line_error(pretrain_checkpoint, capsys):
     assert proc.stderr == ("error: --probs must lie in (0, 1], got [0.0] "
                            "(0 masks nothing: no accuracy to compare)\n")
     with pytest.raises(SystemExit) as exit_info:
-        cli([*base[3:], "--captions", "data/synthetic/none.json"])
+        run_main(main, [*base[3:], "--captions", "data/synthetic/none.json"])
     assert exit_info.value.code == 2
     captured = capsys.readouterr()
     assert captured.out == "" and captured.err == "error: caption file not found: data/synthetic/none.json\n"

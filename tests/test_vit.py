@@ -5,18 +5,21 @@ from functools import partial
 import pytest
 import timm
 import torch
+from conftest import tiny_config
 from timm.models.vision_transformer import VisionTransformer
 from torch import nn
 
+from files import InputFileError
 from models.vit import build_vision_encoder, resample_pos_embed
+from training.config_files import ConfigError
 
 
-def vit_config(**overrides) -> dict:
-    config = dict(
-        image_res=32, patch_size=8, vision_width=64, vision_depth=2, vision_heads=4, vision_init=None
-    )
-    config.update(overrides)
-    return config
+def vit_config(**overrides):
+    """The typed tiny pre-training config with a 32 px, 2-block, width-64 ViT and `overrides`; a value the
+    config refuses raises ConfigError here, at resolution, as in the scripts."""
+    values = dict(image_res=32, patch_size=8, vision_width=64, vision_depth=2, vision_heads=4,
+                  vision_init=None)
+    return tiny_config("pretrain", **{**values, **overrides})
 
 
 def deit_like(image_res: int, distilled: bool) -> dict:
@@ -92,17 +95,24 @@ def test_vision_init_errors(tmp_path, monkeypatch):
     monkeypatch.setattr(timm, "create_model", offline)
     with pytest.raises(RuntimeError, match="could not be fetched.*local"):
         build_vision_encoder(vit_config(vision_init="deit_base_patch16_224.fb_in1k"))
+    # A file that holds no state dict (a bare tensor, a text file): InputFileError naming the file.
+    torch.save(torch.zeros(3), tmp_path / "tensor.pth")
+    (tmp_path / "notes.pth").write_text("not weights")
+    for name in ("tensor.pth", "notes.pth"):
+        with pytest.raises(InputFileError, match=f"vision_init.*{name}"):
+            build_vision_encoder(vit_config(vision_init=str(tmp_path / name)))
 
 
 def test_wrong_size_checkpoint_is_a_clear_error(tmp_path):
     state = deit_like(32, distilled=False)
     path = tmp_path / "deit.pth"
     torch.save(state, path)
-    with pytest.raises((ValueError, RuntimeError), match="deit.pth"):
+    with pytest.raises(InputFileError, match="deit.pth"):
         build_vision_encoder(vit_config(vision_depth=3, vision_init=str(path)))
-    with pytest.raises(ValueError, match="patch_size"):
-        build_vision_encoder(vit_config(image_res=36))
-    with pytest.raises(ValueError, match="deit.pth"):
+    # image_res not a multiple of patch_size: refused when the config is resolved (training.config).
+    with pytest.raises(ConfigError, match="image_res.*patch_size"):
+        vit_config(image_res=36)
+    with pytest.raises(InputFileError, match="deit.pth"):
         build_vision_encoder(vit_config(vision_width=32, vision_init=str(path)))
 
 
@@ -128,13 +138,14 @@ def test_conv_stem_replaces_the_patch_projection(tmp_path):
     torch.save(conv.state_dict(), path)
     again = build_vision_encoder(vit_config(vision_stem="conv", vision_init=str(path)))
     assert torch.equal(again.forward_features(x), conv.forward_features(x))
-    with pytest.raises(ValueError, match="vision_init"):  # a linear-stem checkpoint does not fit
+    with pytest.raises(InputFileError, match="vision_init"):  # a linear-stem checkpoint does not fit
         torch.save(linear.state_dict(), tmp_path / "linear.pth")
         build_vision_encoder(vit_config(vision_stem="conv", vision_init=str(tmp_path / "linear.pth")))
-    with pytest.raises(ValueError, match="vision_stem"):
-        build_vision_encoder(vit_config(vision_stem="cnn"))
-    with pytest.raises(ValueError, match="power of two"):
-        build_vision_encoder(vit_config(vision_stem="conv", patch_size=6, image_res=36))
+    # Values the stem cannot take: refused when the config is resolved (training.config), naming the key.
+    with pytest.raises(ConfigError, match="vision_stem"):
+        vit_config(vision_stem="cnn")
+    with pytest.raises(ConfigError, match="power of two"):
+        vit_config(vision_stem="conv", patch_size=6, image_res=36)
 
 
 def reference_interpolation(pos_embed: torch.Tensor, new_grid: int) -> torch.Tensor:

@@ -8,14 +8,14 @@ import re
 
 import pytest
 import torch
+from conftest import tiny_config
 
 from dataset import load_json_list
 from models.loading import load_weights
 from models.tokenization import build_tokenizer
 from models.vqa import ALBEF_VQA, majority_answer_accuracy, vqa_accuracy, vqa_score
-from training.config import load_config
+from training.config import VQAConfig
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 ENCODER_LAYER = re.compile(r"^text_encoder\.bert\.encoder\.layer\.(\d+)\.(.+)$")
 
 
@@ -23,8 +23,8 @@ pytestmark = pytest.mark.usefixtures("in_repo")
 
 
 @pytest.fixture(scope="module")
-def config() -> dict:
-    return dict(load_config(os.path.join(ROOT, "configs/tiny/VQA.yaml")))
+def config() -> VQAConfig:
+    return tiny_config("vqa")
 
 
 @pytest.fixture(scope="module")
@@ -138,17 +138,17 @@ def test_tiny_finetune_beats_majority_and_writes_results(tmp_path, config):
     record = VQA.main(["--config", "configs/tiny/VQA.yaml", "--output_dir", out, "--device", "cpu"])
     with open(os.path.join(out, "log.txt")) as f:
         log = [json.loads(line) for line in f]
-    assert len(log) == config["max_epoch"] and log[-1]["test_acc"] == record["test_acc"]
+    assert len(log) == config.max_epoch and log[-1]["test_acc"] == record["test_acc"]
 
-    train = load_json_list(config["train_file"])
-    test = load_json_list(config["test_file"])
+    train = load_json_list(config.train_file)
+    test = load_json_list(config.test_file)
     gts = {e["question_id"]: e["answer"] for e in test}
     baseline = majority_answer_accuracy([e["answer"] for e in train], gts)
     assert record["test_acc"] > baseline + 0.05, (record, baseline)
 
     with open(os.path.join(out, "vqa_result.json")) as f:
         results = json.load(f)
-    with open(config["answer_list"]) as f:
+    with open(config.answer_list) as f:
         answer_list = set(json.load(f))
     assert sorted(r["question_id"] for r in results) == sorted(gts)
     assert all(set(r) == {"question_id", "answer"} and r["answer"] in answer_list for r in results)

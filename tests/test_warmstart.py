@@ -2,19 +2,21 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 
 import pytest
 import torch
 import torch.nn.functional as F
+from conftest import tiny_config
 
 from grit import GritSampler, load_index_array
 from models.false_negatives import false_negative_mask
 from models.objectives import hardest_negative_similarity
-from models.tokenization import build_tokenizer
-from tools.warmstart import batch_hardness, cli, group_features, main
-from training.config import load_config
+from tools.warmstart import INDICES_FILE, batch_hardness, group_features, main
+from training.cli import run_main
+from training.config import Grit
 
 pytestmark = pytest.mark.usefixtures("in_repo")  # tests/conftest.py: repo root, one thread, synthetic data
 
@@ -26,8 +28,10 @@ SET = ["--set", "train_file=[data/synthetic/pretrain.json]", "grit.queue_size=25
 
 
 @pytest.fixture(scope="module")
-def tokenizer():
-    return build_tokenizer(dict(load_config(os.path.join(ROOT, CONFIG))))
+def tokenizer(in_repo):
+    from models.tokenization import build_tokenizer
+
+    return build_tokenizer(tiny_config("pretrain"))
 
 
 def batches_of(image: torch.Tensor, text: torch.Tensor, order: torch.Tensor, size: int):
@@ -109,12 +113,14 @@ def test_batch_hardness_is_the_training_diagnostic_per_batch():
 
 
 def test_cli_writes_the_index_array_the_sampler_starts_from(tmp_path, pretrain_checkpoint, capsys):
-    path = str(tmp_path / "warm" / "warmstart.pt")
-    argv = ["--config", CONFIG, "--checkpoint", pretrain_checkpoint[0], "--output", path, "--device", "cpu",
-            "--batch_size", "100", "--seed", "3", *SET]
+    out = str(tmp_path / "warm")
+    path = os.path.join(out, INDICES_FILE)
+    argv = ["--config", CONFIG, "--checkpoint", pretrain_checkpoint[0], "--output_dir", out,
+            "--device", "cpu", "--batch_size", "100", "--seed", "3", *SET]
     record = main(argv)
     printed = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
-    assert printed == record
+    assert printed == record == json.loads((tmp_path / "warm" / "warmstart.json").read_text())
+    assert record["warmstart_indices"] == path
     with open("data/synthetic/pretrain.json") as f:
         D = len(json.load(f))
     assert record["indices"] == record["dataset_len"] == D and record["batch_size"] == N
@@ -127,16 +133,17 @@ def test_cli_writes_the_index_array_the_sampler_starts_from(tmp_path, pretrain_c
     G = load_index_array(path, D)  # the sampler's own reader accepts it
     assert torch.equal(G, saved) and sorted(G.tolist()) == list(range(D))  # every index once
 
-    # Deterministic: the same seed gives the same file.
-    again = str(tmp_path / "again.pt")
-    main([*argv[:5], again, *argv[6:]])
-    assert torch.equal(torch.load(again, weights_only=True), G)
+    # Deterministic: the same seed gives the same file; GRIT is forced on for the grouping even where
+    # the config turns it off (its sizes are what the tool reads).
+    again = str(tmp_path / "again")
+    main([*argv[:5], again, *argv[6:], "grit.enabled=false"])
+    assert torch.equal(torch.load(os.path.join(again, INDICES_FILE), weights_only=True), G)
 
     # Epoch 0 of the sampler is cut from the file: every (rank, step) batch is one chunk of N of G.
-    grit = dict(enabled=True, queue_size=256, search_space=128, warmstart_indices=path)
+    grit = Grit(queue_size=256, search_space=128, warmstart_indices=path)
     groups = {tuple(c) for c in G[:D // N * N].view(-1, N).tolist()}
     W = 2
-    samplers = [GritSampler(D, num_replicas=W, rank=r, seed=0, batch_size=N, grit=grit, dim=32)
+    samplers = [GritSampler(D, num_replicas=W, rank=r, seed=0, batch_size=N, dim=32, **grit.sampler_options())
                 for r in range(W)]
     for s in samplers:
         s.set_epoch(0)
@@ -144,7 +151,7 @@ def test_cli_writes_the_index_array_the_sampler_starts_from(tmp_path, pretrain_c
         assert len(mine) == s.batches_per_epoch * N
         assert {tuple(mine[k:k + N]) for k in range(0, len(mine), N)} <= groups
     plain = GritSampler(D, num_replicas=1, rank=0, seed=0, batch_size=N,
-                        grit=dict(grit, warmstart_indices=None))
+                        **dataclasses.replace(grit, warmstart_indices=None).sampler_options())
     plain.set_epoch(0)
     assert not {tuple(c) for c in plain.epoch_indices().view(-1, N).tolist()} <= groups
 
@@ -152,8 +159,19 @@ def test_cli_writes_the_index_array_the_sampler_starts_from(tmp_path, pretrain_c
 def test_cli_missing_checkpoint_is_one_clear_error(tmp_path, capsys):
     missing = str(tmp_path / "nope.pth")
     with pytest.raises(SystemExit) as exit_info:
-        cli(["--config", CONFIG, "--checkpoint", missing, "--output", str(tmp_path / "w.pt"), *SET])
+        run_main(main, ["--config", CONFIG, "--checkpoint", missing, "--output-dir", str(tmp_path / "w"),
+                        *SET])
     assert exit_info.value.code == 2
     err = capsys.readouterr().err.strip()
     assert err == f"error: --checkpoint: no such file: {missing}"
-    assert not (tmp_path / "w.pt").exists()
+    assert not (tmp_path / "w").exists()
+
+
+def test_cli_grit_sizes_that_cannot_group_are_one_clear_error(tmp_path, pretrain_checkpoint, capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        run_main(main, ["--config", CONFIG, "--checkpoint", pretrain_checkpoint[0], "--output_dir",
+                        str(tmp_path / "w"), *SET, "grit.search_space=4"])
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: ") and "search_space" in err and err.count("\n") == 1
+    assert not (tmp_path / "w").exists()

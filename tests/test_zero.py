@@ -23,10 +23,11 @@ from training.checkpoints import (
     save_checkpoint,
     training_state,
 )
+from training.config import Optimizer, Schedule
 from training.optimizer import build_optimizer, build_scheduler
 
-OPT = {'lr': 1e-2, 'weight_decay': 0.02}
-SCHED = {'sched': 'cosine', 'lr': 1e-2, 'epochs': 3, 'min_lr': 1e-3, 'warmup_steps': 2}
+OPT = Optimizer(lr=1e-2, weight_decay=0.02)
+SCHED = Schedule(sched='cosine', lr=1e-2, epochs=3, min_lr=1e-3, warmup_steps=2)
 STEPS = 4  # a checkpoint after STEPS steps, the run ends after 2 * STEPS
 
 

@@ -1,15 +1,17 @@
 """The paper's ablation tables (1, 2, 4, 5) in miniature: every row pre-trained, evaluated, tabulated.
 
     python -m tools.ablate --preset tiny --table 4 --seeds 1 2 3 [--output_dir output/ablation]
-        [--rows grit grit_vlp] [--no-finetune] [--set key=value ...] [--pretrain-set key=value ...]
+        [--rows grit grit_vlp] [--no_finetune] [--set key=value ...]
 
 Each row is one config in configs/ablation/ (preset `paper`) or configs/ablation/tiny/ (`tiny`,
-`micro`): a few overrides of the pre-training config (training.config's `base:` key). For every row
+`micro`): a few overrides of the pre-training config (a config file's `base:` key). For every row
 and seed the tool runs, each in its own directory <output_dir>/<preset>/<row>/seed<S>/:
 
-  pretrain/   Pretrain.py (resumed from its latest checkpoint when a run was cut short)
-  zeroshot/   Retrieval.py --evaluate on the retrieval config's test split (ITC rows rank by ITC alone)
-  finetune/   Retrieval.py fine-tuning from the last pre-training checkpoint (not with --no-finetune)
+  pretrain/   `python -m Pretrain` (resumed from its latest checkpoint when a run was cut short)
+  zeroshot/   `python -m Retrieval --evaluate` on the retrieval config's test split (ITC rows rank by ITC
+              alone)
+  finetune/   `python -m Retrieval` fine-tuning from the last pre-training checkpoint (not with
+              --no_finetune)
   probe.json  tools.probe, the compositional ITM probe (rows with an ITM head; synthetic presets)
   uov.json    tools.uov at masking 0.15/0.35/0.5/0.75 (Table 2 rows)
 
@@ -18,25 +20,30 @@ and table<N>_report/ holds tools.report's per-epoch tables and overlaid plots of
 A step whose result is already on disk is reused, so a table is never recomputed from scratch and
 rows shared between tables (ALBEF_Base is in Tables 1, 2 and 4) are trained once. The table is
 written to <output_dir>/<preset>/table<N>.md with mean and spread (sample standard deviation) over
-seeds, and every per-seed number to table<N>.json. Presets: `paper` (configs/Pretrain.yaml sizes,
-configs/Retrieval_coco.yaml), `tiny` (the synthetic world, minutes per row on a CPU), `micro` (the
-tiny rows on 100 images for 2 epochs: a smoke test of the whole pipeline in about a minute).
+seeds, and every per-seed number to table<N>.json (also printed as the last line). The scripts run as
+children in the repository root (tools.launch), so the tool works from any working directory.
+Presets: `paper` (configs/Pretrain.yaml sizes, configs/Retrieval_coco.yaml), `tiny` (the synthetic world,
+minutes per row on a CPU), `micro` (the tiny rows on 100 images for 2 epochs: a smoke test of the whole
+pipeline in about a minute).
 """
 
 from __future__ import annotations
 
-import argparse
 import json
 import math
 import os
 import statistics
-import sys
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from tools.compare import fresh, read_log, run
+from files import read_json
+from tools.cli import emit_record, tool_parser
+from tools.compare import fresh, read_log
+from tools.launch import in_root, run
 from tools.report import load_runs, write_report
-from training.config import get_max_epoch, load_config, to_plain
+from training.cli import Parser, run_main
+from training.config_files import ConfigError
+from training.config_resolve import config_to_dict, resolve_config
 
 # The rows of each table, in the paper's order: (config name, the paper's label).
 TABLES: dict[int, list[tuple[str, str]]] = {
@@ -99,7 +106,7 @@ def pretrain(row_dir: str, config: str, seed: int, sets: Sequence[str], epochs: 
     log = os.path.join(out, "log.txt")
     done = len(read_log(log)) if os.path.isfile(log) else 0
     if done < epochs:
-        cmd = ["Pretrain.py", "--config", config, "--output_dir", out, "--seed", str(seed)]
+        cmd = ["Pretrain", "--config", config, "--output_dir", out, "--seed", str(seed)]
         if os.path.isfile(os.path.join(out, "latest.json")):
             cmd.append("--resume")  # a run cut short continues from its latest checkpoint
         run([*cmd, *(["--set", *sets] if sets else [])])
@@ -111,7 +118,7 @@ def retrieval(out: str, config: str, checkpoint: str, sets: Sequence[str], evalu
     """Zero-shot (evaluate=True) or fine-tuned retrieval of a checkpoint; its test-split record."""
     log = os.path.join(out, "log.txt")
     if not _has_record(log, "test_txt_r1"):
-        cmd = ["Retrieval.py", "--config", config, "--checkpoint", checkpoint, "--output_dir", fresh(out)]
+        cmd = ["Retrieval", "--config", config, "--checkpoint", checkpoint, "--output_dir", fresh(out)]
         run(cmd + (["--evaluate"] if evaluate else []) + (["--set", *sets] if sets else []))
     rows = read_log(log)
     if evaluate:
@@ -124,18 +131,17 @@ def json_step(path: str, cmd: list[str]) -> dict:
     """Run a tool that writes JSON to `path` unless that file exists; return its content."""
     if not os.path.isfile(path):
         run(cmd)
-    with open(path, encoding="utf-8") as f:
-        return json.load(f)
+    return read_json(path, "tool result")
 
 
 def train_subset(preset: Preset, out_dir: str) -> str:
     """The first preset.finetune_subset entries of the retrieval train files, written into out_dir."""
     from dataset import load_json_list
 
-    files = load_config(preset.retrieval_config)["train_file"]
+    config = resolve_config("retrieval", preset.retrieval_config, check_paths=False)
     path = os.path.join(out_dir, f"retrieval_train_first{preset.finetune_subset}.json")
     if not os.path.isfile(path):
-        entries = load_json_list(list(files))[: preset.finetune_subset]
+        entries = load_json_list(config.train_files)[: preset.finetune_subset]
         with open(path, "w", encoding="utf-8") as f:
             json.dump(entries, f)
     return path
@@ -145,13 +151,12 @@ def check_settings(row_dir: str, settings: dict) -> None:
     """Record what a row directory is trained with; refuse to reuse it for other settings."""
     path = os.path.join(row_dir, "ablate.json")
     if os.path.isfile(path):
-        with open(path, encoding="utf-8") as f:
-            old = json.load(f)
+        old = read_json(path, "ablation settings")
         if old != settings:
             changed = sorted(k for k in set(old) | set(settings) if old.get(k) != settings.get(k))
-            raise SystemExit(f"{path}: this row was run with other settings ({', '.join(changed)} differ); "
-                             "its results would be mixed with the new ones: use another --output_dir (or "
-                             "delete the directory)")
+            raise ConfigError(f"{path}: this row was run with other settings ({', '.join(changed)} differ); "
+                              "its results would be mixed with the new ones: use another --output_dir (or "
+                              "delete the directory)")
         return
     os.makedirs(row_dir, exist_ok=True)
     with open(path, "w", encoding="utf-8") as f:
@@ -160,16 +165,20 @@ def check_settings(row_dir: str, settings: dict) -> None:
 
 def run_row(row_dir: str, row: str, seed: int, preset: Preset, table: int, finetune: bool,
             sets: Sequence[str]) -> RowResult:
-    """Every step of one (row, seed); returns its numbers."""
+    """Every step of one (row, seed); returns its numbers. Call it in the repository root (main does,
+    tools.launch.in_root): the configs' relative paths are read there."""
     config = os.path.join(preset.config_dir, f"{row}.yaml")
     pre_sets = [*preset.pretrain_set, *sets]
-    row_config = to_plain(load_config(config, pre_sets))
+    # The pre-training children check the data paths; here only the keys are read.
+    row_config = resolve_config("pretrain", config, pre_sets, check_paths=False)
+    retrieval_config = resolve_config("retrieval", preset.retrieval_config, check_paths=False)
     # The resolved configs, not only their names: an edited base config must not reuse old runs.
-    check_settings(row_dir, {"config": config, "seed": seed, "set": pre_sets, "resolved": row_config,
-                             "retrieval": to_plain(load_config(preset.retrieval_config)),
+    check_settings(row_dir, {"config": config, "seed": seed, "set": pre_sets,
+                             "resolved": config_to_dict(row_config),
+                             "retrieval": config_to_dict(retrieval_config),
                              "finetune_set": list(preset.finetune_set)})
-    itm = bool(row_config.get("itm", True))
-    checkpoint = pretrain(row_dir, config, seed, pre_sets, get_max_epoch(row_config))
+    itm = row_config.itm
+    checkpoint = pretrain(row_dir, config, seed, pre_sets, row_config.max_epoch)
     log = read_log(os.path.join(row_dir, "pretrain", "log.txt"))
     # ITC-only rows have no ITM head to re-rank with or to probe.
     ret_sets = [*preset.retrieval_set, *([] if itm else ["itm=false"])]
@@ -179,7 +188,7 @@ def run_row(row_dir: str, row: str, seed: int, preset: Preset, table: int, finet
         "loss_itm": log[-1]["loss_itm"] if itm else None,
         "grit_hardness": log[-1]["grit_hardness"],
         # Table 4's time per epoch: the whole epoch, GRIT's work outside the steps included.
-        "epoch_seconds": statistics.fmean(r.get("epoch_seconds", r["seconds"]) for r in log),
+        "epoch_seconds": statistics.fmean(r["epoch_seconds"] for r in log),
     }
     if finetune:
         ft_sets = [*ret_sets, *preset.finetune_set]
@@ -190,13 +199,13 @@ def run_row(row_dir: str, row: str, seed: int, preset: Preset, table: int, finet
     limit = ["--limit", str(preset.limit)] if preset.limit else []
     if itm and preset.synthetic:
         probe = json_step(os.path.join(row_dir, "probe.json"),
-                          ["-m", "tools.probe", "--config", config, "--checkpoint", checkpoint,
-                           "--output", os.path.join(row_dir, "probe.json"), *limit])
+                          ["tools.probe", "--config", config, "--checkpoint", checkpoint,
+                           "--output_dir", row_dir, *limit])
         m["probe"] = probe["overall"]
-    if table == 2 and bool(row_config.get("mlm", True)):
+    if table == 2 and row_config.mlm:
         uov = json_step(os.path.join(row_dir, "uov.json"),
-                        ["-m", "tools.uov", "--config", config, "--checkpoint", checkpoint,
-                         "--probs", *UOV_PROBS, "--output", os.path.join(row_dir, "uov.json"), *limit])
+                        ["tools.uov", "--config", config, "--checkpoint", checkpoint, "--probs", *UOV_PROBS,
+                         "--output_dir", row_dir, *limit])
         for entry in uov["results"]:
             p = f'{float(entry["prob"]):g}'
             m[f"uov1@{p}"], m[f"uov5@{p}"] = entry["uov1"], entry["uov5"]
@@ -235,18 +244,29 @@ def markdown_table(table: int, results: dict[str, dict[int, RowResult]], seeds: 
     return "\n".join(lines) + "\n"
 
 
+def build_parser() -> Parser:
+    """The command line."""
+    p = tool_parser("tools.ablate", __doc__.splitlines()[0])
+    p.add_argument("--preset", choices=sorted(PRESETS), default="tiny",
+                   help="paper: the paper's sizes; tiny: the synthetic world; micro: a one-minute smoke test "
+                        "(default: tiny)")
+    p.add_argument("--table", type=int, choices=sorted(TABLES), required=True, help="the paper's table")
+    p.add_argument("--seeds", type=int, nargs="+", default=[1, 2, 3], help="seeds per row (default: 1 2 3)")
+    p.add_argument("--rows", nargs="+", default=None,
+                   help="a subset of the table's rows (config names; default: all)")
+    p.add_argument("--output_dir", default="output/ablation",
+                   help="folder of the runs, <output_dir>/<preset>/<row>/seed<S>/, and of table<N>.md, "
+                        "table<N>.json and table<N>_report/ (default: output/ablation)")
+    p.add_argument("--no_finetune", dest="finetune", action="store_false",
+                   help="skip retrieval fine-tuning (zero-shot, probe and UoV only)")
+    p.add_argument("--set", dest="sets", nargs="*", action="extend", default=[], metavar="KEY=VALUE",
+                   help="pre-training config overrides applied to every row (e.g. max_epoch=5)")
+    return p
+
+
 def main(argv: Sequence[str] | None = None) -> dict:
     """Run (or reuse) every row and seed of a table, write table<N>.md / .json; returns the JSON."""
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--preset", choices=sorted(PRESETS), default="tiny")
-    parser.add_argument("--table", type=int, choices=sorted(TABLES), required=True)
-    parser.add_argument("--seeds", type=int, nargs="+", default=[1, 2, 3])
-    parser.add_argument("--rows", nargs="+", default=None, help="a subset of the table's rows (config names)")
-    parser.add_argument("--output_dir", default="output/ablation")
-    parser.add_argument("--no-finetune", dest="finetune", action="store_false",
-                        help="skip retrieval fine-tuning (zero-shot, probe and UoV only)")
-    parser.add_argument("--set", dest="sets", nargs="*", action="extend", default=[], metavar="KEY=VALUE",
-                        help="pre-training config overrides applied to every row (e.g. max_epoch=5)")
+    parser = build_parser()
     args = parser.parse_args(argv)
     preset = PRESETS[args.preset]
     rows = [r for r, _ in TABLES[args.table]]
@@ -255,25 +275,24 @@ def main(argv: Sequence[str] | None = None) -> dict:
         if unknown:
             parser.error(f"--rows {unknown} are not rows of table {args.table}; its rows: {rows}")
         rows = [r for r in rows if r in args.rows]
-    if preset.synthetic:
-        from dataset import ensure_synthetic
+    base = os.path.join(os.path.abspath(args.output_dir), args.preset)  # the user's path, from where they are
+    with in_root():
+        if preset.synthetic:
+            from dataset import ensure_synthetic
 
-        ensure_synthetic("data/synthetic")
-    base = os.path.join(args.output_dir, args.preset)
-    results: dict[str, dict[int, RowResult]] = {}
-    for row in rows:
-        results[row] = {}
-        for seed in args.seeds:
-            row_dir = os.path.join(base, row, f"seed{seed}")
-            results[row][seed] = run_row(row_dir, row, seed, preset, args.table, args.finetune, args.sets)
+            ensure_synthetic("data/synthetic")
+        results: dict[str, dict[int, RowResult]] = {}
+        for row in rows:
+            results[row] = {}
+            for seed in args.seeds:
+                row_dir = os.path.join(base, row, f"seed{seed}")
+                results[row][seed] = run_row(row_dir, row, seed, preset, args.table, args.finetune, args.sets)
     text = markdown_table(args.table, results, args.seeds)
     record = {"table": args.table, "preset": args.preset, "seeds": args.seeds, "set": args.sets,
               "rows": {row: {str(s): r.metrics for s, r in per.items()} for row, per in results.items()}}
     os.makedirs(base, exist_ok=True)
     with open(os.path.join(base, f"table{args.table}.md"), "w", encoding="utf-8") as f:
         f.write(text)
-    with open(os.path.join(base, f"table{args.table}.json"), "w", encoding="utf-8") as f:
-        json.dump(record, f, indent=1)
     # Per-epoch curves of every row, overlaid (first seed): losses, hardness, speed, GRIT time.
     labels = dict(TABLES[args.table])
     seed = args.seeds[0]
@@ -282,8 +301,8 @@ def main(argv: Sequence[str] | None = None) -> dict:
     report, _ = write_report(runs, os.path.join(base, f"table{args.table}_report"))
     print("\n" + text)
     print(f"written: {base}/table{args.table}.md, {base}/table{args.table}.json, {report}")
-    return record
+    return emit_record(record, base, f"table{args.table}")
 
 
 if __name__ == "__main__":
-    sys.exit(main() and 0)
+    run_main(main)

@@ -3,58 +3,36 @@
     python -m tools.compare --seeds 1 2 3 [--output_dir output/compare] [--set key=value ...]
 
 For each seed it pre-trains configs/tiny/Pretrain.yaml twice (GRIT batches, and grit.enabled=false),
-evaluates both last checkpoints zero-shot with Retrieval.py --evaluate (configs/tiny/Retrieval.yaml) and
-with tools.probe, and prints one row per seed and run (final loss_itm, grit_hardness, text/image/mean
-R@1, probe overall and per kind), then a JSON object with every number. The two pre-trainings of a
-seed run side by side, one thread each (run_side_by_side); about 4 minutes per seed on a 2-core CPU.
-`make demo` runs one seed of this.
+evaluates both last checkpoints zero-shot with `python -m Retrieval --evaluate` (configs/tiny/Retrieval.yaml)
+and with tools.probe, and prints one row per seed and run (final loss_itm, grit_hardness, text/image/mean
+R@1, probe overall and per kind), then a JSON object with every number (also written to
+<output_dir>/compare.json). The two pre-trainings of a seed run side by side, one thread each
+(tools.launch.run_side_by_side); about 4 minutes per seed on a 2-core CPU. `make demo` runs one seed of
+this. The scripts run as children in the repository root (tools.launch), so the tool works from any
+working directory.
 """
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
-import subprocess
-import sys
+from collections.abc import Sequence
+
+from files import read_json
+from tools.cli import emit_record, tool_parser
+from tools.launch import in_root, run_side_by_side
+from training.cli import Parser, run_main
+from training.config_resolve import known_keys, resolve_config
+
+__all__ = ["PRETRAIN_CONFIG", "RETRIEVAL_CONFIG", "RUNS", "build_parser", "compare_seed",
+           "evaluation_commands", "fresh", "last_checkpoint", "main", "overrides_for", "prepare_pretraining",
+           "pretrain_command", "read_evaluation", "read_log", "side_by_side", "summary_row"]
 
 RUNS = {'GRIT-VLP': [], 'random batches': ['--set', 'grit.enabled=false']}
+# Repository-relative, as the shipped configs' own paths: the tools and their children work in the root.
 PRETRAIN_CONFIG = 'configs/tiny/Pretrain.yaml'
+RETRIEVAL_CONFIG = 'configs/tiny/Retrieval.yaml'
 SUFFIX = {'GRIT-VLP': '', 'random batches': '_random_batches'}
-
-
-def run(cmd: list[str]) -> None:
-    """Run one of the task scripts with this interpreter; stop the demo if it fails."""
-    print('$ ' + ' '.join(cmd), flush=True)
-    subprocess.run([sys.executable, *cmd], check=True)
-
-
-def run_side_by_side(jobs: list[tuple[list[str], str]]) -> None:
-    """Run the (command, log file) jobs at once, the CPU cores split between them; stop if one fails.
-
-    Independent runs are faster side by side than one after another on a small CPU: a tiny step
-    gains little from a second intra-op thread (on 2 cores, about 320 samples/s for two one-thread
-    runs against 175 for one two-thread run). Each job's output goes to its log file; a single job runs in the
-    foreground (run), its output on the console.
-    """
-    if len(jobs) == 1:
-        return run(jobs[0][0])
-    threads = max(1, (os.cpu_count() or 1) // len(jobs))
-    env = {**os.environ, 'OMP_NUM_THREADS': str(threads)}
-    procs = []
-    for cmd, log in jobs:
-        print(f'$ {" ".join(cmd)}  > {log}', flush=True)
-        os.makedirs(os.path.dirname(os.path.abspath(log)), exist_ok=True)
-        with open(log, 'w', encoding='utf-8') as out:
-            procs.append(subprocess.Popen([sys.executable, *cmd], stdout=out, stderr=subprocess.STDOUT,
-                                          env=env))
-    failed = [(cmd, log, code) for (cmd, log), p in zip(jobs, procs) if (code := p.wait())]
-    for cmd, log, code in failed:
-        with open(log, encoding='utf-8') as f:
-            tail = f.read()[-3000:]
-        print(f'{" ".join(cmd)} failed (exit {code}); the end of {log}:\n{tail}', file=sys.stderr)
-    if failed:
-        raise subprocess.CalledProcessError(failed[0][2], failed[0][0])
 
 
 def fresh(output_dir: str) -> str:
@@ -71,34 +49,27 @@ def read_log(path: str) -> list[dict]:
         return [json.loads(line) for line in f if line.strip()]
 
 
-def prepare_pretraining(overrides: list[str] = ()) -> None:
+def prepare_pretraining(overrides: Sequence[str] = ()) -> None:
     """Generate, once and before the runs start side by side, what the tiny pre-training generates on
     first use: the synthetic data and, with `vision_init: synthetic`, its pre-trained ViT."""
-    from dataset import prepare_data
-    from models.vit import SYNTHETIC
-    from models.vit_synthetic import ensure_synthetic_vit
-    from training.config import load_config
+    from training.inputs import prepare_inputs
 
-    config = dict(load_config(PRETRAIN_CONFIG, list(overrides)))
-    prepare_data(config)
-    if config.get('vision_init') == SYNTHETIC:
-        ensure_synthetic_vit(config)
+    # Its data is what is being made here: the paths need not exist yet.
+    prepare_inputs(resolve_config('pretrain', PRETRAIN_CONFIG, list(overrides), check_paths=False))
 
 
-def pretrain_command(output_dir: str, args: list[str], config: str = PRETRAIN_CONFIG) -> list[str]:
-    """The command of a tiny pre-training into a fresh output_dir with extra command-line args."""
-    return ['Pretrain.py', '--config', config, '--output_dir', fresh(output_dir), *args]
+def pretrain_command(output_dir: str, args: Sequence[str], config: str = PRETRAIN_CONFIG) -> list[str]:
+    """The command (tools.launch) of a tiny pre-training into a fresh output_dir with extra arguments."""
+    return ['Pretrain', '--config', config, '--output_dir', fresh(output_dir), *args]
 
 
-def overrides_for(task: str, overrides: list[str]) -> list[str]:
-    """The KEY=VALUE overrides whose key `task`'s config accepts (training.schema), as --set arguments.
+def overrides_for(task: str, overrides: Sequence[str]) -> list[str]:
+    """The KEY=VALUE overrides whose key `task`'s config accepts (training.config), as --set arguments.
 
     The evaluations must build the model the pre-training built (e.g. `--set vision_stem=conv`), while
-    pre-training-only keys (grit.*, max_epoch schedules) would be rejected by Retrieval.py's config.
+    pre-training-only keys (grit.*) would be rejected by the retrieval config.
     """
-    from training import schema
-
-    known = schema.keys(task)
+    known = known_keys(task)
     kept = [o for o in overrides if o.split('=', 1)[0] in known]
     return ['--set', *kept] if kept else []
 
@@ -109,21 +80,20 @@ def last_checkpoint(pre_dir: str) -> str:
     return os.path.join(pre_dir, f'checkpoint_{rows[-1]["epoch"]:02d}.pth')
 
 
-def evaluation_commands(checkpoint: str, out_dir: str, overrides: list[str] = ()) -> list[list[str]]:
-    """Zero-shot Retrieval.py --evaluate into out_dir, then tools.probe into out_dir/probe.json (the
+def evaluation_commands(checkpoint: str, out_dir: str, overrides: Sequence[str] = ()) -> list[list[str]]:
+    """Zero-shot `Retrieval --evaluate` into out_dir, then tools.probe into out_dir/probe.json (the
     pre-training's overrides that shape the model go to both)."""
-    return [['Retrieval.py', '--config', 'configs/tiny/Retrieval.yaml', '--checkpoint', checkpoint,
-             '--evaluate', '--output_dir', fresh(out_dir), *overrides_for('retrieval', list(overrides))],
-            ['-m', 'tools.probe', '--config', PRETRAIN_CONFIG, '--checkpoint', checkpoint,
-             '--output', os.path.join(out_dir, 'probe.json'), *overrides_for('pretrain', list(overrides))]]
+    return [['Retrieval', '--config', RETRIEVAL_CONFIG, '--checkpoint', checkpoint, '--evaluate',
+             '--output_dir', fresh(out_dir), *overrides_for('retrieval', overrides)],
+            ['tools.probe', '--config', PRETRAIN_CONFIG, '--checkpoint', checkpoint, '--output_dir', out_dir,
+             *overrides_for('pretrain', overrides)]]
 
 
 def read_evaluation(out_dir: str) -> tuple[dict, dict]:
     """The retrieval record (with test_mean_r1 added) and the probe result written into out_dir."""
     retrieval = read_log(os.path.join(out_dir, 'log.txt'))[-1]
     retrieval['test_mean_r1'] = (retrieval['test_txt_r1'] + retrieval['test_img_r1']) / 2
-    with open(os.path.join(out_dir, 'probe.json'), encoding='utf-8') as f:
-        return retrieval, json.load(f)
+    return retrieval, read_json(os.path.join(out_dir, 'probe.json'), 'probe result')
 
 
 def side_by_side(runs: dict[str, tuple[list[dict], dict, dict]]) -> str:
@@ -148,13 +118,15 @@ def side_by_side(runs: dict[str, tuple[list[dict], dict, dict]]) -> str:
     return '\n'.join(lines)
 
 
-def compare_seed(output_dir: str, seed: int | None, overrides: list[str],
+def compare_seed(output_dir: str, seed: int | None, overrides: Sequence[str],
                  names: tuple[str, ...] = tuple(RUNS)) -> dict[str, tuple]:
     """The named pre-trainings of one seed, then their evaluations: {run name: (log rows, retrieval, probe)}.
 
     Outputs: output_dir/pretrain (GRIT), pretrain_random_batches, zeroshot, zeroshot_random_batches,
-    each with the run's console output in stdout.txt. The runs of one stage go side by side.
+    each with the run's console output in stdout.txt. The runs of one stage go side by side. Call it in
+    the repository root (main does, tools.launch.in_root): the configs' relative paths are read there.
     """
+    overrides = list(overrides)
     seed_args = ['--seed', str(seed)] if seed is not None else []
     dirs, jobs = {}, []
     for name, extra in RUNS.items():
@@ -184,18 +156,29 @@ def summary_row(rows: list[dict], retrieval: dict, probe_result: dict) -> dict:
             **{f'probe_{k}': v['accuracy'] for k, v in probe_result['per_kind'].items()}}
 
 
-def main(argv: list[str] | None = None) -> dict:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument('--seeds', type=int, nargs='+', required=True)
-    parser.add_argument('--output_dir', default='output/compare')
-    parser.add_argument('--set', dest='overrides', nargs='*', default=[], metavar='KEY=VALUE',
-                        help='config overrides for both pre-trainings of every seed')
-    args = parser.parse_args(argv)
-    prepare_pretraining(args.overrides)
+def build_parser() -> Parser:
+    """The command line."""
+    p = tool_parser('tools.compare', __doc__.splitlines()[0])
+    p.add_argument('--seeds', type=int, nargs='+', required=True, help='one comparison per seed')
+    p.add_argument('--output_dir', default='output/compare',
+                   help='folder of the runs (<output_dir>/seed<S>/...) and of compare.json, the printed '
+                        'record (default: output/compare)')
+    p.add_argument('--set', dest='overrides', nargs='*', action='extend', default=[], metavar='KEY=VALUE',
+                   help='config overrides for both pre-trainings of every seed (the evaluations get those '
+                        'their config takes)')
+    return p
+
+
+def main(argv: Sequence[str] | None = None) -> dict:
+    """Compare GRIT-VLP and random batches per seed; returns {seed: {run name: summary_row}}."""
+    args = build_parser().parse_args(argv)
+    output_dir = os.path.abspath(args.output_dir)  # the user's path, from where the user is
     result = {}
-    for seed in args.seeds:
-        runs = compare_seed(os.path.join(args.output_dir, f'seed{seed}'), seed, args.overrides)
-        result[seed] = {name: summary_row(*r) for name, r in runs.items()}
+    with in_root():
+        prepare_pretraining(args.overrides)
+        for seed in args.seeds:
+            runs = compare_seed(os.path.join(output_dir, f'seed{seed}'), seed, args.overrides)
+            result[seed] = {name: summary_row(*r) for name, r in runs.items()}
     columns = ['loss_itm', 'grit_hardness', 'txt_r1', 'img_r1', 'mean_r1', 'r_mean', 'probe']
     kinds = [k for k in next(iter(result[args.seeds[0]].values())) if k.startswith('probe_')]
     columns += kinds
@@ -203,9 +186,9 @@ def main(argv: list[str] | None = None) -> dict:
     for seed, runs in result.items():
         for name, row in runs.items():
             print(f'{seed:>5} {name:>15}' + ''.join(f'{row[c]:>14.4f}' for c in columns))
-    print(json.dumps({'seeds': result, 'overrides': args.overrides}))
+    emit_record({'seeds': result, 'overrides': args.overrides}, output_dir, 'compare')
     return result
 
 
 if __name__ == '__main__':
-    main()
+    run_main(main)

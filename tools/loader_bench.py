@@ -1,32 +1,34 @@
 """Throughput of the pre-training data pipeline per loader worker: decode, crop + RandAugment, tokenise.
 
     python -m tools.loader_bench [--config configs/Pretrain.yaml] [--images 64] [--size 640x480]
-        [--step-samples-per-s R]
+        [--step_samples_per_s R] [--output_dir DIR] [--set key=value ...]
 
 Writes --images JPEGs of --size (smooth random colour fields with edges, about the size of a COCO or
 CC3M image; the synthetic world's 64 px PNGs would flatter the decoder) to a temporary folder, then, in
 this process with one thread (one worker = one process), times each stage over all images: PIL decode
 + RGB conversion (what dataset.utils.read_image does), the config's training transform (random resized
 crop, flip, RandAugment, normalise), and tokenising batches of captions as the collate does. Prints
-one JSON object: images/s per worker for each stage and for the whole pipeline, and, given a training
-step rate in samples/s per GPU, the number of workers that rate needs.
+one JSON object (also written to DIR/loader_bench.json with --output_dir): images/s per worker for each
+stage and for the whole pipeline, and, given a training step rate in samples/s per GPU, the number of
+workers that rate needs.
 """
 
 from __future__ import annotations
 
-import argparse
-import json
 import math
 import os
 import tempfile
 import time
+from collections.abc import Sequence
 
 import numpy as np
 import torch
 from PIL import Image
 
 from dataset.transforms import train_transform
-from training.config import load_config
+from tools.cli import add_config_args, add_output_dir, emit_record, tool_config, tool_parser
+from tools.launch import ROOT
+from training.cli import Parser, run_main
 
 
 def _write_images(folder: str, count: int, width: int, height: int, seed: int) -> list[str]:
@@ -49,22 +51,37 @@ def _rate(count: int, seconds: float) -> float:
     return round(count / max(seconds, 1e-9), 1)
 
 
-def main(argv: list[str] | None = None) -> dict:
-    """Run the benchmark and print one JSON object (also returned)."""
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument('--config', default='configs/Pretrain.yaml')
-    p.add_argument('--images', type=int, default=64)
-    p.add_argument('--size', default='640x480', help='WIDTHxHEIGHT of the JPEGs')
-    p.add_argument('--repeats', type=int, default=2, help='passes over the images (best kept)')
-    p.add_argument('--step-samples-per-s', type=float, default=None,
+def build_parser() -> Parser:
+    """The tool's command line."""
+    p = tool_parser('tools.loader_bench', __doc__.splitlines()[0])
+    add_config_args(p, 'the pre-training YAML config whose transform and tokenizer length are timed '
+                       '(default: the repository\'s configs/Pretrain.yaml)', required=False)
+    p.add_argument('--images', type=int, default=64, help='JPEGs to write and time (default: 64)')
+    p.add_argument('--size', default='640x480', help='WIDTHxHEIGHT of the JPEGs (default: 640x480)')
+    p.add_argument('--repeats', type=int, default=2, help='passes over the images, best kept (default: 2)')
+    p.add_argument('--step_samples_per_s', type=float, default=None,
                    help='a training step rate (samples/s per GPU) to size the workers for')
-    p.add_argument('--seed', type=int, default=0)
+    p.add_argument('--seed', type=int, default=0, help='seed of the images (default: 0)')
+    add_output_dir(p, 'loader_bench.json (the printed record)')
+    return p
+
+
+def main(argv: Sequence[str] | None = None) -> dict:
+    """Run the benchmark and print one JSON object (also returned)."""
+    p = build_parser()
     args = p.parse_args(argv)
-    width, height = (int(v) for v in args.size.lower().split('x'))
-    config = load_config(args.config)
-    res = int(config['image_res'])
-    transform = train_transform(res, scale=tuple(config.get('crop_scale') or (0.2, 1.0)),
-                                hflip=config.get('hflip', True), randaugment=config.get('randaugment', True))
+    args.config = args.config or os.path.join(ROOT, 'configs', 'Pretrain.yaml')
+    try:
+        width, height = (int(v) for v in args.size.lower().split('x'))
+    except ValueError:
+        p.error(f'--size must be WIDTHxHEIGHT, got {args.size!r}')
+    if args.images < 1:
+        p.error('--images must be >= 1')
+    # Only the transform's keys are read: the config's data need not exist here.
+    config = tool_config('pretrain', args)
+    res = config.image_res
+    transform = train_transform(res, scale=tuple(config.crop_scale), hflip=config.hflip,
+                                randaugment=config.randaugment)
     torch.set_num_threads(1)  # one loader worker is one single-threaded process
     torch.manual_seed(args.seed)
     captions = ['a man riding a wave on top of a surfboard in the ocean'] * args.images
@@ -75,7 +92,8 @@ def main(argv: list[str] | None = None) -> dict:
 
     # The paper's bert-base-uncased cannot be fetched offline; a word-level vocab of the synthetic set
     # tokenises at the same fast-tokenizer speed per token.
-    tokenizer = BertTokenizerFast(vocab_file=os.path.join(ensure_synthetic('data/synthetic'), 'vocab.txt'))
+    vocab = os.path.join(ensure_synthetic(os.path.join(ROOT, 'data', 'synthetic')), 'vocab.txt')
+    tokenizer = BertTokenizerFast(vocab_file=vocab)
     best = {'decode': math.inf, 'transform': math.inf, 'tokenise': math.inf}
     with tempfile.TemporaryDirectory() as folder:
         paths = _write_images(folder, args.images, width, height, args.seed)
@@ -92,13 +110,13 @@ def main(argv: list[str] | None = None) -> dict:
             t2 = time.perf_counter()
             for start in range(0, len(captions), 64):
                 tokenizer(captions[start:start + 64], padding='longest', truncation=True,
-                          max_length=int(config.get('max_tokens', 40)), return_tensors='pt')
+                          max_length=config.max_tokens, return_tensors='pt')
             t3 = time.perf_counter()
             for key, seconds in zip(best, (t1 - t0, t2 - t1, t3 - t2)):
                 best[key] = min(best[key], seconds)
     total = sum(best.values())
     result = {
-        'config': args.config, 'image_res': res, 'randaugment': bool(config.get('randaugment', True)),
+        'config': args.config, 'image_res': res, 'randaugment': config.randaugment,
         'jpeg': f'{width}x{height}', 'jpeg_mean_bytes': round(mean_bytes), 'images': args.images,
         'threads_per_worker': 1, 'timing': f'best of {max(1, args.repeats)} passes',
         'images_per_s_per_worker': {'decode': _rate(args.images, best['decode']),
@@ -111,9 +129,8 @@ def main(argv: list[str] | None = None) -> dict:
         result['step_samples_per_s'] = args.step_samples_per_s
         per_worker = result['images_per_s_per_worker']['pipeline']
         result['workers_needed'] = math.ceil(args.step_samples_per_s / per_worker)
-    print(json.dumps(result))
-    return result
+    return emit_record(result, args.output_dir, 'loader_bench')
 
 
 if __name__ == '__main__':
-    main()
+    run_main(main)

@@ -2,7 +2,7 @@
 
     python -m tools.probe --config configs/tiny/Pretrain.yaml \
         --checkpoint output/demo/pretrain/checkpoint_11.pth [--probe_file data/synthetic/probe_test.json] \
-        [--output probe.json] [--device cpu] [--batch_size 256] [--limit N] [--set key=value ...]
+        [--output_dir DIR] [--device cpu] [--batch_size 256] [--limit N] [--set key=value ...]
 
 The synthetic counterpart of ARO / Winoground. A probe file is a json list of
 
@@ -12,13 +12,13 @@ The synthetic counterpart of ARO / Winoground. A probe file is a json list of
 once, and its true caption and all its negatives are scored together by the ITM match probability
 softmax(itm_head(fusion CLS))[1] of ALBEF_Base. A (true, negative) pair counts 1 when the true
 caption scores strictly higher, 0.5 on a tie, so a constant model sits exactly at chance (0.5).
-Prints a table (kind, pairs, accuracy), then one JSON line; --output writes that JSON to a file too.
-The default probe file is <synthetic_root>/probe_test.json when the config names a synthetic_root.
+Prints a table (kind, pairs, accuracy), then one JSON line; --output_dir writes that JSON to
+DIR/probe.json too. The default probe file is <synthetic_root>/probe_test.json when the config names a
+synthetic_root.
 """
 
 from __future__ import annotations
 
-import argparse
 import os
 from collections.abc import Iterator, Sequence
 
@@ -28,19 +28,16 @@ from torch import Tensor
 from dataset import prepare_data
 from dataset.transforms import test_transform
 from dataset.utils import ImageReadError, load_json_list, pre_caption, read_image, resolve_image
+from files import InputFileError, set_trust_checkpoint
 from models.pretrain import ALBEF_Base
-from tools.checkpoint_tool import (
-    checkpoint_parser,
-    load_pretrain_checkpoint,
-    resolve_device,
-    run_cli,
-    write_record,
-)
-from torch_files import set_trust_checkpoint
-from training.config import ConfigError, load_config, require_keys
+from tools.cli import checkpoint_parser, emit_record, resolve_device, tool_config
+from tools.pretrain_checkpoint import load_pretrain_checkpoint
+from training.cli import Parser, run_main
+from training.config import TaskConfig
+from training.config_files import ConfigError
 
-__all__ = ["ImageScores", "ProbeFileError", "cli", "default_probe_file", "format_table", "itm_match_prob",
-           "load_probe_file", "main", "probe_accuracy", "score_probe"]
+__all__ = ["ImageScores", "ProbeFileError", "build_parser", "default_probe_file", "format_table",
+           "itm_match_prob", "load_probe_file", "main", "probe_accuracy", "score_probe"]
 
 PROBE_FILE_NAME = "probe_test.json"
 
@@ -48,7 +45,7 @@ PROBE_FILE_NAME = "probe_test.json"
 ImageScores = tuple[float, list[tuple[str, float]]]
 
 
-class ProbeFileError(ValueError):
+class ProbeFileError(InputFileError):
     """A probe file is malformed or names an image that cannot be read; the message names the file."""
 
 
@@ -88,21 +85,21 @@ def load_probe_file(path: str, image_root: str | None = None) -> list[dict]:
     Raises FileNotFoundError for a missing file and ProbeFileError, naming the file and the entry,
     for anything malformed, so that a bad probe fails before a model is built.
     """
+    if not os.path.isfile(path):
+        raise FileNotFoundError(f"probe file not found: {path}")
     try:
         entries = load_json_list(path, required=("image", "caption", "negatives"),
                                  check=lambda entry: _check_entry(entry, image_root))
-    except FileNotFoundError:
-        raise FileNotFoundError(f"probe file not found: {path}") from None
-    except ValueError as err:
+    except ValueError as err:  # files.InputFileError (a ValueError) naming the file and entry
         raise ProbeFileError(str(err)) from None
     if not entries:
         raise ProbeFileError(f"{path}: the probe file holds no entries")
     return entries
 
 
-def default_probe_file(config: dict, config_path: str = "config") -> str:
+def default_probe_file(config: TaskConfig, config_path: str = "config") -> str:
     """<synthetic_root>/probe_test.json for a config that names synthetic_root; else ConfigError."""
-    root = config.get("synthetic_root")
+    root = config.synthetic_root
     if not root:
         raise ConfigError(f"--probe_file is required: {config_path} names no synthetic_root "
                           f"(whose {PROBE_FILE_NAME} would be the default)")
@@ -226,16 +223,15 @@ def format_table(result: dict) -> str:
     return "\n".join(rows)
 
 
-def build_parser() -> argparse.ArgumentParser:
+def build_parser() -> Parser:
     """The probe's command line."""
-    p = checkpoint_parser("python -m tools.probe", __doc__.splitlines()[0],
-                          "the YAML config the checkpoint was trained with",
-                          "weights to probe (.pth, raw or under 'model')")
+    p = checkpoint_parser("tools.probe", __doc__.splitlines()[0],
+                          "the pre-training YAML config the checkpoint was trained with",
+                          "weights to probe (.pth, raw or under 'model')", "probe.json (the printed record)")
     p.add_argument("--probe_file", default=None,
                    help=f"probe json list (default: <synthetic_root>/{PROBE_FILE_NAME})")
-    p.add_argument("--output", default=None, help="also write the result JSON to this file")
-    p.add_argument("--batch_size", type=int, default=256, help="captions per fusion pass")
-    p.add_argument("--limit", type=int, default=None, help="probe only the first N images")
+    p.add_argument("--batch_size", type=int, default=256, help="captions per fusion pass (default: 256)")
+    p.add_argument("--limit", type=int, default=None, help="probe only the first N images (default: all)")
     return p
 
 
@@ -243,22 +239,21 @@ def main(argv: Sequence[str] | None = None) -> dict:
     """Run the probe from the command line; returns the result record that is printed as JSON."""
     args = build_parser().parse_args(argv)
     set_trust_checkpoint(args.trust_checkpoint)  # set on every call: no leak between in-process runs
-    config = load_config(args.config, args.set)
-    require_keys(config, ("image_res",), args.config)
+    # The probe reads no training data: the config's data paths need not exist.
+    config = tool_config("pretrain", args)
     if args.batch_size < 1 or (args.limit is not None and args.limit < 1):
         raise ConfigError("--batch_size and --limit must be >= 1")
     device = resolve_device(args.device)
 
     prepare_data(config)  # generates the synthetic data, whose folder holds the default probe file
     probe_file = args.probe_file or default_probe_file(config, args.config)
-    image_root = str(config.get("image_root") or "")
+    image_root = config.image_root or ""
     entries = load_probe_file(probe_file, image_root=image_root)[: args.limit]
 
     model, tokenizer = load_pretrain_checkpoint(config, args.checkpoint, device)
     try:
-        scores = score_probe(model, entries, tokenizer, image_root=image_root,
-                             image_res=int(config["image_res"]), max_words=int(config.get("max_words", 30)),
-                             max_tokens=int(config.get("max_tokens", 40)), device=device,
+        scores = score_probe(model, entries, tokenizer, image_root=image_root, image_res=config.image_res,
+                             max_words=config.max_words, max_tokens=config.max_tokens, device=device,
                              batch_size=args.batch_size)
     except ImageReadError as err:  # an image that exists but does not decode
         raise ProbeFileError(f"{probe_file}: {err}") from None
@@ -266,14 +261,8 @@ def main(argv: Sequence[str] | None = None) -> dict:
     record = {"probe_file": probe_file, "checkpoint": args.checkpoint,
               **{k: accuracy[k] for k in ("overall", "per_kind", "image_all", "pairs", "images")}}
     print(format_table(accuracy))
-    write_record(record, args.output)
-    return record
-
-
-def cli(argv: Sequence[str] | None = None) -> None:
-    """main(argv); a bad config or probe file or a missing file ends in a one-line error (exit 2)."""
-    run_cli(main, (ConfigError, FileNotFoundError, ProbeFileError), argv)
+    return emit_record(record, args.output_dir, "probe")
 
 
 if __name__ == "__main__":
-    cli()
+    run_main(main)

@@ -1,10 +1,10 @@
 """Training curves of one or more runs: a markdown table per run and, with matplotlib, overlaid plots.
 
-    python -m tools.report OUTPUT_DIR [OUTPUT_DIR ...] [--out DIR] [--names NAME ...] [--no-plots]
+    python -m tools.report RUN_DIR [RUN_DIR ...] [--output_dir DIR] [--names NAME ...] [--no_plots]
 
-Each OUTPUT_DIR is a Pretrain.py, Retrieval.py, NLVR.py or VQA.py run directory; its log.txt holds one
-JSON object per line (training.logger.append_log). The tool writes DIR/report.md (DIR defaults to the
-first OUTPUT_DIR): per run, a table with one row per epoch and a column per numeric key, and a table
+Each RUN_DIR is the --output_dir of a Pretrain.py, Retrieval.py, NLVR.py or VQA.py run; its log.txt holds
+one JSON object per line (training.logger.append_log). The tool writes DIR/report.md (DIR defaults to the
+first RUN_DIR): per run, a table with one row per epoch and a column per numeric key, and a table
 of the `--evaluate` records (which have no 'epoch'). When matplotlib is installed it also writes one
 PNG per metric with the runs overlaid (x = epoch): every loss (a key naming `loss`), grit_hardness,
 samples_per_s, grit_seconds and epoch_seconds, e.g. DIR/loss_itm.png, linked from report.md. Run names are the
@@ -17,7 +17,6 @@ other drivers import them); main(argv) is the command line.
 
 from __future__ import annotations
 
-import argparse
 import json
 import math
 import os
@@ -25,8 +24,11 @@ import re
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 
-__all__ = ["PLOT_EXTRA", "ReportError", "Run", "load_runs", "main", "markdown_report", "plot_metrics",
-           "plot_runs", "run_names", "write_report"]
+from files import InputFileError
+from training.cli import Parser, run_main
+
+__all__ = ["PLOT_EXTRA", "ReportError", "Run", "build_parser", "load_runs", "main", "markdown_report",
+           "plot_metrics", "plot_runs", "run_names", "write_report"]
 
 LOG_NAME = "log.txt"
 REPORT_NAME = "report.md"
@@ -36,7 +38,7 @@ _LOSS = re.compile(r"(^|_)loss(_|$)")  # loss_itm (Pretrain, Retrieval), train_l
 NO_MATPLOTLIB = "plots skipped: matplotlib is not installed (pip install matplotlib to get them)"
 
 
-class ReportError(ValueError):
+class ReportError(InputFileError):
     """A run directory's log.txt (or the command line) is unusable; the message names the file and line."""
 
 
@@ -276,30 +278,29 @@ def write_report(runs: Sequence[Run], out_dir: str, plots: bool = True) -> tuple
 # ----------------------------------------------------------------------------------------------
 
 
-def build_parser() -> argparse.ArgumentParser:
+def build_parser() -> Parser:
     """The command-line flags."""
-    p = argparse.ArgumentParser(prog="python -m tools.report", description=__doc__.split("\n\n")[0])
-    p.add_argument("output_dirs", nargs="+", metavar="OUTPUT_DIR", help="run directories holding log.txt")
-    p.add_argument("--out", default=None,
-                   help="where report.md and the PNGs go (default: the first OUTPUT_DIR)")
+    p = Parser(prog="python -m tools.report", description=__doc__.split("\n\n")[0])
+    p.add_argument("run_dirs", nargs="+", metavar="RUN_DIR",
+                   help="training run folders (a script's --output_dir, holding log.txt)")
+    p.add_argument("--output_dir", default=None,
+                   help=f"folder to write {REPORT_NAME} and the PNG plots into, created when missing "
+                        "(default: the first RUN_DIR)")
     p.add_argument("--names", nargs="+", default=None, metavar="NAME",
-                   help="one name per OUTPUT_DIR (default: the directory basenames)")
-    p.add_argument("--no-plots", dest="plots", action="store_false", help="write the tables only")
+                   help="one name per RUN_DIR (default: the folders' basenames)")
+    p.add_argument("--no_plots", dest="plots", action="store_false", help="write the tables only")
     return p
 
 
 def main(argv: Sequence[str] | None = None) -> str:
-    """Write the report from the command line; returns report.md's path. Bad input: SystemExit(message)."""
+    """Write the report from the command line; returns report.md's path. A bad run folder or log.txt
+    raises FileNotFoundError or ReportError (run_main: one `error:` line) before anything is written."""
     args = build_parser().parse_args(argv)
-    try:
-        runs = load_runs(args.output_dirs, args.names)
-    except (ReportError, FileNotFoundError) as err:
-        # One line naming the file, as training.cli.run_main and tools.probe report theirs.
-        raise SystemExit(f"error: {err}") from None
-    path, pngs = write_report(runs, args.out or args.output_dirs[0], plots=args.plots)
+    runs = load_runs(args.run_dirs, args.names)
+    path, pngs = write_report(runs, args.output_dir or args.run_dirs[0], plots=args.plots)
     print(f"wrote {path}" + (f" and {len(pngs)} plots" if pngs else ""))
     return path
 
 
 if __name__ == "__main__":
-    main()
+    run_main(main)

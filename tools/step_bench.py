@@ -1,15 +1,16 @@
 """Time full pre-training steps of ALBEF_Base (forward, backward, AdamW) and print one JSON object.
 
-    python -m tools.step_bench --config configs/Pretrain.yaml --batch-size 64 --steps 10 --warmup 3 \
-        --device cuda --variants default,bf16,grad_checkpointing,compile [--set key=value ...]
+    python -m tools.step_bench --config configs/Pretrain.yaml --batch_size 64 --steps 10 --warmup 3 \
+        --device cuda --variants default,bf16,grad_checkpointing,compile [--output_dir DIR] \
+        [--set key=value ...]
 
 A step is Pretrain.py's: forward of ALBEF_Base on (image, text, image_key), loss = the sum of the four
 losses, zero_grad, backward, gradient clipping when the config sets clip_grad, AdamW step. The model has
 random weights (text_encoder and vision_init are ignored) and the batch is synthetic: B random images at
-image_res and B random token sequences of max_tokens (or 30) ids, no padding (the longest a batch gets).
+image_res and B random token sequences of max_tokens ids, no padding (the longest a batch gets).
 K steps are timed after W warm-up steps, with the device synchronised only before and after the K steps.
 
-Each variant runs in a fresh subprocess (the tool re-invokes itself with --one-variant), so that on CPU
+Each variant runs in a fresh subprocess (the tool re-invokes itself with --one_variant), so that on CPU
 the peak RSS (ru_maxrss, which never resets) is that variant's own:
   default             fp32
   bf16                torch.autocast(device, bfloat16) around the forward and the loss
@@ -17,43 +18,43 @@ the peak RSS (ru_maxrss, which never resets) is that variant's own:
   compile             torch.compile(model); the first step (compilation) is timed apart as compile_seconds
 FLOPs are counted with torch.utils.flop_counter.FlopCounterMode over one step's forward + backward (as the
 variant runs it: a checkpointed model's recomputed forward is included). matmul_peak_flops is the best
-FLOP/s of large square torch.mm in the same process, device and dtype (the practical peak); mfu =
-achieved_flops / matmul_peak_flops.
+FLOP/s of large square products (torch.mm and F.linear, the op nn.Linear runs) in the same process,
+device and dtype (the practical peak); mfu =
+achieved_flops / matmul_peak_flops. The JSON object is also written to DIR/step_bench.json with
+--output_dir.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import resource
 import subprocess
-import sys
 import tempfile
 import time
+from collections.abc import Sequence
 
 import torch
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+from tools.cli import add_config_args, add_output_dir, emit_record, tool_config, tool_parser
+from tools.launch import child_env, python_command
+from training.cli import Parser, run_main
+from training.config import PretrainConfig
+
 VARIANTS = ('default', 'bf16', 'grad_checkpointing', 'compile')
 LOSSES = ('loss_itc', 'loss_cons', 'loss_itm', 'loss_mlm')
 
 
-def load_bench_config(path: str, overrides: list[str], variant: str = 'default') -> dict:
-    """The config with --set overrides (schema keys may be new), random weights, and the variant's key."""
-    from training.config import apply_overrides, load_config, to_plain
-    from training.schema import keys
-
-    config = load_config(path)
-    apply_overrides(config, overrides, source=path, known=keys('pretrain'))
-    config = to_plain(config)
-    config['vision_init'] = None  # random weights: nothing to download or read
-    if variant == 'grad_checkpointing':
-        config['grad_checkpointing'] = True
-    return config
+def load_bench_config(args: argparse.Namespace, variant: str = 'default') -> PretrainConfig:
+    """The typed pre-training config of --config and --set, with the variant's key set
+    (grad_checkpointing). No data is read: its paths need not exist."""
+    config = tool_config('pretrain', args)
+    return dataclasses.replace(config, grad_checkpointing=True) if variant == 'grad_checkpointing' else config
 
 
-def build_bench_tokenizer(config: dict, workdir: str):
+def build_bench_tokenizer(config: PretrainConfig, workdir: str):
     """(tokenizer, note): the config's vocab_file, a local text_encoder tokenizer, else a built vocab.
 
     The fallback is a word-level vocab.txt of the bert_config's vocab size (BERT's 5 special tokens, then
@@ -64,15 +65,15 @@ def build_bench_tokenizer(config: dict, workdir: str):
     from models.bert import load_bert_config
     from models.tokenization import tokenizer_from_vocab
 
-    if config.get('vocab_file'):
-        return tokenizer_from_vocab(str(config['vocab_file'])), f"vocab_file {config['vocab_file']}"
-    name, why = config.get('text_encoder'), 'no text_encoder'
+    if config.vocab_file:
+        return tokenizer_from_vocab(config.vocab_file), f"vocab_file {config.vocab_file}"
+    name, why = config.text_encoder, 'no text_encoder'
     if name:
         try:
-            return BertTokenizerFast.from_pretrained(str(name), local_files_only=True), f'text_encoder {name}'
+            return BertTokenizerFast.from_pretrained(name, local_files_only=True), f'text_encoder {name}'
         except Exception as e:  # noqa: BLE001 (not on disk, or unreadable: the built vocab has its size)
             why = f'text_encoder {name!r} has no local tokenizer ({type(e).__name__})'
-    size = load_bert_config(config['bert_config']).vocab_size
+    size = load_bert_config(config.bert_config).vocab_size
     words = ['[PAD]', '[UNK]', '[CLS]', '[SEP]', '[MASK]'] + [f'w{i}' for i in range(5, size)]
     path = os.path.join(workdir, 'vocab.txt')
     with open(path, 'w', encoding='utf-8') as f:
@@ -81,10 +82,10 @@ def build_bench_tokenizer(config: dict, workdir: str):
             f'built word-level vocab of {size} tokens, the bert_config vocab_size ({why})')
 
 
-def synthetic_batch(config: dict, tokenizer, batch_size: int, device: torch.device, seed: int = 0):
+def synthetic_batch(config: PretrainConfig, tokenizer, batch_size: int, device: torch.device, seed: int = 0):
     """(image (B,3,R,R), {'input_ids','attention_mask'} (B,L), image_key (B,)): random, no padding."""
     g = torch.Generator().manual_seed(seed)
-    res, length = int(config['image_res']), int(config.get('max_tokens') or 30)
+    res, length = config.image_res, config.max_tokens
     image = torch.randn(batch_size, 3, res, res, generator=g)
     special = torch.tensor(tokenizer.all_special_ids)
     words = torch.arange(len(tokenizer))
@@ -126,29 +127,39 @@ def count_flops(model, batch, device: torch.device, dtype: torch.dtype | None) -
 
 
 def sync(device: torch.device) -> None:
+    """Wait for the device's queued work (CUDA), so that a timer reads the work's end."""
     if device.type == 'cuda':
         torch.cuda.synchronize(device)
 
 
 def matmul_peak(device: torch.device, dtype: torch.dtype, sizes: list[int], repeats: int = 3) -> float:
-    """Best FLOP/s of torch.mm(n x n, n x n) over sizes and repeats (after one warm-up per size)."""
+    """Best FLOP/s of an (n x n) by (n x n) product, torch.mm or F.linear, over sizes and repeats (after
+    one warm-up per size and op).
+
+    F.linear is the op nn.Linear runs; on CPUs without native bf16 it has a fast bf16 kernel (oneDNN)
+    where torch.mm has none (2 against 15 GFLOP/s on one EPYC thread), so a torch.mm peak alone would put
+    a bf16 model's MFU above 1.
+    """
     reps = 50 if device.type == 'cuda' else 1  # one CUDA mm is too short to time alone
     best = 0.0
     for n in sizes:
         a, b = (torch.randn(n, n, device=device, dtype=dtype) for _ in range(2))
         c = torch.mm(a, b)
-        for _ in range(repeats):
-            sync(device)
-            t0 = time.perf_counter()
-            for _ in range(reps):
-                torch.mm(a, b, out=c)
-            sync(device)
-            best = max(best, reps * 2 * n ** 3 / (time.perf_counter() - t0))
+        for op, kwargs in ((torch.mm, {'out': c}), (torch.nn.functional.linear, {})):
+            op(a, b, **kwargs)
+            for _ in range(repeats):
+                sync(device)
+                t0 = time.perf_counter()
+                for _ in range(reps):
+                    op(a, b, **kwargs)
+                sync(device)
+                best = max(best, reps * 2 * n ** 3 / (time.perf_counter() - t0))
         del a, b, c
     return best
 
 
 def device_name(device: torch.device) -> str:
+    """The GPU's name, or the CPU's model name from /proc/cpuinfo."""
     if device.type == 'cuda':
         return torch.cuda.get_device_name(device)
     try:
@@ -171,14 +182,16 @@ def run_variant(args: argparse.Namespace, variant: str) -> dict:
     device = torch.device(args.device)
     dtype = torch.bfloat16 if variant == 'bf16' else None
     torch.manual_seed(args.seed)
-    config = load_bench_config(args.config, args.set, variant)
+    config = load_bench_config(args, variant)
     with tempfile.TemporaryDirectory() as workdir:
         tokenizer, vocab_note = build_bench_tokenizer(config, workdir)
     batch = synthetic_batch(config, tokenizer, args.batch_size, device, args.seed)
     baseline_rss = rss_bytes()
-    model = ALBEF_Base(config, text_encoder=None, tokenizer=tokenizer).to(device).train()
-    optimizer = build_optimizer(model, config['optimizer'])
-    clip = config.get('clip_grad')
+    # Random weights: nothing to download or read.
+    model_config = dataclasses.replace(config, vision_init=None, text_encoder=None)
+    model = ALBEF_Base(model_config, tokenizer).to(device).train()
+    optimizer = build_optimizer(model, config.optimizer)
+    clip = config.clip_grad
     fields = {'tokenizer': vocab_note, 'vocab_size': len(tokenizer),
               'optimizer': f"{type(optimizer).__name__} fused={optimizer.defaults.get('fused')}",
               'parameters': sum(p.numel() for p in model.parameters() if p.requires_grad)}
@@ -234,11 +247,13 @@ def run_variant(args: argparse.Namespace, variant: str) -> dict:
     }
 
 
-def spawn_variant(argv: list[str], variant: str) -> dict:
-    """Run this tool with --one-variant in a fresh Python; its last stdout line is the variant's JSON."""
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [ROOT, os.environ.get('PYTHONPATH')])))
-    proc = subprocess.run([sys.executable, '-m', 'tools.step_bench', *argv, '--one-variant', variant],
-                          capture_output=True, text=True, env=env)
+def spawn_variant(argv: Sequence[str], variant: str) -> dict:
+    """Run this tool with --one_variant in a fresh Python; its last stdout line is the variant's JSON.
+
+    The child keeps this process's working directory (it must read the config as this process does)
+    and finds the repository on its PYTHONPATH (tools.launch)."""
+    proc = subprocess.run(python_command(['tools.step_bench', *argv, '--one_variant', variant]),
+                          capture_output=True, text=True, env=child_env())
     lines = proc.stdout.strip().splitlines()
     if proc.returncode == 0 and lines:
         try:
@@ -249,41 +264,58 @@ def spawn_variant(argv: list[str], variant: str) -> dict:
     return {'error': f'subprocess exited with {proc.returncode}: {tail}'}
 
 
-def parse_args(argv: list[str] | None) -> tuple[argparse.Namespace, list[str]]:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument('--config', required=True)
-    p.add_argument('--batch-size', type=int, default=None,
-                   help='default: the config batch_size on a GPU, 8 on the CPU')
-    p.add_argument('--steps', type=int, default=10, help='timed steps')
-    p.add_argument('--warmup', type=int, default=3, help='untimed steps before them')
+def build_parser() -> Parser:
+    """The tool's command line."""
+    p = tool_parser('tools.step_bench', __doc__.splitlines()[0])
+    add_config_args(p, 'the pre-training YAML config whose model and step are timed')
+    p.add_argument('--batch_size', type=int, default=None,
+                   help='samples per step (default: the config batch_size on a GPU, 8 on the CPU)')
+    p.add_argument('--steps', type=int, default=10, help='timed steps (default: 10)')
+    p.add_argument('--warmup', type=int, default=3, help='untimed steps before them (default: 3)')
     p.add_argument('--device', default=None, help='cpu | cuda | cuda:N (default: cuda if available)')
-    p.add_argument('--variants', default='default,bf16,grad_checkpointing,compile')
-    p.add_argument('--threads', type=int, default=None, help='torch intra-op threads (default: torch)')
-    p.add_argument('--peak-sizes', default='2048,4096', help='square torch.mm sizes for the peak')
-    p.add_argument('--seed', type=int, default=0)
-    p.add_argument('--set', nargs='*', action='extend', default=[], metavar='KEY=VALUE',
-                   help='config overrides, as the task scripts (e.g. --set max_tokens=25)')
-    p.add_argument('--one-variant', default=None, help=argparse.SUPPRESS)
+    p.add_argument('--variants', default='default,bf16,grad_checkpointing,compile',
+                   help=f'comma-separated, each run in a fresh subprocess; of {", ".join(VARIANTS)} '
+                        '(default: all)')
+    p.add_argument('--threads', type=int, default=None, help='torch intra-op threads (default: torch\'s)')
+    p.add_argument('--peak_sizes', default='2048,4096',
+                   help='square matrix sizes for the matmul peak, comma-separated (default: 2048,4096)')
+    p.add_argument('--seed', type=int, default=0, help='seed of the weights and the batch (default: 0)')
+    add_output_dir(p, 'step_bench.json (the printed record)')
+    p.add_argument('--one_variant', default=None, help=argparse.SUPPRESS)
+    return p
+
+
+def parse_args(argv: Sequence[str] | None) -> tuple[argparse.Namespace, list[str]]:
+    """The parsed flags, checked, and the argv the variants' subprocesses get (without --output_dir:
+    only this process writes)."""
+    p = build_parser()
     args = p.parse_args(argv)
-    argv = list(sys.argv[1:] if argv is None else argv)  # passed on to the variants' subprocesses
     args.variants = [v.strip() for v in args.variants.split(',') if v.strip()]
     unknown = sorted(set(args.variants) - set(VARIANTS))
     if unknown:
         p.error(f'unknown variant(s) {unknown}; choose from {list(VARIANTS)}')
     if args.steps < 1 or args.warmup < 0:
         p.error('need --steps >= 1 and --warmup >= 0')
-    args.peak_sizes = [int(n) for n in args.peak_sizes.split(',')]
+    try:
+        args.peak_sizes = [int(n) for n in args.peak_sizes.split(',')]
+    except ValueError:
+        p.error(f'--peak_sizes must be comma-separated integers, got {args.peak_sizes!r}')
     args.device = args.device or ('cuda' if torch.cuda.is_available() else 'cpu')
     if args.batch_size is None:
         # The paper's 128 per GPU would take hours and tens of GB per step on a CPU.
-        args.batch_size = (8 if torch.device(args.device).type == 'cpu'
-                           else int(load_bench_config(args.config, args.set)['batch_size']))
-    return args, argv
+        args.batch_size = 8 if torch.device(args.device).type == 'cpu' else load_bench_config(args).batch_size
+    # The children get the parsed values (not the spelling the user typed), the batch size included.
+    child_argv = ['--config', args.config, '--batch_size', str(args.batch_size), '--steps', str(args.steps),
+                  '--warmup', str(args.warmup), '--device', args.device,
+                  '--peak_sizes', ','.join(map(str, args.peak_sizes)), '--seed', str(args.seed),
+                  *(['--threads', str(args.threads)] if args.threads else []),
+                  *(['--set', *args.set] if args.set else [])]
+    return args, child_argv
 
 
-def main(argv: list[str] | None = None) -> dict:
+def main(argv: Sequence[str] | None = None) -> dict:
     """Run every variant in its own subprocess and print one JSON object (also returned)."""
-    args, argv = parse_args(argv)
+    args, child_argv = parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
     if args.one_variant is not None:
@@ -291,40 +323,39 @@ def main(argv: list[str] | None = None) -> dict:
             result = run_variant(args, args.one_variant)
         except Exception as e:  # noqa: BLE001 (a failed variant is reported, the others still run)
             result = {'error': f'{type(e).__name__}: {e}'[:800]}
-        print(json.dumps(result))
-        return result
+        return emit_record(result, None, 'step_bench')  # to the parent's pipe only
 
-    variants = {v: spawn_variant(argv, v) for v in args.variants}
+    config = load_bench_config(args)  # a config mistake ends here, before any variant starts
+    variants = {v: spawn_variant(child_argv, v) for v in args.variants}
     default, ckpt = variants.get('default', {}), variants.get('grad_checkpointing', {})
     if 'flops_per_sample' in default and 'flops_per_sample' in ckpt:
         # MFU counts the model's FLOPs, not the recomputation that checkpointing adds.
         ckpt['recompute_flops_per_sample'] = ckpt['flops_per_sample'] - default['flops_per_sample']
         ckpt['mfu_model_flops'] = (default['flops_per_sample'] * ckpt['samples_per_s']
                                    / ckpt['matmul_peak_flops'])
-    config = load_bench_config(args.config, args.set)
     device = torch.device(args.device)
     result = {
         'config': args.config, 'overrides': args.set, 'device': str(device),
         'device_name': device_name(device), 'torch': torch.__version__,
         'threads': args.threads or torch.get_num_threads(), 'batch_size': args.batch_size,
-        'steps': args.steps, 'warmup': args.warmup, 'image_res': int(config['image_res']),
-        'text_tokens': int(config.get('max_tokens') or 30),
+        'steps': args.steps, 'warmup': args.warmup, 'image_res': config.image_res,
+        'text_tokens': config.max_tokens,
         'float32_matmul_precision': torch.get_float32_matmul_precision(),
         'step': 'forward + sum of 4 losses, zero_grad, backward, clip_grad_norm_ if clip_grad '
-                f"({config.get('clip_grad')}), AdamW step; random weights, synthetic batch without padding",
+                f"({config.clip_grad}), AdamW step; random weights, synthetic batch without padding",
         'flops': 'counted: torch.utils.flop_counter.FlopCounterMode, one step forward + backward '
                  '(matmuls, convolutions and attention, with the CPU flash-attention ops added by torch\'s '
                  'sdpa formulas; elementwise ops, norms, softmax, losses and the optimizer are not counted)',
-        'matmul_peak': f'best of 3 torch.mm n x n, n in {args.peak_sizes}, same process, device, dtype',
+        'matmul_peak': f'best of 3 torch.mm and 3 F.linear n x n, n in {args.peak_sizes}, same process, '
+                       'device, dtype',
         'peak_memory': ('torch.cuda.max_memory_allocated over the warm-up and timed steps'
                         if device.type == 'cuda' else
                         'ru_maxrss of a fresh subprocess per variant, after the timed steps (includes '
                         'Python and torch: baseline_rss_bytes; and compilation for compile)'),
         'variants': variants,
     }
-    print(json.dumps(result))
-    return result
+    return emit_record(result, args.output_dir, 'step_bench')
 
 
 if __name__ == '__main__':
-    main()
+    run_main(main)

@@ -2,7 +2,7 @@
 
     python -m tools.uov --config configs/tiny/Pretrain.yaml \
         --checkpoint output/demo/pretrain/checkpoint_11.pth --probs 0.15 0.35 0.5 0.75 \
-        [--captions data/synthetic/retrieval_test.json] [--output uov.json] [--device cpu] \
+        [--captions data/synthetic/retrieval_test.json] [--output_dir DIR] [--device cpu] \
         [--batch_size 256] [--limit N] [--seed 0] [--set key=value ...]
 
 Held-out captions come from a json list in ALBEF's retrieval val/test format,
@@ -29,12 +29,11 @@ the all-zero tensor. The blank image keeps the input shape and the cross-attenti
 forward pass while carrying no information about any caption. Accuracies are micro-averaged over
 masked tokens: acc@k is the share whose true id is among the k highest logits;
 UoV@k = acc@k (with image) - acc@k (without image). Prints a table (one row per p), then one JSON
-line; --output writes that JSON to a file too.
+line; --output_dir writes that JSON to DIR/uov.json too.
 """
 
 from __future__ import annotations
 
-import argparse
 import math
 import os
 from collections.abc import Sequence
@@ -46,18 +45,15 @@ from dataset import prepare_data
 from dataset.retrieval import RetrievalEvalDataset
 from dataset.transforms import test_transform
 from dataset.utils import ImageReadError, resolve_image
+from files import InputFileError, set_trust_checkpoint
 from models.pretrain import ALBEF_Base
-from tools.checkpoint_tool import (
-    checkpoint_parser,
-    load_pretrain_checkpoint,
-    resolve_device,
-    run_cli,
-    write_record,
-)
-from torch_files import set_trust_checkpoint
-from training.config import ConfigError, load_config, require_keys
+from tools.cli import checkpoint_parser, emit_record, resolve_device, tool_config
+from tools.pretrain_checkpoint import load_pretrain_checkpoint
+from training.cli import Parser, run_main
+from training.config import TaskConfig
+from training.config_files import ConfigError
 
-__all__ = ["CaptionFileError", "blank_image", "cli", "default_captions_file", "format_table",
+__all__ = ["CaptionFileError", "blank_image", "build_parser", "default_captions_file", "format_table",
            "load_captions", "main", "masked_positions", "usage_of_vision"]
 
 CAPTIONS_FILE_NAME = "retrieval_test.json"
@@ -65,7 +61,7 @@ TOP_K = (1, 5)
 BLANK_IMAGE = "constant image of the ALBEF_MEAN colour (all zeros after normalisation)"
 
 
-class CaptionFileError(ValueError):
+class CaptionFileError(InputFileError):
     """A caption file is malformed or names an image that cannot be read; the message names the file."""
 
 
@@ -222,11 +218,11 @@ def load_captions(path: str, image_root: str, image_res: int, max_words: int = 3
     limit keeps the first `limit` images and all of their captions. Every image file must exist;
     FileNotFoundError for a missing json file, CaptionFileError (naming the file) for anything else.
     """
+    if not os.path.isfile(path):
+        raise FileNotFoundError(f"caption file not found: {path}")
     try:
         dataset = RetrievalEvalDataset(path, test_transform(int(image_res)), image_root, max_words)
-    except FileNotFoundError:
-        raise FileNotFoundError(f"caption file not found: {path}") from None
-    except ValueError as err:
+    except ValueError as err:  # files.InputFileError (a ValueError) naming the file and entry
         raise CaptionFileError(str(err)) from None
     n_images = len(dataset) if limit is None else min(limit, len(dataset))
     if n_images == 0:
@@ -244,9 +240,9 @@ def load_captions(path: str, image_root: str, image_res: int, max_words: int = 3
     return _ImageFiles(dataset, n_images), dataset.text[:n_texts], image_index
 
 
-def default_captions_file(config: dict, config_path: str = "config") -> str:
+def default_captions_file(config: TaskConfig, config_path: str = "config") -> str:
     """<synthetic_root>/retrieval_test.json for a config that names synthetic_root; else ConfigError."""
-    root = config.get("synthetic_root")
+    root = config.synthetic_root
     if not root:
         raise ConfigError(f"--captions is required: {config_path} names no synthetic_root "
                           f"(whose {CAPTIONS_FILE_NAME} would be the default)")
@@ -270,19 +266,19 @@ def format_table(result: dict) -> str:
     return "\n".join("  ".join(cell.rjust(w) for cell, w in zip(r, widths)) for r in [head, *rows])
 
 
-def build_parser() -> argparse.ArgumentParser:
+def build_parser() -> Parser:
     """The UoV command line."""
-    p = checkpoint_parser("python -m tools.uov", __doc__.splitlines()[0],
-                          "the YAML config the checkpoint was trained with",
-                          "weights to evaluate (.pth, raw or under 'model')")
+    p = checkpoint_parser("tools.uov", __doc__.splitlines()[0],
+                          "the pre-training YAML config the checkpoint was trained with",
+                          "weights to evaluate (.pth, raw or under 'model')", "uov.json (the printed record)")
     p.add_argument("--probs", type=float, nargs="+", default=[0.15, 0.35, 0.5, 0.75],
                    help="masking probabilities in (0, 1] (default: 0.15 0.35 0.5 0.75)")
     p.add_argument("--captions", default=None,
                    help=f"retrieval-format json list (default: <synthetic_root>/{CAPTIONS_FILE_NAME})")
-    p.add_argument("--output", default=None, help="also write the result JSON to this file")
-    p.add_argument("--batch_size", type=int, default=256, help="captions per fusion pass")
-    p.add_argument("--limit", type=int, default=None, help="only the first N images (all their captions)")
-    p.add_argument("--seed", type=int, default=0, help="seed of the masked-position draws")
+    p.add_argument("--batch_size", type=int, default=256, help="captions per fusion pass (default: 256)")
+    p.add_argument("--limit", type=int, default=None,
+                   help="only the first N images, all their captions (default: all)")
+    p.add_argument("--seed", type=int, default=0, help="seed of the masked-position draws (default: 0)")
     return p
 
 
@@ -290,8 +286,8 @@ def main(argv: Sequence[str] | None = None) -> dict:
     """Run UoV from the command line; returns the result record that is printed as JSON."""
     args = build_parser().parse_args(argv)
     set_trust_checkpoint(args.trust_checkpoint)  # set on every call: no leak between in-process runs
-    config = load_config(args.config, args.set)
-    require_keys(config, ("image_res",), args.config)
+    # UoV reads no training data: the config's data paths need not exist.
+    config = tool_config("pretrain", args)
     if args.batch_size < 1 or (args.limit is not None and args.limit < 1):
         raise ConfigError("--batch_size and --limit must be >= 1")
     bad = [p for p in args.probs if not (math.isfinite(p) and 0.0 < p <= 1.0)]
@@ -301,14 +297,14 @@ def main(argv: Sequence[str] | None = None) -> dict:
 
     prepare_data(config)  # generates the synthetic data, whose folder holds the default caption file
     captions_file = args.captions or default_captions_file(config, args.config)
-    image_root = str(config.get("image_root") or "")
-    images, captions, image_index = load_captions(captions_file, image_root, int(config["image_res"]),
-                                                  int(config.get("max_words", 30)), args.limit)
+    image_root = config.image_root or ""
+    images, captions, image_index = load_captions(captions_file, image_root, config.image_res,
+                                                  config.max_words, args.limit)
 
     model, tokenizer = load_pretrain_checkpoint(config, args.checkpoint, device)
     # The collate's tokenizer call (dataset/collate.py), so tokens match pre-training's.
-    text = tokenizer(captions, padding="longest", truncation=True,
-                     max_length=int(config.get("max_tokens", 40)), return_tensors="pt")
+    text = tokenizer(captions, padding="longest", truncation=True, max_length=config.max_tokens,
+                     return_tensors="pt")
 
     try:
         result = usage_of_vision(model, images, text.input_ids, text.attention_mask, args.probs,
@@ -319,14 +315,8 @@ def main(argv: Sequence[str] | None = None) -> dict:
     record = {"captions_file": captions_file, "checkpoint": args.checkpoint, "images": len(images),
               "blank_image": BLANK_IMAGE, **result}
     print(format_table(result))
-    write_record(record, args.output)
-    return record
-
-
-def cli(argv: Sequence[str] | None = None) -> None:
-    """main(argv); a bad config or caption file or a missing file ends in a one-line error (exit 2)."""
-    run_cli(main, (ConfigError, FileNotFoundError, CaptionFileError), argv)
+    return emit_record(record, args.output_dir, "uov")
 
 
 if __name__ == "__main__":
-    cli()
+    run_main(main)

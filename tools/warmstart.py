@@ -1,6 +1,6 @@
 """Warm-start indices for GRIT's first epoch (paper S.M. C.3): group the data set with a trained model.
 
-    python -m tools.warmstart --config configs/tiny/Pretrain.yaml --checkpoint CKPT --output warmstart.pt \
+    python -m tools.warmstart --config configs/tiny/Pretrain.yaml --checkpoint CKPT --output_dir DIR \
         [--device cpu] [--batch_size 256] [--seed S] [--set key=value ...]
 
 GRIT groups epoch e+1 by the features it collected in epoch e, so epoch 0 is random. With a model
@@ -8,20 +8,22 @@ that is already trained (the paper used ALBEF_Base50 after one epoch), one no-gr
 uni-modal encoders over the whole pre-training set gives the features to group epoch 0 as well.
 The pass feeds GRIT's own collector (grit.GritCollector: queues of grit.queue_size, example shuffle,
 sub-queues of grit.search_space, greedy_chain) with the data set in a seeded random order, exactly as
-training feeds it, and writes the resulting G: a 1-D int64 tensor holding every dataset index once, in
-grouped order. Point grit.warmstart_indices at the file; GritSampler composes epoch 0 from it as it
-composes any later epoch from the G of the one before (cut into chunks of batch_size, shuffled).
+training feeds it, and writes the resulting G to DIR/warmstart_indices.pt: a 1-D int64 tensor holding every
+dataset index once, in grouped order. Point grit.warmstart_indices at the file; GritSampler composes epoch
+0 from it as it composes any later epoch from the G of the one before (cut into chunks of batch_size,
+shuffled). The config's grit block gives the sizes, as for a run with GRIT on, even where it is off.
 
 The pass is deterministic for a seed: eval mode, the test transform (resize, no random crop), one
 caption per entry drawn by a seeded `random`. --batch_size only sets the pass's throughput: the
 collector's result depends on the order of the examples, not on how they are batched. Prints one JSON
-line: the number of indices, the mean hardest in-batch negative cosine similarity of the grouped
-batches of the config's batch_size and of the same indices in a random order, and the seconds taken.
+line, also written to DIR/warmstart.json: the index file, the number of indices, the mean hardest in-batch
+negative cosine similarity of the grouped batches of the config's batch_size and of the same indices in a
+random order, and the seconds taken.
 """
 
 from __future__ import annotations
 
-import argparse
+import dataclasses
 import os
 import random
 import sys
@@ -34,22 +36,22 @@ from torch.utils.data import DataLoader
 
 from dataset import ImageTextCollate, PretrainDataset, create_dataset, prepare_data
 from dataset.transforms import test_transform
-from grit import GritCollector, parse_grit_config
+from files import set_trust_checkpoint
+from grit import GritCollector
 from models.false_negatives import caption_keys, false_negative_mask
 from models.objectives import hardest_negative_similarity
 from models.pretrain import ALBEF_Base
 from models.tokenization import build_tokenizer
-from tools.checkpoint_tool import (
-    checkpoint_parser,
-    load_pretrain_checkpoint,
-    resolve_device,
-    run_cli,
-    write_record,
-)
-from torch_files import set_trust_checkpoint
-from training.config import ConfigError, load_config, require_keys, to_plain
+from tools.cli import checkpoint_parser, emit_record, resolve_device, tool_config
+from tools.pretrain_checkpoint import load_pretrain_checkpoint
+from training.cli import Parser, run_main
+from training.config import PretrainConfig
+from training.config_files import ConfigError
 
-__all__ = ["batch_hardness", "build_parser", "cli", "encode_batches", "group_features", "main"]
+__all__ = ["INDICES_FILE", "batch_hardness", "build_parser", "encode_batches", "grit_config",
+           "group_features", "main"]
+
+INDICES_FILE = "warmstart_indices.pt"
 
 # One batch of the pass: image_feat (B, d), text_feat (B, d), dataset index (B,), caption key (B,).
 Batch = tuple[Tensor, Tensor, Tensor, Tensor]
@@ -69,9 +71,9 @@ def encode_batches(model: ALBEF_Base, dataset: PretrainDataset, collate: ImageTe
     was_training = model.training
     model.eval()
     try:
-        for image, text, idx in loader:
-            text = text.to(device)
-            image_feat, text_feat = model.unimodal_features(image.to(device), text)
+        for batch in loader:
+            text, idx = batch.text.to(device), batch.ids
+            image_feat, text_feat = model.unimodal_features(batch.image.to(device), text)
             # The training guard's caption key (padding zeroed), so the hardness skips the same pairs.
             keys = caption_keys(text.input_ids.masked_fill(text.attention_mask == 0, 0))
             yield image_feat, text_feat, idx.to(device), keys
@@ -125,15 +127,28 @@ def batch_hardness(image_feat: Tensor, text_feat: Tensor, order: Tensor, batch_s
 # ----------------------------------------------------------------------------------------------
 
 
-def build_parser() -> argparse.ArgumentParser:
+def build_parser() -> Parser:
     """The tool's command line."""
-    p = checkpoint_parser("python -m tools.warmstart", __doc__.splitlines()[0],
+    p = checkpoint_parser("tools.warmstart", __doc__.splitlines()[0],
                           "the pre-training YAML config (data, model, grit block)",
-                          "trained weights (.pth, raw or under 'model')")
-    p.add_argument("--output", required=True, help="where to write the index array (.pt)")
-    p.add_argument("--batch_size", type=int, default=256, help="examples per encoder pass (throughput only)")
-    p.add_argument("--seed", type=int, default=None, help="overrides config key seed")
+                          "trained weights (.pth, raw or under 'model')",
+                          f"{INDICES_FILE} (point grit.warmstart_indices at it) and warmstart.json (the "
+                          "printed record)", output_required=True)
+    p.add_argument("--batch_size", type=int, default=256,
+                   help="examples per encoder pass, throughput only (default: 256)")
+    p.add_argument("--seed", type=int, default=None, help="sets config key seed")
     return p
+
+
+def grit_config(config: PretrainConfig) -> PretrainConfig:
+    """The config with GRIT on (the grouping needs its sizes even where the config turns it off);
+    ConfigError when its sizes break GRIT's rules."""
+    config = dataclasses.replace(config, grit=dataclasses.replace(config.grit, enabled=True))
+    problems = config.grit.problems(config.batch_size)
+    if problems:
+        raise ConfigError("the grit block cannot group (tools.warmstart groups as with GRIT on): "
+                          + "; ".join(problems))
+    return config
 
 
 def main(argv: Sequence[str] | None = None) -> dict:
@@ -143,17 +158,11 @@ def main(argv: Sequence[str] | None = None) -> dict:
     # Fail on a bad path before minutes of data loading and model building.
     if not os.path.isfile(args.checkpoint):
         raise FileNotFoundError(f"--checkpoint: no such file: {args.checkpoint}")
-    config = load_config(args.config, args.set)
-    require_keys(config, ("train_file", "image_res", "embed_dim", "batch_size", "grit"), args.config)
     if args.batch_size < 1:
         raise ConfigError("--batch_size must be >= 1")
-    seed = int(args.seed if args.seed is not None else config.get("seed", 42))
-    batch_size = int(config["batch_size"])
-    try:
-        # Sizes are checked as for an enabled GRIT: the file is only read when it is enabled.
-        grit = parse_grit_config(dict(to_plain(config["grit"]), enabled=True), batch_size)
-    except ValueError as err:
-        raise ConfigError(f"{args.config}: {err}") from None
+    # The pass reads the training data: its paths must exist (or be the synthetic world, made below).
+    config = grit_config(tool_config("pretrain", args, {"seed": args.seed}, check_paths=True))
+    seed, batch_size = config.seed, config.batch_size
     device = resolve_device(args.device)
     t0 = time.perf_counter()
 
@@ -161,13 +170,13 @@ def main(argv: Sequence[str] | None = None) -> dict:
     tokenizer = build_tokenizer(config)
     dataset = create_dataset("pretrain", config)
     # The features should describe the example, not one random crop of it.
-    dataset.transform = test_transform(int(config["image_res"]))
-    collate = ImageTextCollate(tokenizer, int(config.get("max_tokens", 40)))
-    D, dim = len(dataset), int(config["embed_dim"])
+    dataset.transform = test_transform(config.image_res)
+    collate = ImageTextCollate(tokenizer, config.max_tokens)
+    D, dim = len(dataset), config.embed_dim
     if D < batch_size:
         raise ConfigError(f"the data set has {D} examples, fewer than one batch of {batch_size}")
 
-    model, _ = load_pretrain_checkpoint(config, args.checkpoint, device, seed=seed, log=sys.stderr)
+    model, _ = load_pretrain_checkpoint(config, args.checkpoint, device, log=sys.stderr)
 
     random.seed(seed)  # list captions: one seeded draw per entry (num_workers 0; workers seed from it)
     gen = torch.Generator().manual_seed(seed)
@@ -188,21 +197,21 @@ def main(argv: Sequence[str] | None = None) -> dict:
             yield image_feat, text_feat, idx, keys
 
     batches = encode_batches(model, dataset, collate, order.tolist(), args.batch_size, device,
-                             num_workers=int(config.get("num_workers", 0)), seed=seed)
-    G = group_features(recorded(batches), D, dim, queue_size=grit["queue_size"],
-                       search_space=grit["search_space"], example_shuffle=grit["example_shuffle"],
-                       seed=seed, device=device)
+                             num_workers=config.num_workers, seed=seed)
+    grit = config.grit
+    G = group_features(recorded(batches), D, dim, queue_size=grit.queue_size, search_space=grit.search_space,
+                       example_shuffle=grit.example_shuffle, seed=seed, device=device)
     seconds = time.perf_counter() - t0
 
-    out_dir = os.path.dirname(os.path.abspath(args.output))
-    os.makedirs(out_dir, exist_ok=True)
-    torch.save(G.long().contiguous(), args.output)
+    os.makedirs(args.output_dir, exist_ok=True)
+    indices_file = os.path.join(args.output_dir, INDICES_FILE)
+    torch.save(G.long().contiguous(), indices_file)
 
-    guard = bool(config.get("guard_false_negatives", False))
+    guard = config.guard_false_negatives
     keys = (torch.as_tensor(dataset.image_keys, dtype=torch.long), text_keys) if guard else (None, None)
     random_order = G[torch.randperm(G.numel(), generator=gen)]
     record = {
-        "output": args.output,
+        "warmstart_indices": indices_file,
         "checkpoint": args.checkpoint,
         "indices": int(G.numel()),
         "dataset_len": D,
@@ -212,14 +221,8 @@ def main(argv: Sequence[str] | None = None) -> dict:
         "guard_false_negatives": guard,
         "seconds": round(seconds, 3),
     }
-    write_record(record, None)
-    return record
-
-
-def cli(argv: Sequence[str] | None = None) -> None:
-    """main(argv); a bad config, a missing file or unusable features end in a one-line error (exit 2)."""
-    run_cli(main, (ConfigError, FileNotFoundError, ValueError), argv)
+    return emit_record(record, args.output_dir, "warmstart")
 
 
 if __name__ == "__main__":
-    cli()
+    run_main(main)

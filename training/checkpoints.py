@@ -21,8 +21,8 @@ import torch
 from torch import nn
 from torch.distributed.optim import ZeroRedundancyOptimizer
 
-from torch_files import load_torch_file
-from training.config import atomic_write_text, to_plain
+from files import InputFileError, load_torch_file
+from training.config_files import atomic_write_text, to_plain
 from training.distributed import get_world_size, is_dist, is_main_process, print_main
 from training.reproducibility import reseed, rng_state, set_rng_state
 
@@ -118,20 +118,23 @@ def resolve_resume(resume: str | None, output_dir: str | None) -> str | None:
     if resume is None:
         return None
     if resume == 'latest':
-        return find_latest_checkpoint(output_dir) if output_dir else None
+        found = find_latest_checkpoint(output_dir) if output_dir else None
+        if found is None:  # how an elastic restart's first attempt begins: not an error
+            print_main(f'--resume: no checkpoint in {output_dir} yet: starting fresh')
+        return found
     if not os.path.isfile(resume):
-        raise FileNotFoundError(f'--resume checkpoint not found: {resume}')
+        raise InputFileError(f'--resume checkpoint not found: {resume}')
     return resume
 
 
 def load_checkpoint(path: str | os.PathLike) -> dict:
-    """A checkpoint dict (weights-only unless --trust-checkpoint) with clear errors for missing/bad files."""
+    """A checkpoint dict (weights-only unless --trust_checkpoint) with clear errors for missing/bad files."""
     path = str(path)
     if not os.path.isfile(path):
-        raise FileNotFoundError(f'checkpoint not found: {path}')
+        raise InputFileError(f'checkpoint not found: {path}')
     state = load_torch_file(path)
     if not isinstance(state, dict):
-        raise ValueError(f'checkpoint {path} holds a {type(state).__name__}, expected a dict')
+        raise InputFileError(f'checkpoint {path} holds a {type(state).__name__}, not a checkpoint dict')
     return state
 
 

@@ -1,9 +1,12 @@
-"""The command line and the start every task script shares.
+"""The command line every script and tool shares: one flag style, one error line, one start.
 
-build_parser / parse_args: the flags of all scripts (--config, --output_dir, --checkpoint, --resume,
---evaluate, --device, --seed, --set, the launcher's --local_rank); start(): parse, config, required
-keys, validation against the task's schema, distributed init, deterministic kernels, seed; run_main():
-config errors end in an `error: ...` message, not a traceback.
+Parser: argparse with ALBEF's flag style (`--output_dir`); each `--a_b` flag also answers to `--a-b`,
+and a usage mistake ends in one `error: ...` line (exit 2) instead of argparse's usage block.
+script_parser: the task scripts' flags. start(): parse, resolve the typed config (training.config_resolve),
+--print_config, process group, deterministic kernels, seed. run_main(): a user's mistake (config, flag,
+data file, checkpoint) ends in one `error:` line and exit 2, a run stopped for bad data or diverging
+steps in one line and exit 1; nothing is written to output_dir before start() and the data and model
+checks pass (the trainer creates it).
 """
 
 from __future__ import annotations
@@ -11,100 +14,124 @@ from __future__ import annotations
 import argparse
 import os
 import sys
-from collections.abc import Callable, Iterable, Mapping, Sequence
-from typing import Any
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any, NoReturn
 
-from ruamel.yaml.comments import CommentedMap
-
-from torch_files import TRUST_FLAG, UntrustedCheckpointError, set_trust_checkpoint
+from files import TRUST_FLAG, InputFileError, set_trust_checkpoint
 from training.bad_samples import TooManyBadSamples
-from training.config import ConfigError, require_keys
+from training.config import TaskConfig
+from training.config_files import ConfigError
+from training.config_resolve import render_config, resolve_config
 from training.distributed import DistInfo, init_distributed
 from training.reproducibility import seed_everything, use_deterministic_kernels
 from training.step_guard import TooManySkippedSteps
-from training.validation import load_task_config, validate_config
+
+__all__ = ["Parser", "Run", "run_main", "script_parser", "start"]
 
 
-class _Parser(argparse.ArgumentParser):
-    """ArgumentParser that fills --local_rank from the LOCAL_RANK environment variable."""
+class Parser(argparse.ArgumentParser):
+    """ArgumentParser with `--a-b` aliases of every `--a_b` flag and one-line errors (exit 2)."""
+
+    def add_argument(self, *names: str, **kwargs: Any) -> argparse.Action:  # type: ignore[override]
+        """As argparse, plus the hyphenated spelling of every underscored long flag."""
+        aliases = [n.replace("_", "-") for n in names if n.startswith("--") and "_" in n]
+        return super().add_argument(*names, *(a for a in aliases if a not in names), **kwargs)
+
+    def error(self, message: str) -> NoReturn:
+        """One `error:` line naming the flag, then exit 2 (argparse prints its usage block first)."""
+        print(f"error: {message} (see {self.prog} --help)", file=sys.stderr)
+        sys.exit(2)
 
     def parse_known_args(self, args=None, namespace=None):  # type: ignore[override]
         ns, rest = super().parse_known_args(args, namespace)
-        if getattr(ns, 'local_rank', 0) is None:
+        if getattr(ns, "local_rank", 0) is None:
             # torchrun and `launch --use_env` pass the local rank only through the environment.
-            ns.local_rank = int(os.environ.get('LOCAL_RANK', '0'))
+            ns.local_rank = int(os.environ.get("LOCAL_RANK", "0"))
         return ns, rest
 
 
-def build_parser(description: str = '', default_config: str | None = None,
-                 default_output_dir: str | None = None) -> argparse.ArgumentParser:
-    """Parser with the flags shared by all task scripts; scripts may add their own before parsing."""
-    p = _Parser(description=description)
-    p.add_argument('--config', default=default_config, required=default_config is None,
-                   help='YAML config file')
-    p.add_argument('--output_dir', default=default_output_dir,
-                   help='directory for config.yaml, log.txt and checkpoints')
-    p.add_argument('--checkpoint', default=None, help='weights to start from (.pth)')
-    p.add_argument('--resume', nargs='?', const='latest', default=None, metavar='PATH',
-                   help="resume training state from PATH; without PATH: the latest checkpoint in "
-                        "--output_dir (starts fresh if there is none)")
-    p.add_argument('--evaluate', action='store_true', help='evaluate only, no training')
-    p.add_argument(TRUST_FLAG, dest='trust_checkpoint', action='store_true',
-                   help='also load weight files that a weights-only load refuses (they hold pickled '
-                        'objects; unpickling can execute arbitrary code: trusted sources only)')
-    p.add_argument('--text_encoder', default=None,
-                   help='overrides config key text_encoder (HF hub id or local dir)')
-    p.add_argument('--device', default=None,
-                   help='cpu | cuda | cuda:N (default: cuda if available, else cpu)')
-    p.add_argument('--seed', type=int, default=None, help='overrides config key seed')
-    p.add_argument('--set', dest='set', nargs='*', action='extend', default=[], metavar='KEY=VALUE',
-                   help='config overrides; dotted keys reach nested entries, values are YAML '
-                        '(e.g. --set grit.enabled=false optimizer.lr=1e-4 "train_file=[a.json]")')
+def script_parser(script: str, description: str, *, evaluate: str = "", no_evaluate: str = "") -> Parser:
+    """The flags of task script `script` (e.g. 'Retrieval.py'); evaluate: what --evaluate does, or
+    no_evaluate: why the script refuses it and what to run instead (start() raises it)."""
+    p = Parser(prog=f"python {script}", description=description)
+    p.no_evaluate = no_evaluate
+    p.add_argument("--config", required=True, help="YAML config file (see --print_config for every key)")
+    p.add_argument("--output_dir", default=None,
+                   help="required: the run's folder (config.yaml, log.txt, checkpoints); created once the "
+                        "config, data and model checks pass")
+    p.add_argument("--checkpoint", default=None, help="weights to start from (a .pth checkpoint)")
+    p.add_argument("--resume", nargs="?", const="latest", default=None, metavar="PATH",
+                   help="resume the training state from PATH; without PATH: the newest checkpoint in "
+                        "--output_dir (an empty or new --output_dir starts fresh, saying so)")
+    p.add_argument("--evaluate", action="store_true",
+                   help=evaluate or f"refused: {no_evaluate}")
+    p.add_argument(TRUST_FLAG, dest="trust_checkpoint", action="store_true",
+                   help="also load weight files that a weights-only load refuses (they hold pickled objects; "
+                        "unpickling can execute arbitrary code: trusted sources only)")
+    p.add_argument("--text_encoder", default=None, help="sets config key text_encoder (hub id or local dir)")
+    p.add_argument("--device", default=None,
+                   help="cpu | cuda | cuda:N (default: cuda if available, else cpu)")
+    p.add_argument("--seed", type=int, default=None, help="sets config key seed")
+    p.add_argument("--set", dest="set", nargs="*", action="extend", default=[], metavar="KEY=VALUE",
+                   help="config overrides; dotted keys reach into blocks, values are YAML "
+                        "(e.g. --set grit.enabled=false optimizer.lr=1e-4 \"train_file=[a.json]\")")
+    p.add_argument("--print_config", action="store_true",
+                   help="print the resolved config, every key with its meaning, and exit")
     # torch.distributed.launch passes --local_rank (old) or --local-rank (torch >= 2.0).
-    p.add_argument('--local_rank', '--local-rank', dest='local_rank', type=int, default=None,
-                   help=argparse.SUPPRESS)
+    p.add_argument("--local_rank", dest="local_rank", type=int, default=None, help=argparse.SUPPRESS)
     return p
 
 
-def parse_args(argv: Sequence[str] | None = None, description: str = '',
-               parser: argparse.ArgumentParser | None = None) -> argparse.Namespace:
-    """Parse argv (default sys.argv[1:]) with `parser` or a fresh build_parser(description)."""
-    parser = parser if parser is not None else build_parser(description)
+@dataclass
+class Run:
+    """A started script: its parsed flags, typed config and place in the job."""
+
+    args: argparse.Namespace
+    config: TaskConfig
+    info: DistInfo
+
+    @property
+    def device(self) -> Any:
+        """This rank's torch.device."""
+        return self.info.device
+
+
+def start(argv: Sequence[str] | None, parser: Parser, task: str, *,
+          needs_output_dir: Callable[[argparse.Namespace], bool] = lambda args: True) -> Run:
+    """The start of every script: parse argv, resolve and check `task`'s config (keys, types, values,
+    rules, data paths), --print_config (prints and exits), process group, deterministic kernels, seed
+    (seed + rank). Errors are ConfigError, caught by run_main."""
     args = parser.parse_args(argv)
-    if getattr(args, 'local_rank', 0) is None:  # a plain ArgumentParser built by a script
-        args.local_rank = int(os.environ.get('LOCAL_RANK', '0'))
-    return args
+    if args.evaluate and getattr(parser, "no_evaluate", ""):
+        raise ConfigError(f"{parser.prog.removeprefix('python ')} --evaluate: {parser.no_evaluate}")
+    set_trust_checkpoint(args.trust_checkpoint)  # set on every start: no leak between runs in one process
+    # Before the process group, the data and the model: a config mistake costs seconds, not a job start.
+    flags = {"seed": args.seed, "text_encoder": args.text_encoder}
+    config = resolve_config(task, args.config, args.set, flags, check_paths=not args.print_config)
+    if args.print_config:
+        print(render_config(config), end="")
+        sys.exit(0)
+    if not args.output_dir and needs_output_dir(args):
+        parser.error("the following argument is required: --output_dir")
+    info = init_distributed(args.device, args.local_rank)
+    use_deterministic_kernels(config.deterministic)
+    seed_everything(config.seed, info.rank)
+    return Run(args, config, info)
 
 
-def run_main(main: Any, argv: Sequence[str] | None = None) -> None:
-    """Run a script's main(argv); a config or file error ends with its one-line message, not a traceback."""
+# A user's mistake: one line and exit 2. FileNotFoundError is what a missing file raises in library code.
+USER_ERRORS = (ConfigError, InputFileError, FileNotFoundError)
+
+
+def run_main(main: Callable[[Sequence[str] | None], Any], argv: Sequence[str] | None = None) -> None:
+    """Run a script's or tool's main(argv); a user's mistake ends in one `error:` line (exit 2), a run
+    that saved and stopped (too many bad samples or skipped steps) in one line (exit 1)."""
     try:
         main(argv)
-    except (ConfigError, FileNotFoundError, UntrustedCheckpointError) as e:
-        print(f'error: {e}', file=sys.stderr)
+    except USER_ERRORS as e:
+        print(f"error: {e}", file=sys.stderr)
         sys.exit(2)
     except (TooManyBadSamples, TooManySkippedSteps) as e:  # the run saved what it had; say why it stopped
-        print(f'error: {e}', file=sys.stderr)
+        print(f"error: {e}", file=sys.stderr)
         sys.exit(1)
-
-
-def start(argv: Sequence[str] | None, parser: argparse.ArgumentParser | None = None, description: str = '',
-          required: Iterable[str] | Callable[[Mapping], Iterable[str]] = (), *, task: str
-          ) -> tuple[argparse.Namespace, CommentedMap, DistInfo, int]:
-    """The start of every script: parse argv, load the config (with overrides) and validate it against
-    task's schema (training.schema: keys, types, GRIT sizes, data paths), check `required` keys (or
-    required(config)), start the process group, set deterministic kernels, seed this rank.
-
-    Returns (args, config, info, seed); seed is config key `seed` (default 42), this rank uses seed + rank.
-    """
-    args = parse_args(argv, description, parser=parser)
-    set_trust_checkpoint(getattr(args, 'trust_checkpoint', False))  # set on every start: no leak between runs
-    # Before the process group, the data and the model: a config mistake costs seconds, not a job start.
-    config = load_task_config(args, task)
-    require_keys(config, required(config) if callable(required) else required, args.config)
-    validate_config(config, task, args.config, getattr(args, 'set', None) or [])
-    info = init_distributed(args)
-    use_deterministic_kernels(config)
-    seed = int(config.get('seed', 42))
-    seed_everything(seed, info.rank)
-    return args, config, info, seed

@@ -1,267 +1,386 @@
-"""The YAML config: load (comments kept), `--set a.b=value` overrides, required keys, save, plain dicts.
+"""The typed config: every key each task script reads, with its type, default, allowed values and meaning.
 
-ConfigError is the one exception a bad config or override raises; cli.run_main turns it into a
-one-line message. get_max_epoch and schedule_block read the training length and the schedule block.
+This file is the one place a key is defined. A YAML file (with `base:` overlays) and `--set` overrides
+resolve into one frozen dataclass per script at start-up (training.config_resolve): PretrainConfig,
+RetrievalConfig, NLVRConfig, VQAConfig. Code reads attributes (`config.grit.search_space`), never a
+default of its own. A field's type annotation is its type (Literal: the allowed values); key() holds its
+default, its one-line meaning, numeric bounds and whether it names a data file or folder. Rules that
+tie several keys together are each class's problems() method. Keys that only ALBEF's own config files
+carry, and what becomes of them, are in ALBEF_KEYS.
+
+`python Pretrain.py --config FILE --print_config` prints the resolved config with every key's meaning.
 """
 
 from __future__ import annotations
 
-import argparse
-import difflib
-import io
-import os
-from collections.abc import Collection, Iterable, Mapping, MutableMapping, Sequence
-from pathlib import Path
-from typing import Any
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Any, Literal
 
-import numpy as np
-from ruamel.yaml import YAML
-from ruamel.yaml.comments import CommentedMap, CommentedSeq
-from ruamel.yaml.error import YAMLError
-from ruamel.yaml.scalarbool import ScalarBoolean
+from grit.config import option_problems  # the sampler's own rules, asked at start-up
+
+__all__ = ["ALBEF_KEYS", "REQUIRED", "Alias", "TASK_CONFIGS", "Grit", "NLVRConfig", "Optimizer",
+           "PretrainConfig", "RetrievalConfig", "Schedule", "TaskConfig", "VQAConfig", "config_class", "key",
+           "meaning"]
+
+REQUIRED = dataclasses.MISSING
 
 
-class ConfigError(ValueError):
-    """A config file or override is malformed or lacks a key."""
+def key(default: Any = REQUIRED, meaning: str = "", *, low: float | None = None, high: float | None = None,
+        above: float | None = None, path: Literal["file", "dir"] | None = None) -> Any:
+    """A config key: its default (REQUIRED: none), one-line meaning, bounds (low <= v <= high, v > above)
+    and, for a data path, 'file' or 'dir' (checked to exist at start-up)."""
+    metadata = {"meaning": meaning, "low": low, "high": high, "above": above, "path": path}
+    if isinstance(default, (list, dict)):  # a fresh copy per instance
+        return field(default_factory=lambda: type(default)(default), metadata=metadata)
+    return field(default=default, metadata=metadata)
 
 
-def _yaml() -> YAML:
-    """Round-trip YAML (1.2: `1e-4` is a float) that keeps comments and writes `null` explicitly."""
-    y = YAML(typ='rt')
-    y.preserve_quotes = True
-    y.width = 4096  # long lists of json paths stay on one line as written
-    y.representer.add_representer(
-        type(None), lambda r, _: r.represent_scalar('tag:yaml.org,2002:null', 'null'))
-    return y
+def meaning(cls: type, name: str) -> str:
+    """The one-line meaning of key `name` of config class `cls`."""
+    return next(f.metadata.get("meaning", "") for f in dataclasses.fields(cls) if f.name == name)
 
 
-def _flat_keys(node: Any, prefix: str = '') -> list[str]:
-    """All dotted key paths of a nested mapping (mappings only, not list items)."""
-    keys: list[str] = []
-    if isinstance(node, Mapping):
-        for k, v in node.items():
-            path = f'{prefix}{k}'
-            keys.append(path)
-            keys.extend(_flat_keys(v, path + '.'))
-    return keys
+# ------------------------------------------------------------------------------------------ blocks
 
 
-def unknown_key_message(key: str, candidates: Iterable[str]) -> str:
-    """"unknown config key 'key'", with the closest of `candidates` (difflib) as a hint."""
-    close = difflib.get_close_matches(key, list(candidates), n=1, cutoff=0.6)
-    hint = f" (did you mean '{close[0]}'?)" if close else ''
-    return f"unknown config key '{key}'{hint}"
+@dataclass(frozen=True, kw_only=True)
+class Optimizer:
+    """The `optimizer` block (training.optimizer.build_optimizer)."""
+
+    opt: Literal["adamW", "adamw", "AdamW"] = key("adamW", "AdamW, as ALBEF (the only optimizer here)")
+    lr: float = key(REQUIRED, "peak learning rate", above=0)
+    weight_decay: float = key(0.0, "AdamW weight decay; norms, biases, embeddings, cls/pos tokens and temp "
+                                   "get none", low=0)
+    betas: list[float] = key([0.9, 0.999], "AdamW betas (two numbers)")
+    eps: float = key(1e-8, "AdamW epsilon", above=0)
+
+    def problems(self) -> list[str]:
+        """Rules that tie this block's keys together."""
+        return [] if len(self.betas) == 2 else [f"optimizer.betas must hold two numbers, got {self.betas}"]
 
 
-def _unknown_key(key: str, candidates: Iterable[str], source: str) -> ConfigError:
-    return ConfigError(f'{unknown_key_message(key, candidates)} in {source}')
+@dataclass(frozen=True, kw_only=True)
+class Schedule:
+    """The `schedular` block (ALBEF's spelling; `scheduler` is read as it): warm-up, then per-epoch cosine."""
+
+    sched: Literal["cosine"] = key("cosine", "the schedule: the authors' per-epoch cosine")
+    lr: float | None = key(None, "peak rate; must equal optimizer.lr (null: optimizer.lr)", above=0)
+    epochs: int = key(REQUIRED, "cosine horizon in epochs (the paper: 30, while training stops at "
+                                "max_epoch 20)", low=1)
+    min_lr: float = key(0.0, "rate at the end of the horizon", low=0)
+    warmup_lr: float | None = key(None, "rate of the first warm-up step (null: min_lr)", low=0)
+    warmup_steps: int = key(0, "optimiser steps of linear warm-up from warmup_lr to lr (ALBEF pre-training: "
+                               "2000)", low=0)
+    decay_rate: float | None = key(None, "ALBEF's; no effect on a one-cycle cosine, in ALBEF either: ignored")
+    cooldown_epochs: float | None = key(None, "ALBEF's; its training loop never runs them either: ignored")
+
+    def problems(self) -> list[str]:
+        """Rules that tie this block's keys together."""
+        return []
 
 
-def _walk(config: Any, key: str, source: str, known: Collection[str] = ()) -> tuple[Any, str | int]:
-    """Return (container, last_key) for dotted `key`; every part must already exist."""
-    parts = key.split('.')
-    node = config
-    for i, part in enumerate(parts):
-        is_last = i == len(parts) - 1
-        if isinstance(node, Mapping) and part in node:
-            sel: str | int = part
-        elif isinstance(node, list) and part.lstrip('-').isdigit() and -len(node) <= int(part) < len(node):
-            sel = int(part)
-        else:
-            raise _unknown_key(key, known or _flat_keys(config), source)
-        if is_last:
-            return node, sel
-        node = node[sel]
-    raise _unknown_key(key, known or _flat_keys(config), source)  # empty key
+@dataclass(frozen=True, kw_only=True)
+class Grit:
+    """The `grit` block (grit.GritSampler; paper Sec. 4.1, S.M. Algorithms 1-2). `grit: null` = GRIT off."""
+
+    enabled: bool = key(True, "false: random batches (DistributedSampler's permutation), the ALBEF baseline")
+    queue_size: int | None = key(None, "L: examples collected before a grouping; null only while GRIT is off",
+                                 low=1)
+    search_space: int | None = key(None, "M: sub-queue size a group is searched in (>= batch_size); null "
+                                         "only while GRIT is off", low=1)
+    example_shuffle: bool = key(True, "phase 2: shuffle a full queue before splitting it into sub-queues")
+    batch_shuffle: bool = key(True, "phase 4: shuffle the order of the next epoch's groups")
+    mode: Literal["concurrent", "naive"] = key("concurrent", "concurrent: group from the features collected "
+                                                             "while training; naive: an extra no-grad pass "
+                                                             "per epoch (Remark 2)")
+    warmstart_indices: str | None = key(None, "index array G for the first epoch (tools.warmstart); null: a "
+                                              "random first epoch", path="file")
+    shard_grouping: bool = key(True, "with W ranks, rank r chains every W-th sub-queue and the chains are "
+                                     "all-gathered (the same G everywhere, W times less work each)")
+
+    def problems(self, batch_size: int) -> list[str]:
+        """GRIT's size rules (grit.config.option_problems), when it is on: batch_size <= search_space <=
+        queue_size."""
+        return option_problems(batch_size=batch_size, enabled=self.enabled, queue_size=self.queue_size,
+                               search_space=self.search_space, mode=self.mode)
+
+    def sampler_options(self) -> dict[str, Any]:
+        """The block as grit.GritSampler's keyword arguments."""
+        return {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
 
 
-def _make_path(config: MutableMapping, key: str, source: str) -> tuple[MutableMapping, str]:
-    """Return (container, last_key) for dotted `key`, creating missing (or null) mappings on the way."""
-    *parents, last = key.split('.')
-    node = config
-    for i, part in enumerate(parents):
-        if node.get(part) is None:
-            node[part] = CommentedMap()
-        node = node[part]
-        if not isinstance(node, MutableMapping):
-            parent = '.'.join(parents[:i + 1])
-            raise ConfigError(f"cannot set '{key}' in {source}: '{parent}' is not a mapping")
-    return node, last
+# ------------------------------------------------------------------------------------------ tasks
 
 
-def parse_yaml_value(text: str) -> Any:
-    """Parse an override value as YAML 1.2: 'false', '1e-4' (float), '[a, b]' (list), 'null' (None)."""
-    try:
-        return _yaml().load(text)
-    except YAMLError as e:
-        raise ConfigError(f'cannot parse override value {text!r} as YAML: {e}') from e
+@dataclass(frozen=True, kw_only=True)
+class TaskConfig:
+    """Keys every script reads: data and transforms, tokenizer and encoders, optimisation, the run."""
+
+    # --- data (dataset.create_dataset) -----------------------------------------------------------------
+    train_file: str | list[str] = key(REQUIRED, "json list(s) of training entries (ALBEF's format)",
+                                      path="file")
+    image_root: str | None = key(None, "folder the json image paths are relative to; null or '': used as "
+                                       "they are", path="dir")
+    synthetic_root: str | None = key(None, "where the built-in synthetic world is generated on first use "
+                                           "(its files need not exist yet)")
+    max_words: int = key(30, "captions and questions are cleaned as ALBEF's pre_caption and cut to this many "
+                             "words", low=1)
+    max_tokens: int = key(40, "tokenizer truncation (ALBEF: 25-30)", low=2)
+    hflip: bool = key(True, "random horizontal flip (ALBEF); false for captions that name left and right")
+    randaugment: bool = key(True, "RandAugment(2, 7) over ALBEF's operations, without colour changes")
+    crop_scale: list[float] = key([0.5, 1.0], "RandomResizedCrop scale range (ALBEF: 0.5-1 fine-tuning, "
+                                              "0.2-1 pre-training)")
+    num_workers: int = key(0, "DataLoader worker processes per rank", low=0)
+
+    # --- tokenizer and encoders (models.tokenization, models.vit, models.bert) ---------------------------
+    bert_config: str = key(REQUIRED, "BERT json with ALBEF's fusion_layer and encoder_width", path="file")
+    text_encoder: str | None = key("bert-base-uncased", "BERT weights and tokenizer: a hub id or a local "
+                                                        "directory in the transformers layout (ALBEF's "
+                                                        "default); null: random init")
+    vocab_file: str | None = key(None, "a vocab.txt for the tokenizer instead of text_encoder's", path="file")
+    image_res: int = key(REQUIRED, "image side in pixels (a multiple of patch_size)", low=1)
+    patch_size: int = key(16, "ViT patch side", low=1)
+    vision_stem: Literal["linear", "conv"] = key("linear", "linear: the paper's patch projection; conv: "
+                                                           "stride-2 convolutions (not in the paper)")
+    vision_width: int = key(768, "ViT width (= encoder_width of bert_config)", low=1)
+    vision_depth: int = key(12, "ViT blocks", low=1)
+    vision_heads: int = key(12, "ViT attention heads", low=1)
+    vision_init: str | None = key(None, "ViT start: a timm tag, a weights file, 'synthetic' (the ViT "
+                                        "pre-trained on the synthetic world) or null (random)")
+    vision_drop_path: float = key(0.0, "stochastic depth rate of the ViT", low=0, high=1)
+
+    # --- optimisation (training.optimizer) -------------------------------------------------------------
+    max_epoch: int | None = key(None, "epochs to train (null: schedular.epochs, as ALBEF)", low=1)
+    optimizer: Optimizer = key(REQUIRED, "the optimizer block")
+    schedular: Schedule = key(REQUIRED, "the learning-rate schedule block (ALBEF's spelling)")
+    clip_grad: float | None = key(None, "max gradient norm; null: no clipping", above=0)
+    zero: bool = key(False, "shard the AdamW state over the ranks (ZeRO-1); no effect in one process")
+    fused_adamw: bool | None = key(None, "torch's fused AdamW kernel; null: when every parameter is on CUDA")
+    amp: bool | Literal["bf16"] = key(False, "true: autocast on CUDA (bf16 where supported, else fp16 with "
+                                             "loss scaling); 'bf16': bf16 autocast on any device")
+    grad_checkpointing: bool = key(False, "recompute ViT/BERT activations in backward: less memory, ~30 % "
+                                          "more compute")
+    compile: bool = key(False, "torch.compile the training forward")
+
+    # --- the run (training.trainer) --------------------------------------------------------------------
+    print_freq: int = key(50, "a progress line every this many steps (when not on a terminal)", low=1)
+    checkpoint_every_steps: int = key(0, "also save a checkpoint every this many steps; 0: at epoch ends "
+                                         "only", low=0)
+    max_skipped_steps: int = key(10, "consecutive non-finite-loss steps (each skipped) before the run saves "
+                                     "and stops; 0: never stop", low=0)
+    max_bad_fraction: float = key(0.01, "bad samples (missing or undecodable image, empty text) are skipped "
+                                        "and counted; a larger share of an epoch stops the run",
+                                  low=0, high=1)
+    seed: int = key(42, "random seed; rank r uses seed + r")
+    deterministic: bool = key(False, "torch's deterministic kernels: bitwise-repeatable runs, slower on GPUs")
+
+    task = ""  # the script's name for the config (class attribute, not a key)
+
+    def problems(self) -> list[str]:
+        """Rules that tie several keys together (each a message naming the keys); [] when all hold."""
+        out = self.optimizer.problems() + self.schedular.problems()
+        if self.image_res % self.patch_size:
+            out.append(f"image_res ({self.image_res}) must be a multiple of patch_size ({self.patch_size})")
+        if self.vision_stem == "conv" and (self.patch_size < 2 or self.patch_size & (self.patch_size - 1)):
+            out.append(f"vision_stem 'conv' needs patch_size a power of two >= 2, got {self.patch_size}")
+        low, high = (self.crop_scale + [None, None])[:2]
+        if len(self.crop_scale) != 2 or not 0 < low <= high <= 1:
+            out.append(f"crop_scale must be two numbers 0 < low <= high <= 1, got {self.crop_scale}")
+        if self.vision_init == "synthetic" and not self.synthetic_root:
+            out.append("vision_init 'synthetic' (the ViT pre-trained on the synthetic world) needs "
+                       "synthetic_root; set vision_init to null or to a weights file")
+        if not (self.vocab_file or self.text_encoder):
+            out.append("the tokenizer needs vocab_file or text_encoder; set one of them")
+        if self.schedular.lr is not None and self.schedular.lr != self.optimizer.lr:
+            out.append(f"schedular.lr ({self.schedular.lr}) differs from optimizer.lr ({self.optimizer.lr}); "
+                       "set them equal (or leave schedular.lr out)")
+        return out
+
+    def unread(self) -> set[str]:
+        """Path keys this run never opens, so a stale path there is no error."""
+        return set() if self.grit_on else {"grit.warmstart_indices"}
+
+    @property
+    def grit_on(self) -> bool:
+        """True when this run deals GRIT batches."""
+        grit = getattr(self, "grit", None)
+        return bool(grit is not None and grit.enabled)
+
+    @property
+    def train_files(self) -> list[str]:
+        """train_file as a list."""
+        return [self.train_file] if isinstance(self.train_file, str) else list(self.train_file)
 
 
-BASE_KEY = 'base'
-_MISSING = object()
+@dataclass(frozen=True, kw_only=True)
+class _Objectives:
+    """ITC, ITM and the projections, read by the pre-training and the retrieval models."""
+
+    embed_dim: int = key(256, "ITC projection size", low=1)
+    temp: float = key(0.07, "initial ITC temperature (learnt, clamped to [0.001, 0.5])", above=0)
+    lambda_cons: float = key(0.0, "weight of the consistency loss (paper Eq. 6); GRIT-VLP: 0.2", low=0)
+    itm: bool = key(True, "the ITM objective; false with mlm false: the dual encoder of Table 5 (ranked by "
+                          "ITC alone)")
+    itm_negatives: Literal["hard", "random"] = key("hard", "ITM negatives: hard (mined from the ITC "
+                                                           "similarities of the local batch) or random")
 
 
-def load_config(path: str | os.PathLike, overrides: Sequence[str] | None = None) -> CommentedMap:
-    """Load a YAML config (round-trip: comments kept, acts as a dict), then apply `a.b=value` overrides.
+@dataclass(frozen=True, kw_only=True)
+class PretrainConfig(_Objectives, TaskConfig):
+    """Pretrain.py: ALBEF_Base with ITC(+consistency), ITM_hard and MLM on GRIT batches (paper Eq. 7)."""
 
-    A file with a top-level `base: OTHER.yaml` (relative to the file) is that config with the rest of
-    the file laid over it (configs/ablation/): every key it sets must exist in the base, nested
-    mappings merge key by key, and the result holds no `base` key. Bases may chain.
-    """
-    return _load(str(path), overrides or [], chain=())
+    task = "pretrain"
 
+    crop_scale: list[float] = key([0.2, 1.0], "RandomResizedCrop scale range (ALBEF pre-training: 0.2-1)")
+    itc: bool = key(True, "the ITC objective (hard ITM negatives are mined from its similarities)")
+    mlm: bool = key(True, "the MLM objective")
+    itc_gather: bool = key(False, "ITC over the global batch (all ranks); false: the per-GPU batch, as the "
+                                  "paper (N in Eq. 1)")
+    hard_sampling: Literal["argmax", "multinomial"] = key("argmax", "how a hard negative is picked: argmax "
+                                                                    "(the authors' code) or multinomial "
+                                                                    "(ALBEF)")
+    guard_false_negatives: bool = key(False, "pairs of one image or with identical captions in a batch are "
+                                             "ITC positives, never ITM negatives (not in the paper)")
+    mlm_probability: float = key(0.15, "MLM masking rate (ALBEF: 0.15; GRIT-VLP: 0.5)", above=0, high=1)
+    batch_size: int = key(REQUIRED, "per-rank batch N: one GRIT group per local batch", low=1)
+    grit: Grit = key(Grit(enabled=False), "the GRIT sampler block; null: GRIT off")
 
-def _read_yaml(path: str) -> CommentedMap:
-    if not os.path.isfile(path):
-        raise FileNotFoundError(f'config file not found: {path}')
-    try:
-        with open(path, encoding='utf-8') as f:
-            config = _yaml().load(f)
-    except YAMLError as e:
-        raise ConfigError(f'cannot parse config file {path}: {e}') from e
-    if config is None:
-        config = CommentedMap()
-    if not isinstance(config, Mapping):
-        raise ConfigError(f'config file {path} must hold a mapping at top level, not {type(config).__name__}')
-    return config
-
-
-def _load(path: str, overrides: Sequence[str], chain: tuple[str, ...]) -> CommentedMap:
-    config = _read_yaml(path)
-    if BASE_KEY in config:
-        base_name = config.pop(BASE_KEY)
-        if not isinstance(base_name, str) or not base_name:
-            raise ConfigError(f"config key '{BASE_KEY}' in {path} must be a file path, got {base_name!r}")
-        base_path = os.path.normpath(os.path.join(os.path.dirname(path), base_name))
-        if os.path.abspath(base_path) in chain:
-            raise ConfigError(f"config {path}: '{BASE_KEY}' chain loops back to {base_path}")
-        base = _load(base_path, [], (*chain, os.path.abspath(path)))
-        _lay_over(base, config, source=path)
-        config = base
-    apply_overrides(config, overrides, source=path)
-    return config
+    def problems(self) -> list[str]:
+        """TaskConfig's rules, the objectives' and GRIT's sizes."""
+        out = super().problems() + self.grit.problems(self.batch_size)
+        if not (self.itc or self.itm or self.mlm):
+            out.append("itc, itm and mlm are all false: nothing to train")
+        if self.itm and not self.itc and self.itm_negatives == "hard":
+            out.append("itc false with itm_negatives 'hard': hard ITM negatives are mined from the ITC "
+                       "similarities; set itm_negatives: random or itc: true")
+        return out
 
 
-def _lay_over(base: MutableMapping, top: Mapping, source: str, prefix: str = '') -> None:
-    """Set every key of `top` in `base` (in place); each must exist there; mappings merge recursively."""
-    for key, value in top.items():
-        dotted = f'{prefix}{key}'
-        if key not in base:
-            raise _unknown_key(dotted, _flat_keys(base), f'{source} (not in its base config)')
-        if isinstance(value, Mapping) and isinstance(base[key], MutableMapping):
-            _lay_over(base[key], value, source, prefix=dotted + '.')
-        else:
-            base[key] = value
+@dataclass(frozen=True, kw_only=True)
+class _Finetune:
+    """Evaluation splits and batch sizes of the fine-tuning scripts (training.trainer)."""
+
+    val_file: str | list[str] | None = key(None, "json list(s) of the validation split", path="file")
+    test_file: str | list[str] | None = key(None, "json list(s) of the test split", path="file")
+    batch_size_train: int = key(REQUIRED, "per-rank training batch", low=1)
+    batch_size_test: int = key(64, "per-rank evaluation batch", low=1)
 
 
-def split_override(item: str) -> tuple[str, str]:
-    """'a.b=value' -> ('a.b', 'value'); ConfigError unless it looks like key=value."""
-    key, sep, text = item.partition('=')
-    key = key.strip()
-    if not sep or not key:
-        raise ConfigError(f"override {item!r} must look like key=value (e.g. grit.enabled=false)")
-    return key, text
+@dataclass(frozen=True, kw_only=True)
+class RetrievalConfig(_Objectives, _Finetune, TaskConfig):
+    """Retrieval.py: queue ITC against a momentum encoder + ITM_hard, and recall evaluation (S.M. D)."""
+
+    task = "retrieval"
+
+    hard_sampling: Literal["argmax", "multinomial"] = key(
+        "multinomial", "how a hard negative is picked: multinomial (ALBEF's fine-tuning) or argmax")
+    queue_size: int = key(65536, "momentum feature queue length (ALBEF: 65536)", low=1)
+    momentum: float = key(0.995, "EMA rate of the momentum encoder", low=0, high=1)
+    momentum_init: Literal["initial", "checkpoint"] = key("initial", "momentum encoder start: the initial "
+                                                                     "weights (S.M. D) or the checkpoint's")
+    k_test: int = key(256, "ITC candidates per query that ITM re-ranks", low=1)
+    rerank_pairs: int = key(256, "image-text pairs per ITM re-ranking pass", low=1)
+    text_batch_size: int = key(256, "captions per text-encoder pass in evaluation", low=1)
+    save_rankings: bool = key(True, "write rankings_{val,test}.json (every query's top k with scores)")
+
+    def problems(self) -> list[str]:
+        """TaskConfig's rules and the evaluation splits."""
+        return super().problems() + [f"{k} is required for retrieval" for k in ("val_file", "test_file")
+                                     if not getattr(self, k)]
 
 
-def apply_overrides(config: MutableMapping, overrides: Sequence[str], source: str = 'config',
-                    known: Collection[str] = ()) -> None:
-    """Set each `a.b.c=value` (value parsed as YAML) in place; the key must already exist, or be one of
-    `known` (a schema's dotted keys: set even when the file lacks it); unknown keys are hinted from
-    `known`, else from the config's keys."""
-    for item in overrides:
-        key, text = split_override(item)
-        if key in known and get_key(config, key, _MISSING) is _MISSING:
-            container, last = _make_path(config, key, source)
-        else:
-            container, last = _walk(config, key, source, known)
-        container[last] = parse_yaml_value(text)
+@dataclass(frozen=True, kw_only=True)
+class NLVRConfig(_Finetune, TaskConfig):
+    """NLVR.py: text assignment (stage 1, text_assignment: true), then NLVR2 fine-tuning (S.M. D)."""
+
+    task = "nlvr"
+
+    text_assignment: bool = key(False, "stage 1 on pre-training data: caption -> first image, second image "
+                                       "or neither; false: stage 2, NLVR2 fine-tuning")
+    embed_dim: int = key(256, "size of the stage-1 model's frozen vision_proj (as the pre-training's)", low=1)
+    ta_head: Literal["linear", "mlp"] = key("linear", "stage-1 classifier: linear (the authors' layout) or "
+                                                      "mlp")
+
+    def problems(self) -> list[str]:
+        """TaskConfig's rules; stage 2 needs its evaluation splits."""
+        out = super().problems()
+        if not self.text_assignment:
+            out += [f"{k} is required for NLVR2 fine-tuning (for the text-assignment stage set "
+                    "text_assignment: true)" for k in ("val_file", "test_file") if not getattr(self, k)]
+        return out
+
+    def unread(self) -> set[str]:
+        """Stage 1 has no evaluation split."""
+        return super().unread() | ({"val_file", "test_file"} if self.text_assignment else set())
 
 
-def apply_cli_overrides(config: MutableMapping, args: argparse.Namespace) -> None:
-    """Copy --text_encoder and --seed into config keys text_encoder / seed when given on the command line."""
-    for name in ('text_encoder', 'seed'):
-        value = getattr(args, name, None)
-        if value is not None:
-            config[name] = value
+@dataclass(frozen=True, kw_only=True)
+class VQAConfig(_Finetune, TaskConfig):
+    """VQA.py: fine-tuning with an answer decoder, ranking the answer list (S.M. D, as ALBEF)."""
+
+    task = "vqa"
+
+    batch_size_test: int = key(16, "per-rank evaluation batch", low=1)
+    answer_list: str = key(REQUIRED, "json list of candidate answers", path="file")
+    k_test: int = key(128, "answers re-ranked by full likelihood after the first-token scores", low=1)
+    embed_dim: int = key(256, "not read by VQA (no ITC projection); accepted so a config can mirror the "
+                              "pre-training model's keys", low=1)
+
+    def problems(self) -> list[str]:
+        """TaskConfig's rules; the test split is required (val_file is optional here)."""
+        return super().problems() + ([] if self.test_file else ["test_file is required for VQA"])
 
 
-def config_from_args(args: argparse.Namespace) -> CommentedMap:
-    """load_config(args.config, args.set) followed by apply_cli_overrides (CLI flags win over --set)."""
-    config = load_config(args.config, getattr(args, 'set', None) or [])
-    apply_cli_overrides(config, args)
-    return config
+TASK_CONFIGS: dict[str, type[TaskConfig]] = {c.task: c for c in (PretrainConfig, RetrievalConfig, NLVRConfig,
+                                                                    VQAConfig)}
 
 
-def save_config(config: Mapping, path: str | os.PathLike) -> None:
-    """Write `config` as YAML; a round-trip CommentedMap keeps its comments."""
-    buf = io.StringIO()
-    _yaml().dump(config, buf)
-    atomic_write_text(str(path), buf.getvalue())
+def config_class(task: str) -> type[TaskConfig]:
+    """The config class of task 'pretrain', 'retrieval', 'nlvr' or 'vqa'."""
+    if task not in TASK_CONFIGS:
+        raise ValueError(f"unknown task {task!r}; expected one of {tuple(TASK_CONFIGS)}")
+    return TASK_CONFIGS[task]
 
 
-def get_key(config: Mapping, key: str, default: Any = None) -> Any:
-    """config['a']['b'] for key 'a.b', or `default` when any part is missing."""
-    node: Any = config
-    for part in key.split('.'):
-        if not isinstance(node, Mapping) or part not in node:
-            return default
-        node = node[part]
-    return node
+# Keys only ALBEF's own config files carry: {key: (tasks, what becomes of it)}. An Alias is read as one of
+# our keys; a callable(value) returns None to accept the value (it asks for nothing this code does not do)
+# or the message refusing it. Momentum distillation: the paper uses it in no task (S.M. D), and pre-trains
+# without ALBEF's momentum model and queues (Sec. 3, footnote 1).
 
 
-def require_keys(config: Mapping, keys: Iterable[str], source: str = 'config') -> None:
-    """Raise ConfigError naming the first missing (dotted) key and the config file `source`."""
-    missing = object()
-    for key in keys:
-        if get_key(config, key, missing) is missing:
-            raise ConfigError(f"config key '{key}' is required but missing in {source}")
+@dataclass(frozen=True)
+class Alias:
+    """An ALBEF key read as our key `key`, its value multiplied by `scale`."""
+
+    key: str
+    scale: int = 1
 
 
-def to_plain(obj: Any) -> Any:
-    """Recursively turn ruamel/numpy/argparse containers and scalars into plain Python (weights_only-safe)."""
-    if isinstance(obj, argparse.Namespace):
-        return to_plain(vars(obj))
-    if isinstance(obj, CommentedMap) or type(obj) is dict:  # OrderedDict state dicts keep their type
-        return {to_plain(k): to_plain(v) for k, v in obj.items()}
-    if isinstance(obj, (CommentedSeq, list)):
-        return [to_plain(v) for v in obj]
-    if isinstance(obj, tuple):
-        return tuple(to_plain(v) for v in obj)
-    if isinstance(obj, (bool, ScalarBoolean, np.bool_)):
-        return bool(obj)
-    if isinstance(obj, (int, np.integer)):
-        return int(obj)
-    if isinstance(obj, (float, np.floating)):
-        return float(obj)
-    if isinstance(obj, str):
-        return str(obj)
-    if isinstance(obj, Path):
-        return str(obj)
-    return obj  # tensors, OrderedDict state dicts, None, ...
+_NO_DISTILLATION = ("ALBEF's momentum distillation is not part of GRIT-VLP (paper S.M. D: not used in any "
+                    "downstream task); delete distill, alpha and warm_up (or set distill and warm_up false)")
+_ONE_IMAGE_ROOT = ("is ALBEF's; here every json image path is relative to image_root (or absolute): set "
+                   "image_root and write the paths from there")
+_FINETUNE_TASKS = ("retrieval", "nlvr", "vqa")
 
-
-def get_max_epoch(config: Mapping) -> int:
-    """Training length: top-level `max_epoch`, else schedular.epochs (ALBEF, where horizon = length)."""
-    if 'max_epoch' in config:
-        return int(config['max_epoch'])
-    sched = schedule_block(config)
-    if 'epochs' not in sched:
-        raise ConfigError("config needs 'max_epoch' (or schedular.epochs)")
-    return int(sched['epochs'])
-
-
-def schedule_block(config: Mapping) -> Mapping:
-    """The schedule block: config itself if it has 'sched', else config['schedular'|'scheduler']."""
-    if 'sched' in config:
-        return config
-    for key in ('schedular', 'scheduler'):
-        if key in config:
-            return config[key]
-    raise ConfigError("config has no 'schedular' (or 'scheduler') block")
-
-
-def atomic_write_text(path: str, text: str) -> None:
-    tmp = f'{path}.tmp{os.getpid()}'
-    with open(tmp, 'w', encoding='utf-8') as f:
-        f.write(text)
-    os.replace(tmp, path)
+ALBEF_KEYS: dict[str, tuple[tuple[str, ...], Any]] = {
+    # ALBEF steps its warm-up every 100 iterations of epoch 0 (step_size 100): warmup_epochs x 100 steps.
+    "schedular.warmup_epochs": (tuple(TASK_CONFIGS), Alias("schedular.warmup_steps", 100)),
+    "batch_size": (("nlvr",), Alias("batch_size_train")),  # ALBEF's NLVR scripts train with batch_size
+    "distill": (_FINETUNE_TASKS, lambda v: None if v is False else _NO_DISTILLATION),
+    "warm_up": (_FINETUNE_TASKS, lambda v: None if v is False else _NO_DISTILLATION),
+    "alpha": (tuple(TASK_CONFIGS), lambda v: "alpha weighs ALBEF's momentum distillation, which GRIT-VLP "
+                                             "does not use (paper Sec. 3, S.M. D); delete alpha"),
+    "eval_ema": (("nlvr",), lambda v: None if v is False else "eval_ema needs ALBEF's momentum model, "
+                                                              "which NLVR fine-tuning here does not keep; "
+                                                              "delete it"),
+    "queue_size": (("pretrain",), lambda v: "GRIT-VLP pre-trains without ALBEF's momentum model and "
+                                            "feature queue (paper Sec. 3); delete queue_size (GRIT's own "
+                                            "queue is grit.queue_size)"),
+    "momentum": (("pretrain",), lambda v: "GRIT-VLP pre-trains without ALBEF's momentum model (paper "
+                                          "Sec. 3); delete momentum"),
+    "vqa_root": (("vqa",), lambda v: f"vqa_root {_ONE_IMAGE_ROOT}"),
+    "vg_root": (("vqa",), lambda v: f"vg_root {_ONE_IMAGE_ROOT}"),
+    "eos": (("vqa",), lambda v: None if v == "[SEP]" else f"eos {v!r}: the answer decoder ends every answer "
+                                                          "with [SEP] (ALBEF's eos); delete eos"),
+}

@@ -4,7 +4,6 @@ reductions of logged metrics, and the DDP wrapper. Every function works unchange
 
 from __future__ import annotations
 
-import argparse
 import os
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -13,6 +12,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import nn
+
+from training.config_files import ConfigError
 
 
 @dataclass
@@ -31,31 +32,36 @@ def _resolve_device(name: str | None, local_rank: int, distributed: bool) -> tor
         name = 'cuda' if torch.cuda.is_available() else 'cpu'
     try:
         device = torch.device(name)
-    except RuntimeError as e:
-        raise ValueError(f'--device {name!r} is not a valid device (use cpu, cuda or cuda:N)') from e
+    except RuntimeError:
+        raise ConfigError(f'--device {name!r} is not a valid device (use cpu, cuda or cuda:N)') from None
     if device.type == 'cuda':
         if not torch.cuda.is_available():
-            raise ValueError(f'--device {name} requested but CUDA is not available (use --device cpu)')
+            raise ConfigError(f'--device {name}: CUDA is not available on this machine (use --device cpu)')
+        if device.index is not None and device.index >= torch.cuda.device_count():
+            raise ConfigError(f'--device {name}: this machine has {torch.cuda.device_count()} CUDA device(s)')
         if distributed or device.index is None:
             # one process per GPU: the launcher's local rank picks the GPU
             device = torch.device('cuda', local_rank if distributed else torch.cuda.current_device())
     elif device.type != 'cpu':
-        raise ValueError(f'--device {name!r} is not supported (use cpu, cuda or cuda:N)')
+        raise ConfigError(f'--device {name!r} is not supported (use cpu, cuda or cuda:N)')
     return device
 
 
-def init_distributed(args: argparse.Namespace) -> DistInfo:
-    """Start the process group when launched with WORLD_SIZE > 1 (torchrun / launch), else single process."""
+def init_distributed(device_name: str | None = None, local_rank: int | None = None) -> DistInfo:
+    """Start the process group when launched with WORLD_SIZE > 1 (torchrun / launch), else single process.
+
+    device_name: --device (None: cuda if available, else cpu); local_rank: --local_rank (old launch),
+    else LOCAL_RANK from the environment."""
     world_size = int(os.environ.get('WORLD_SIZE', '1'))
-    local_rank = os.environ.get('LOCAL_RANK')
-    local_rank = int(local_rank) if local_rank is not None else int(getattr(args, 'local_rank', None) or 0)
+    env_rank = os.environ.get('LOCAL_RANK')
+    local_rank = int(env_rank) if env_rank is not None else int(local_rank or 0)
     distributed = world_size > 1
-    device = _resolve_device(getattr(args, 'device', None), local_rank, distributed)
+    device = _resolve_device(device_name, local_rank, distributed)
     if not distributed:
         return DistInfo(rank=0, world_size=1, local_rank=local_rank, device=device, distributed=False)
     if 'RANK' not in os.environ:
-        raise ValueError('WORLD_SIZE > 1 but RANK is not set: launch with torchrun or '
-                         'torch.distributed.launch (which set RANK, MASTER_ADDR and MASTER_PORT)')
+        raise ConfigError('WORLD_SIZE > 1 but RANK is not set: launch with torchrun or '
+                          'torch.distributed.launch (which set RANK, MASTER_ADDR and MASTER_PORT)')
     rank = int(os.environ['RANK'])
     if device.type == 'cuda':
         torch.cuda.set_device(device)

@@ -1,5 +1,5 @@
-"""Data loaders: DataLoader settings shared by all scripts, and the seeded, resumable per-rank sampler
-that fine-tuning uses (pre-training uses grit.GritSampler instead).
+"""Data loaders: DataLoader settings shared by all scripts, the seeded, resumable per-rank sampler that
+fine-tuning uses (pre-training uses grit.GritSampler instead), and the one-global-batch check.
 """
 
 from __future__ import annotations
@@ -10,6 +10,7 @@ from typing import Any
 import torch
 from torch.utils.data import DataLoader, Dataset, DistributedSampler, Sampler
 
+from training.config_files import ConfigError
 from training.distributed import DistInfo
 from training.reproducibility import worker_init_fn
 from training.step_guard import ignore_stop_signals
@@ -22,13 +23,26 @@ def init_worker(worker_id: int) -> None:
 
 
 class ResumableSampler(DistributedSampler):
-    """DistributedSampler for fine-tuning that can start an epoch after `start_batch` batches (resume)."""
+    """DistributedSampler for fine-tuning that can start an epoch after `start_batch` batches (resume),
+    with the interface training.trainer.Task expects of a sampler."""
 
     def __init__(self, *args: Any, batch_size: int, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self.batch_size = batch_size
         self.start_batch = 0
         self.loader_generator = torch.Generator()  # for the DataLoader, see set_epoch
+
+    @property
+    def batches_per_epoch(self) -> int:
+        """Whole batches of a full epoch on this rank (the last partial one is dropped)."""
+        return self.num_samples // self.batch_size
+
+    def state_dict(self) -> dict:
+        """The seed and epoch: the permutation of an epoch follows from them alone."""
+        return {"seed": self.seed, "epoch": self.epoch}
+
+    def load_state_dict(self, state: dict) -> None:
+        """Nothing to restore: set_epoch re-derives the permutation; the trainer sets start_batch."""
 
     def set_epoch(self, epoch: int) -> None:
         super().set_epoch(epoch)
@@ -43,14 +57,11 @@ class ResumableSampler(DistributedSampler):
         return super().__len__() - self.start_batch * self.batch_size
 
 
-def finetune_loader(dataset: Dataset, info: DistInfo, *, seed: int, batch_size: int, num_workers: int,
-                    collate_fn: Any = None) -> tuple[ResumableSampler, DataLoader]:
-    """Seeded, resumable per-rank sampler and its loader for fine-tuning (no GRIT there, as in the paper)."""
-    sampler = ResumableSampler(dataset, num_replicas=info.world_size, rank=info.rank, shuffle=True, seed=seed,
-                               drop_last=True, batch_size=batch_size)
-    loader = create_loader(dataset, sampler, batch_size, num_workers, collate_fn=collate_fn, drop_last=True,
-                           generator=sampler.loader_generator)
-    return sampler, loader
+def finetune_sampler(dataset: Dataset, info: DistInfo, *, seed: int, batch_size: int) -> ResumableSampler:
+    """Seeded, resumable per-rank sampler for fine-tuning (no GRIT there, as in the paper); its
+    loader_generator is the DataLoader's."""
+    return ResumableSampler(dataset, num_replicas=info.world_size, rank=info.rank, shuffle=True, seed=seed,
+                            drop_last=True, batch_size=batch_size)
 
 
 def create_loader(dataset: Dataset, sampler: Sampler | None, batch_size: int, num_workers: int,
@@ -70,3 +81,14 @@ def create_loader(dataset: Dataset, sampler: Sampler | None, batch_size: int, nu
         worker_init_fn=init_worker if num_workers > 0 else None,
         generator=generator,
     )
+
+
+def check_global_batch(n: int, batch_size: int, world_size: int, files: list[str], batch_key: str,
+                       unit: str = "entries") -> None:
+    """ConfigError unless `n` training entries (from `files`) fill one global batch of batch_size (config
+    key `batch_key`) per process x world_size processes; called where a script has loaded its data."""
+    if n < batch_size * world_size:
+        raise ConfigError(
+            f"train_file ({', '.join(files)}) has {n} {unit}, fewer than one global batch: {batch_key} "
+            f"{batch_size} x world size {world_size} = {batch_size * world_size}; lower {batch_key} or use "
+            "fewer processes")

@@ -1,10 +1,9 @@
 """Logging: TrainLogger (per-step metrics kept on the device, progress lines, the epoch means over all
-ranks), log.txt (one JSON line per record) and the run's output directory with its config.yaml.
+ranks) and log.txt (one JSON line per record).
 """
 
 from __future__ import annotations
 
-import argparse
 import datetime
 import json
 import os
@@ -16,7 +15,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from training.config import save_config, to_plain
+from training.config_files import to_plain
 from training.distributed import is_main_process, reduce_sum, stack_values
 
 
@@ -150,13 +149,3 @@ def append_log(output_dir: str | os.PathLike, record: Mapping) -> None:
     with open(os.path.join(str(output_dir), 'log.txt'), 'a', encoding='utf-8') as f:
         f.write(line + '\n')
 
-
-def setup_output_dir(args: argparse.Namespace, config: Mapping) -> str:
-    """Create args.output_dir and write config.yaml there (main process); returns the directory."""
-    output_dir = getattr(args, 'output_dir', None)
-    if not output_dir:
-        raise ValueError('--output_dir is required')
-    if is_main_process():
-        os.makedirs(output_dir, exist_ok=True)
-        save_config(config, os.path.join(output_dir, 'config.yaml'))
-    return str(output_dir)

@@ -6,15 +6,12 @@ ranks with `zero: true`), the authors' warm-up + per-epoch cosine learning rate,
 from __future__ import annotations
 
 import math
-import warnings
-from collections.abc import Mapping
 from typing import Any
 
 import torch
 from torch import nn
 from torch.distributed.optim import ZeroRedundancyOptimizer
 
-from training.config import ConfigError, schedule_block
 from training.distributed import get_world_size, print_main
 
 # Parameters that get no weight decay, matched on dotted-name components: embedding tables and
@@ -45,38 +42,18 @@ def split_decay_params(model: nn.Module) -> tuple[dict[str, nn.Parameter], dict[
     return decay, no_decay
 
 
-def _num(cfg: Mapping, key: str, source: str, default: Any = ...) -> float:
-    """cfg[key] as float; strings such as '1e-4' (YAML 1.1 habit) are accepted."""
-    if key not in cfg:
-        if default is ...:
-            raise ConfigError(f"config key '{source}.{key}' is required")
-        return default
-    value = cfg[key]
-    try:
-        return float(value)
-    except (TypeError, ValueError) as e:
-        raise ConfigError(f"config key '{source}.{key}' must be a number, got {value!r}") from e
 
-
-def build_optimizer(model: nn.Module, config: Mapping, *, zero: bool = False,
+def build_optimizer(model: nn.Module, config: Any, *, zero: bool = False,
                     fused: bool | None = None) -> torch.optim.Optimizer:
     """AdamW over trainable params: weight decay except norms, biases, embeddings, cls/pos tokens and temp.
 
-    config (the `optimizer` block): {opt: adamW, lr, weight_decay, betas: [0.9, 0.999], eps: 1e-8}.
+    config: the `optimizer` block (training.config.Optimizer: lr, weight_decay, betas, eps).
     zero (top-level `zero`): in a multi-process run, a ZeroRedundancyOptimizer over the same groups and
     settings, each rank keeping the AdamW state of its share of the parameters only; a no-op (with a
     notice) in a single process. fused (top-level `fused_adamw`): the fused AdamW kernel; None = when
     every parameter is on CUDA.
     """
-    opt = str(config.get('opt', 'adamW')).lower()
-    if opt != 'adamw':
-        raise ConfigError(f"optimizer.opt {config.get('opt')!r} is not supported (use adamW)")
-    lr = _num(config, 'lr', 'optimizer')
-    wd = _num(config, 'weight_decay', 'optimizer', 0.0)
-    betas = tuple(float(b) for b in config.get('betas', (0.9, 0.999)))
-    if len(betas) != 2:
-        raise ConfigError(f"optimizer.betas must have two values, got {list(betas)}")
-    eps = _num(config, 'eps', 'optimizer', 1e-8)
+    lr, wd, betas, eps = config.lr, config.weight_decay, tuple(config.betas), config.eps
     decay, no_decay = split_decay_params(model)
     groups = [{'params': list(ps.values()), 'weight_decay': w, 'name': n}
               for n, ps, w in (('decay', decay, wd), ('no_decay', no_decay, 0.0)) if ps]
@@ -108,40 +85,27 @@ def schedule_lr(step: int, steps_per_epoch: int, lr: float, epochs: int, min_lr:
     return min_lr + 0.5 * (lr - min_lr) * (1.0 + math.cos(math.pi * epoch / epochs))
 
 
-def build_scheduler(optimizer: torch.optim.Optimizer, config: Mapping,
+def build_scheduler(optimizer: torch.optim.Optimizer, config: Any,
                     steps_per_epoch: int) -> torch.optim.lr_scheduler.LambdaLR:
     """LambdaLR stepped once per optimiser step, implementing the authors' warm-up + per-epoch cosine.
 
-    config: the `schedular` block (ALBEF's spelling; `scheduler` or the whole config also work):
-      sched: cosine, lr, epochs, min_lr (0), warmup_lr (min_lr), warmup_steps (0).
-    `epochs` is the cosine horizon: lr(e) = min_lr + (lr - min_lr)(1 + cos(pi e / epochs)) / 2 for epoch e,
-    constant within an epoch. The paper's pre-training uses a 30-epoch horizon but stops at top-level
-    `max_epoch` = 20 (see get_max_epoch). The first `warmup_steps` optimiser steps ramp linearly from
-    warmup_lr to lr (ALBEF: warmup_epochs 20 x step_size 100 = 2000 steps); if they outlast epoch 0 the
-    ramp continues. After the ramp epoch 0 runs at `lr`. ALBEF keys decay_rate / cooldown_epochs are
-    ignored; warmup_epochs is ignored with a warning (its unit differs between ALBEF scripts).
+    config: the resolved `schedular` block (training.config.Schedule: lr, epochs, min_lr, warmup_lr,
+    warmup_steps). `epochs` is the cosine horizon: for epoch e,
+    lr(e) = min_lr + (lr - min_lr)(1 + cos(pi e / epochs)) / 2, constant within an epoch. The paper's
+    pre-training uses a 30-epoch horizon but stops at max_epoch 20. The first `warmup_steps` optimiser
+    steps ramp linearly from warmup_lr to lr (ALBEF: warmup_epochs 20 x step_size 100 = 2000 steps); if
+    they outlast epoch 0 the ramp continues. After the ramp epoch 0 runs at `lr`. ALBEF's warmup_epochs
+    is read as warmup_steps (x 100, training.config.ALBEF_KEYS); its decay_rate and cooldown_epochs
+    change nothing.
     """
-    cfg = schedule_block(config)
-    sched = str(cfg.get('sched', 'cosine')).lower()
-    if sched != 'cosine':
-        raise ConfigError(f"schedular.sched {cfg.get('sched')!r} is not supported (use cosine)")
     if steps_per_epoch <= 0:
         raise ValueError(f'build_scheduler: steps_per_epoch must be positive, got {steps_per_epoch}')
     base_lr = optimizer.param_groups[0].get('initial_lr', optimizer.param_groups[0]['lr'])
-    lr = _num(cfg, 'lr', 'schedular', base_lr)
+    lr = base_lr if config.lr is None else config.lr
     if not math.isclose(lr, base_lr, rel_tol=1e-9):
-        raise ConfigError(f'schedular.lr ({lr}) differs from the optimizer lr ({base_lr}); set them equal')
-    if lr <= 0:
-        raise ConfigError(f'schedular.lr must be positive, got {lr}')
-    epochs = int(_num(cfg, 'epochs', 'schedular'))
-    if epochs <= 0:
-        raise ConfigError(f'schedular.epochs must be positive, got {epochs}')
-    min_lr = _num(cfg, 'min_lr', 'schedular', 0.0)
-    warmup_lr = _num(cfg, 'warmup_lr', 'schedular', min_lr)
-    warmup_steps = int(_num(cfg, 'warmup_steps', 'schedular', 0))
-    if 'warmup_epochs' in cfg and 'warmup_steps' not in cfg:
-        warnings.warn('schedular.warmup_epochs is ignored; set schedular.warmup_steps (optimiser steps, '
-                      'ALBEF pre-training: 2000)', stacklevel=2)
+        raise ValueError(f'build_scheduler: schedular.lr ({lr}) differs from the optimizer lr ({base_lr})')
+    epochs, min_lr, warmup_steps = config.epochs, config.min_lr, config.warmup_steps
+    warmup_lr = min_lr if config.warmup_lr is None else config.warmup_lr
 
     # A closure (not a callable object) keeps the settings out of state_dict, so a resumed run
     # uses its own config and steps_per_epoch and only restores the step counter.
@@ -151,14 +115,13 @@ def build_scheduler(optimizer: torch.optim.Optimizer, config: Mapping,
     return torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
 
 
-def autocast_dtype(config: Mapping, device: torch.device) -> torch.dtype | None:
-    """Mixed-precision dtype: `amp: true` on CUDA (bf16 where supported, else fp16), `amp: bf16` on any
-    device (the CPU included: tests, benchmarks); None = fp32.
+def autocast_dtype(amp: bool | str | None, device: torch.device) -> torch.dtype | None:
+    """Mixed-precision dtype of config key `amp`: true on CUDA (bf16 where supported, else fp16), 'bf16'
+    on any device (the CPU included: tests, benchmarks); None = fp32.
 
     Under autocast the ITC/ITM/MLM losses and GRIT's features are still computed in fp32
     (models.objectives upcasts the similarities; the models return fp32 features for GRIT).
     """
-    amp = config.get('amp', False)
     if amp not in (True, False, None, 'bf16'):
         raise ValueError(f"config key 'amp' must be true, false or 'bf16', got {amp!r}")
     if amp == 'bf16':
@@ -168,6 +131,6 @@ def autocast_dtype(config: Mapping, device: torch.device) -> torch.dtype | None:
     return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
 
 
-def build_scaler(config: Mapping, device: torch.device) -> torch.amp.GradScaler:
-    """GradScaler, enabled only for fp16 autocast (bf16 and fp32 need no loss scaling)."""
-    return torch.amp.GradScaler(device.type, enabled=autocast_dtype(config, device) == torch.float16)
+def build_scaler(amp: bool | str | None, device: torch.device) -> torch.amp.GradScaler:
+    """GradScaler for config key `amp`, enabled only for fp16 autocast (bf16 and fp32 need no scaling)."""
+    return torch.amp.GradScaler(device.type, enabled=autocast_dtype(amp, device) == torch.float16)

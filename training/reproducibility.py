@@ -21,8 +21,8 @@ def seed_everything(seed: int, rank: int = 0) -> int:
     return s
 
 
-def use_deterministic_kernels(config: Mapping) -> None:
-    """Config key `deterministic` (default false): torch's deterministic kernels, so a run repeats bitwise.
+def use_deterministic_kernels(enabled: bool) -> None:
+    """Config key `deterministic`: torch's deterministic kernels (or not), so a run repeats bitwise.
 
     Without them, the backward of indexing with repeated indices (CPU index_put with accumulate, as in
     NLVR text assignment's `tokens[first]`) sums in a thread-dependent order: two identical tiny text-
@@ -30,7 +30,7 @@ def use_deterministic_kernels(config: Mapping) -> None:
     deterministic kernels are slower; ops that have none only warn (warn_only).
     """
     # Set both ways: the flag is process-wide, and one process may run several configs (tests).
-    torch.use_deterministic_algorithms(bool(config.get('deterministic', False)), warn_only=True)
+    torch.use_deterministic_algorithms(bool(enabled), warn_only=True)
 
 
 def build_on_every_rank(build: Any, seed: int, rank: int) -> Any:

@@ -1,20 +1,22 @@
 """The tiny ViT pre-trained to name the synthetic world's objects: the counterpart of the ImageNet DeiT
-that GRIT-VLP starts from (paper Sec. 5.1). `vision_init: synthetic` in a config names it; it is
-generated on first use, like the synthetic data, once per ViT shape, into synthetic_root.
+that GRIT-VLP starts from (paper Sec. 5.1). A config's `vision_init: synthetic` loads such a file
+(models.vit.synthetic_vit_path names it, one per ViT shape, in synthetic_root); training.inputs.prepare_inputs
+makes it with ensure_synthetic_vit before a script builds its model, tools.vit_pretrain on demand.
 
-The config's ViT (image_res, patch_size, vision_width/depth/heads, vision_stem) is trained from scratch
-with a linear head on its [CLS] token to answer, for every shape of the world, whether it is in the
-image and, if so, its colour and its size (cross-entropy, AdamW, one-cycle schedule). The scenes are
-fresh, drawn from their own random stream and rendered as the synthetic dataset renders them; scenes
-of the dataset's val and test images are never used. `tools.vit_pretrain` is the command line.
+The ViT (built by the caller's `build_encoder`, so that this package needs no models/ import) is trained
+from scratch with a linear head on its [CLS] token to answer, for every shape of the world, whether it is
+in the image and, if so, its colour and its size (cross-entropy, AdamW, one-cycle schedule). The scenes
+are fresh, drawn from their own random stream and rendered as the synthetic dataset renders them; scenes
+of the dataset's val and test images are never used.
 """
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 import time
+from collections.abc import Callable
+from typing import Any
 
 import numpy as np
 import torch
@@ -24,19 +26,16 @@ from torch import Tensor, nn
 from dataset.synthetic import MARKER, ensure_synthetic
 from dataset.synthetic_world import COLOURS, SHAPES, SIZES, Scene, render, sample_scenes
 from dataset.transforms import test_transform
-from models.vit import VIT_DEFAULTS, build_vision_encoder
+from files import read_json
 
-__all__ = ["DEFAULTS", "VIT_KEYS", "attribute_targets", "ensure_synthetic_vit", "fresh_scenes",
-           "pretrain_vit", "save_synthetic_vit", "synthetic_vit_path", "vit_shape"]
+__all__ = ["DEFAULTS", "attribute_targets", "ensure_synthetic_vit", "fresh_scenes", "pretrain_vit",
+           "save_synthetic_vit"]
 
 logger = logging.getLogger(__name__)
 
 # The training recipe of a generated ViT (tools.vit_pretrain's defaults): about 20 s on one CPU thread
 # for the tiny ViT, which then names shape, colour and size of held-out scenes at ~1.0.
 DEFAULTS = {"steps": 600, "batch_size": 32, "lr": 1e-3, "seed": 0}
-# The config keys that shape the ViT; a generated file records them and must match them to be used.
-VIT_KEYS = ("image_res", "patch_size", "vision_width", "vision_depth", "vision_heads", "vision_stem")
-
 
 _COLOURS = list(COLOURS)
 # Head layout: per shape, present (2 logits), colour (len(COLOURS)), size (len(SIZES)).
@@ -63,8 +62,7 @@ def _split_logits(out: Tensor) -> tuple[Tensor, Tensor, Tensor]:
 
 def _eval_scene_keys(root: str) -> set[str]:
     """Keys of the scenes of the dataset's val and test images (never trained on)."""
-    with open(os.path.join(root, "scenes.json"), encoding="utf-8") as f:
-        scenes = json.load(f)
+    scenes = read_json(os.path.join(root, "scenes.json"), "synthetic scene list")
     return {key for path, key in scenes.items() if path.startswith(("images/val/", "images/test/"))}
 
 
@@ -77,7 +75,7 @@ def fresh_scenes(rng: np.random.Generator, n: int, exclude: set[str]) -> list[Sc
 
 
 def _batch(rng: np.random.Generator, n: int, exclude: set[str], image_size: int,
-           transform) -> tuple[Tensor, Tensor]:
+           transform: Callable[[Any], Tensor]) -> tuple[Tensor, Tensor]:
     """n fresh scenes not in `exclude` -> images (n,3,H,W), targets (n,3,S)."""
     scenes = fresh_scenes(rng, n, exclude)
     images = torch.stack([transform(render(sc, rng, image_size)) for sc in scenes])
@@ -101,16 +99,20 @@ def _accuracies(head_out: Tensor, y: Tensor) -> dict[str, Tensor]:
             "size": (size.argmax(-1) == y[:, 2])[there].float().mean()}
 
 
-def pretrain_vit(config: dict, root: str, steps: int, batch_size: int, lr: float, seed: int
-                 ) -> tuple[nn.Module, dict]:
-    """Train the config's ViT + a linear head on attribute naming -> (ViT, held-out accuracies)."""
-    with open(os.path.join(root, MARKER), encoding="utf-8") as f:
-        image_size = int(json.load(f)["image_size"])
+def pretrain_vit(build_encoder: Callable[[], nn.Module], width: int, root: str, *, steps: int,
+                 batch_size: int, lr: float, seed: int, image_res: int) -> tuple[nn.Module, dict[str, float]]:
+    """Train build_encoder()'s ViT (forward_features: (B,3,image_res,image_res) -> (B,1+P,width)) and a
+    linear head on attribute naming, on fresh scenes of the synthetic dataset at `root` -> (the ViT in
+    eval mode, its held-out accuracies).
+
+    The encoder is built right after torch.manual_seed(seed), so its initial weights are the seed's.
+    """
+    image_size = int(read_json(os.path.join(root, MARKER), "synthetic dataset marker")["image_size"])
     exclude = _eval_scene_keys(root)
-    transform = test_transform(int(config["image_res"]))
+    transform = test_transform(image_res)
     torch.manual_seed(seed)
-    vit = build_vision_encoder({**config, "vision_init": None, "grad_checkpointing": False})
-    head = nn.Linear(int(config["vision_width"]), _HEAD)
+    vit = build_encoder()
+    head = nn.Linear(width, _HEAD)
     params = list(vit.parameters()) + list(head.parameters())
     opt = torch.optim.AdamW(params, lr=lr, weight_decay=0.02)
     sched = torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=lr, total_steps=steps)
@@ -130,44 +132,28 @@ def pretrain_vit(config: dict, root: str, steps: int, batch_size: int, lr: float
     return vit, {k: round(float(v), 4) for k, v in hits.items()}
 
 
-def vit_shape(config: dict) -> dict:
-    """The config's ViT-shaping keys (VIT_KEYS) with build_vision_encoder's defaults filled in."""
-    # Plain ints and str: YAML scalars would make the saved file need unpickling.
-    return {k: (str if k == "vision_stem" else int)(config.get(k, VIT_DEFAULTS.get(k))) for k in VIT_KEYS}
-
-
-def save_synthetic_vit(vit: nn.Module, config: dict, accuracy: dict, path: str, recipe: dict) -> None:
-    """Write {'model': state dict, 'vit': its shape, 'recipe', 'held_out_accuracy'} atomically to path."""
+def save_synthetic_vit(vit: nn.Module, shape: dict, accuracy: dict, path: str, recipe: dict) -> None:
+    """Write {'model': state dict, 'vit': its shape record, 'recipe', 'held_out_accuracy'} atomically to
+    path (shape: models.vit.vit_shape of the config, plain ints and str so a weights-only load reads it)."""
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
     tmp = f"{path}.tmp-{os.getpid()}"
-    torch.save({"model": vit.state_dict(), "vit": vit_shape(config), "recipe": dict(recipe),
+    torch.save({"model": vit.state_dict(), "vit": dict(shape), "recipe": dict(recipe),
                 "held_out_accuracy": dict(accuracy)}, tmp)
     os.replace(tmp, path)  # concurrent ranks write the same content; the last rename wins
 
 
-def synthetic_vit_path(config: dict) -> str:
-    """Where the synthetic ViT of the config's shape lives: <synthetic_root>/vit_<shape>.pth."""
-    root = config.get("synthetic_root")
-    if not (isinstance(root, str) and root):
-        raise ValueError("config key 'vision_init' is 'synthetic' (the ViT pre-trained on the synthetic "
-                         "world), which needs 'synthetic_root'; set vision_init to null or to a weights file")
-    shape = vit_shape(config)
-    tag = "r{image_res}_p{patch_size}_w{vision_width}_d{vision_depth}_h{vision_heads}_{vision_stem}"
-    tag = tag.format(**shape)
-    return os.path.join(root, f"vit_{tag}.pth")
+def ensure_synthetic_vit(path: str, build_encoder: Callable[[], nn.Module], width: int, root: str,
+                         shape: dict, image_res: int) -> str:
+    """The synthetic ViT file at `path`, trained with the DEFAULTS recipe (pretrain_vit) unless it exists;
+    returns path.
 
-
-def ensure_synthetic_vit(config: dict) -> str:
-    """The weights file of `vision_init: synthetic` for the config's ViT shape, generated on first use.
-
-    Generating takes about 20 s for the tiny ViT (DEFAULTS), on one thread so that the file is bitwise
-    the same whoever makes it; it records the shape and the recipe. Concurrent callers (ranks) each
-    write a private file and rename it into place.
+    build_encoder() makes the ViT to train (random init, of width `width` at image_res pixels); shape is
+    the record saved with it under 'vit'; root holds the synthetic dataset (generated if missing).
+    Generating takes about 20 s for the tiny ViT, on one intra-op thread so that the file is bitwise the
+    same whoever makes it. Concurrent callers (ranks) each write a private file and rename it into place.
     """
-    path = synthetic_vit_path(config)
     if os.path.isfile(path):
         return path
-    root = str(config["synthetic_root"])
     ensure_synthetic(root)
     logger.info("generating the pre-trained synthetic ViT %s (once)", path)
     start = time.perf_counter()
@@ -176,9 +162,9 @@ def ensure_synthetic_vit(config: dict) -> str:
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
-        vit, accuracy = pretrain_vit(config, root, **DEFAULTS)
+        vit, accuracy = pretrain_vit(build_encoder, width, root, image_res=image_res, **DEFAULTS)
     finally:
         torch.set_num_threads(threads)
-    save_synthetic_vit(vit, config, accuracy, path, DEFAULTS)
+    save_synthetic_vit(vit, shape, accuracy, path, DEFAULTS)
     logger.info("wrote %s in %.0f s; held-out accuracy %s", path, time.perf_counter() - start, accuracy)
     return path

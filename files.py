@@ -1,24 +1,24 @@
-"""Reading torch.save files: the repository's one torch.load, weights-only unless the run trusts its files.
+"""Reading the files a run is handed: the repository's one torch.load (weights-only unless the run trusts
+its files) and its one JSON reader, each error naming the file (InputFileError).
 
 A .pth/.pt/.bin file is a pickle, and unpickling can execute arbitrary code. torch.load(weights_only=True)
 only rebuilds tensors and plain containers; a file that needs more (an argparse.Namespace or a custom
 class, as some released checkpoints hold) is refused with UntrustedCheckpointError, unless
-the run passed --trust-checkpoint. This module sits at the top level, importing nothing of the
-repository, so that models/, grit/, training/ and tools/ can all use it without an import cycle.
+the run passed --trust_checkpoint. This module sits at the top level, importing nothing of the
+repository, so that models/, grit/, dataset/, training/ and tools/ can all use it without an import cycle.
 """
 
 from __future__ import annotations
 
+import json
 import os
 import sys
 from typing import Any
 
-import torch
+__all__ = ["TRUST_FLAG", "InputFileError", "UntrustedCheckpointError", "load_torch_file", "read_json",
+           "set_trust_checkpoint", "trust_checkpoint_enabled"]
 
-__all__ = ["TRUST_FLAG", "UntrustedCheckpointError", "load_torch_file", "set_trust_checkpoint",
-           "trust_checkpoint_enabled"]
-
-TRUST_FLAG = "--trust-checkpoint"
+TRUST_FLAG = "--trust_checkpoint"
 
 # Process-wide on purpose: the loads happen deep inside model constructors (vision_init, text_encoder
 # weights) and samplers (grit.warmstart_indices) built from the config, so threading a flag through
@@ -27,8 +27,29 @@ TRUST_FLAG = "--trust-checkpoint"
 _trusted = False
 
 
-class UntrustedCheckpointError(ValueError):
+class InputFileError(ValueError):
+    """A file the user handed the run (data list, weights, checkpoint, index array) is missing, unreadable
+    or malformed; the message names the file (and the entry or key)."""
+
+
+class UntrustedCheckpointError(InputFileError):
     """A file that a weights-only load refuses: loading it needs arbitrary unpickling."""
+
+
+def read_json(path: str | os.PathLike, what: str = "json file") -> Any:
+    """The parsed JSON of `path`; InputFileError (naming `what`, the file, and line and column of a syntax
+    error) when it is missing or not UTF-8 JSON."""
+    path = os.fspath(path)
+    if not os.path.isfile(path):
+        raise InputFileError(f"{what} not found: {path}")
+    try:
+        with open(path, encoding="utf-8") as f:
+            return json.load(f)
+    except json.JSONDecodeError as e:
+        raise InputFileError(f"{what} {path}: invalid JSON at line {e.lineno}, column {e.colno}: "
+                             f"{e.msg}") from None
+    except UnicodeDecodeError as e:
+        raise InputFileError(f"{what} {path}: not UTF-8 text ({e.reason})") from None
 
 
 def set_trust_checkpoint(enabled: bool) -> bool:
@@ -39,7 +60,7 @@ def set_trust_checkpoint(enabled: bool) -> bool:
 
 
 def trust_checkpoint_enabled() -> bool:
-    """Whether this process loads files that need arbitrary unpickling (--trust-checkpoint)."""
+    """Whether this process loads files that need arbitrary unpickling (--trust_checkpoint)."""
     return _trusted
 
 
@@ -52,9 +73,13 @@ def load_torch_file(path: str | os.PathLike, what: str = "checkpoint") -> Any:
     """torch.load(path, map_location='cpu', weights_only=True); `what` names the file's role in errors.
 
     Raises UntrustedCheckpointError for a file that needs arbitrary unpickling (loaded, with a warning,
-    when --trust-checkpoint is set) and ValueError for a truncated or corrupt one.
+    when --trust_checkpoint is set) and InputFileError for a missing, truncated or corrupt one.
     """
+    import torch  # here, not at the top: the json reader serves torch-free callers (the data generator)
+
     path = os.fspath(path)
+    if not os.path.isfile(path):
+        raise InputFileError(f"{what} not found: {path}")
     try:
         return torch.load(path, map_location="cpu", weights_only=True)
     except Exception as err:  # torch raises many exception types for bad files
@@ -63,10 +88,10 @@ def load_torch_file(path: str | os.PathLike, what: str = "checkpoint") -> Any:
     try:
         unsafe = torch.serialization.get_unsafe_globals_in_checkpoint(path)
     except Exception as err:  # not a readable torch.save zip at all
-        raise ValueError(f"{what} {path!r} could not be read (truncated, corrupt, or not a torch.save "
+        raise InputFileError(f"{what} {path!r} could not be read (truncated, corrupt, or not a torch.save "
                          f"file of torch >= 1.6): {_first_line(err)}") from refused
     if not unsafe:  # the pickle is fine, the failure lies elsewhere (e.g. a damaged tensor record)
-        raise ValueError(f"{what} {path!r} could not be read (truncated or corrupt?): "
+        raise InputFileError(f"{what} {path!r} could not be read (truncated or corrupt?): "
                          f"{_first_line(refused)}") from refused
     needs = ", ".join(unsafe)
     if not _trusted:

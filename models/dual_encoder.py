@@ -1,0 +1,123 @@
+"""ImageTextModel: the image and text encoders, ITC projections and ITM head that the pre-training model
+(models.pretrain.ALBEF_Base) and the retrieval model (models.retrieval.ALBEF_Retrieval) share, with the
+computations both run on them: encoding, the L2-normalised ITC features, ITM logits and the ITM loss over
+[positives, (image, negative text), (negative image, text)].
+
+The module names are ALBEF's (visual_encoder, text_encoder, vision_proj, text_proj, temp, itm_head), so
+ALBEF and GRIT-VLP checkpoints load into either model without key surgery.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from models.bert import build_text_encoder
+from models.objectives import itm_pair_weights, masked_mean
+from models.vit import build_vision_encoder, check_vision_text_widths
+
+__all__ = ["ImageTextModel"]
+
+# ITC temperature range (ALBEF): clamped before every training forward.
+_TEMP_MIN, _TEMP_MAX = 0.001, 0.5
+
+
+class ImageTextModel(nn.Module):
+    """ViT + split BERT (text + fusion layers), ITC projections vision_proj / text_proj, temp, ITM head.
+
+    Cooperative: keyword arguments it does not take go to the next class in the MRO, so a subclass that
+    also inherits FeatureQueue (ALBEF_Retrieval) gets its queues registered, and their random columns
+    drawn, before the encoders are built (the order, and so the random initialisation, of ALBEF's model).
+    """
+
+    def __init__(self, config: Any, tokenizer: Any, *, mlm_head: bool, **kwargs: Any) -> None:
+        """Build the encoders and heads.
+
+        config: the resolved task config (training.config.PretrainConfig or RetrievalConfig); reads
+        embed_dim, temp, lambda_cons, itm, itm_negatives, hard_sampling, vision_width and what
+        build_vision_encoder / build_text_encoder read. tokenizer: its length is the vocabulary size.
+        mlm_head: keep BERT's MLM head (pre-training) or not (retrieval).
+        """
+        super().__init__(**kwargs)
+        self.lambda_cons = config.lambda_cons
+        # itm false: a dual encoder ranked by ITC alone (paper Table 5); the fusion layers and the ITM
+        # head are still built (checkpoints keep their keys) but never run.
+        self.use_itm = config.itm
+        self.itm_negatives = config.itm_negatives
+        self.hard_sampling = config.hard_sampling
+
+        self.visual_encoder = build_vision_encoder(config)
+        self.text_encoder = build_text_encoder(config, tokenizer, mlm_head=mlm_head)
+        bert_config = self.text_encoder.config
+        check_vision_text_widths(config, bert_config.encoder_width)
+        hidden = bert_config.hidden_size
+        self.vision_proj = nn.Linear(config.vision_width, config.embed_dim)
+        self.text_proj = nn.Linear(hidden, config.embed_dim)
+        self.temp = nn.Parameter(torch.tensor(float(config.temp)))
+        self.itm_head = nn.Linear(hidden, 2)
+
+    @torch.no_grad()
+    def clamp_temperature(self) -> None:
+        """Keep the learnt ITC temperature in [0.001, 0.5] (ALBEF), in place."""
+        self.temp.clamp_(_TEMP_MIN, _TEMP_MAX)
+
+    def encode_image(self, image: Tensor) -> Tensor:
+        """image (B,3,H,W), already normalised -> tokens (B,1+P,Dv) (final LayerNorm applied)."""
+        return self.visual_encoder.forward_features(image)
+
+    def encode_text(self, input_ids: Tensor, attention_mask: Tensor) -> Tensor:
+        """input_ids, attention_mask (B,L) -> text-encoder hidden states (B,L,H)."""
+        return self.text_encoder(input_ids, attention_mask, mode="text")
+
+    def image_feat(self, image_embeds: Tensor) -> Tensor:
+        """Image tokens (B,1+P,Dv) -> L2-normalised ITC feature of the CLS token (B,d)."""
+        return F.normalize(self.vision_proj(image_embeds[:, 0]), dim=-1)
+
+    def text_feat(self, text_embeds: Tensor) -> Tensor:
+        """Text hidden states (B,L,H) -> L2-normalised ITC feature of the CLS token (B,d)."""
+        return F.normalize(self.text_proj(text_embeds[:, 0]), dim=-1)
+
+    def project(self, image_embeds: Tensor, text_embeds: Tensor) -> tuple[Tensor, Tensor]:
+        """Uni-modal states (B,1+P,Dv), (B,L,H) -> L2-normalised ITC projections of the CLS, (B,d) each."""
+        return self.image_feat(image_embeds), self.text_feat(text_embeds)
+
+    @torch.no_grad()
+    def unimodal_features(self, image: Tensor, text: Any) -> tuple[Tensor, Tensor]:
+        """image (B,3,H,W), text (tokenizer output (B,L)) -> detached ITC projections (B,d) each, fp32
+        (GRIT's naive pass, the warm-start index)."""
+        image_feat, text_feat = self.project(self.encode_image(image),
+                                             self.encode_text(text.input_ids, text.attention_mask))
+        return image_feat.float(), text_feat.float()
+
+    def itm_logits(self, text_embeds: Tensor, text_mask: Tensor, image_embeds: Tensor) -> Tensor:
+        """Pairs: text hidden (B,L,H), mask (B,L), image tokens (B,1+P,Dv) -> ITM logits (B,2) (1 = match)."""
+        fused = self.text_encoder(
+            mode="fusion", hidden_states=text_embeds, attention_mask=text_mask,
+            encoder_hidden_states=image_embeds,
+        )
+        return self.itm_head(fused[:, 0])
+
+    def itm_pair_loss(self, image_embeds: Tensor, text_embeds: Tensor, attention_mask: Tensor,
+                      neg_text_idx: Tensor, neg_image_idx: Tensor, valid: Tensor | None = None) -> Tensor:
+        """ITM cross-entropy over B positives and the 2B mined negatives -> 0-dim.
+
+        image tokens (B,1+P,Dv), text states (B,L,H), mask (B,L); neg_text_idx[i] (B,) is image i's negative
+        text, neg_image_idx[i] (B,) text i's negative image. valid (B,) bool: pairs with a bad sample are
+        left out of the mean (itm_pair_weights); None: the plain mean over the 3B pairs.
+        """
+        batch = text_embeds.shape[0]
+        # One fusion pass over [positives, (image, negative text), (negative image, text)].
+        logits = self.itm_logits(
+            torch.cat([text_embeds, text_embeds[neg_text_idx], text_embeds]),
+            torch.cat([attention_mask, attention_mask[neg_text_idx], attention_mask]),
+            torch.cat([image_embeds, image_embeds, image_embeds[neg_image_idx]]),
+        )
+        labels = torch.zeros(3 * batch, dtype=torch.long, device=logits.device)
+        labels[:batch] = 1
+        if valid is None:
+            return F.cross_entropy(logits, labels)
+        return masked_mean(F.cross_entropy(logits, labels, reduction="none"),
+                           itm_pair_weights(valid, neg_text_idx, neg_image_idx))

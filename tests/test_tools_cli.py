@@ -1,0 +1,137 @@
+"""The tools' one command line and launcher: `python -m tools.X` usage, --output_dir (and --output-dir),
+the record tail, and scripts and tools launched as children from another working directory."""
+
+from __future__ import annotations
+
+import importlib
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+from conftest import ROOT
+
+from tools.cli import emit_record
+from tools.launch import absolute_paths, child_env, launch, python_command
+
+pytestmark = pytest.mark.usefixtures("in_repo")  # tests/conftest.py: repo root, one thread, synthetic data
+
+# Every command in tools/ of this area, with the least argv its parser accepts besides --output_dir.
+TOOLS = {
+    "tools.probe": ["--config", "c.yaml", "--checkpoint", "k.pth"],
+    "tools.uov": ["--config", "c.yaml", "--checkpoint", "k.pth"],
+    "tools.warmstart": ["--config", "c.yaml", "--checkpoint", "k.pth"],
+    "tools.report": ["run"],
+    "tools.compare": ["--seeds", "1"],
+    "tools.ablate": ["--table", "5"],
+    "tools.step_bench": ["--config", "c.yaml"],
+    "tools.loader_bench": [],
+    "tools.grit_bench": [],
+    "tools.make_synthetic": [],
+}
+
+
+def parser_of(module: str):
+    return importlib.import_module(module).build_parser()
+
+
+@pytest.mark.parametrize("module", TOOLS)
+def test_usage_names_the_command_as_typed_and_every_option_has_help(module):
+    parser = parser_of(module)
+    assert parser.format_usage().startswith(f"usage: python -m {module} ")
+    for action in parser._actions:
+        if action.option_strings and action.help != "==SUPPRESS==":
+            assert action.help, (module, action.option_strings)
+            # ALBEF's underscore flags, each also spelled with hyphens.
+            long = [o for o in action.option_strings if o.startswith("--")]
+            assert all("-" not in o[2:] for o in long[:1]), (module, long)
+            assert {o.replace("_", "-") for o in long} <= set(action.option_strings), (module, long)
+
+
+@pytest.mark.parametrize("module", TOOLS)
+def test_output_dir_and_its_hyphenated_alias(module):
+    parser = parser_of(module)
+    for flag in ("--output_dir", "--output-dir"):
+        assert parser.parse_args([*TOOLS[module], flag, "out"]).output_dir == "out"
+
+
+def test_demo_takes_the_same_flags():
+    import demo
+
+    parser = demo.build_parser()
+    assert parser.format_usage().startswith("usage: python demo.py ")
+    args = parser.parse_args(["--output-dir", "out", "--no-compare"])
+    assert args.output_dir == "out" and not args.compare
+    assert not parser.parse_args(["--no_compare"]).compare
+
+
+def test_a_flag_mistake_is_one_line_naming_the_command(tmp_path):
+    """From another working directory, with the repository on PYTHONPATH, as any user's shell has it."""
+    proc = subprocess.run([sys.executable, "-m", "tools.ablate", "--table", "9"], cwd=tmp_path,
+                          env=child_env(), capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2 and proc.stdout == ""
+    assert proc.stderr.count("\n") == 1 and proc.stderr.startswith("error: argument --table")
+    assert proc.stderr.rstrip().endswith("(see python -m tools.ablate --help)")
+
+
+def test_emit_record_prints_one_line_and_writes_it(tmp_path, capsys):
+    record = {"a": 1, "b": [0.5, None]}
+    assert emit_record(record, str(tmp_path / "new"), "tool") == record
+    assert json.loads(capsys.readouterr().out) == record
+    assert json.loads((tmp_path / "new" / "tool.json").read_text()) == record
+    emit_record(record, None, "tool")  # no folder: printed only
+    assert capsys.readouterr().out.count("\n") == 1
+
+
+def test_absolute_paths_turns_every_user_path_absolute(tmp_path):
+    args = ["--config", "c.yaml", "--output-dir=out", "--checkpoint", "/abs/k.pth", "--resume", "--set",
+            "image_root=data/x", "--probe_file", "p.json", "--seed", "3"]
+    assert absolute_paths(args, str(tmp_path)) == [
+        "--config", str(tmp_path / "c.yaml"), f"--output-dir={tmp_path / 'out'}",
+        "--checkpoint", "/abs/k.pth",
+        "--resume", "--set", "image_root=data/x",  # a bare --resume stays; --set values are the config's
+        "--probe_file", str(tmp_path / "p.json"), "--seed", "3"]
+    assert python_command(["Pretrain", "--seed", "1"])[:3] == [sys.executable, "-m", "Pretrain"]
+
+
+def test_a_script_launched_from_another_directory(tmp_path, monkeypatch):
+    """tools.launch from a folder outside the repository: a relative --config is the caller's, and the
+    script runs as `python -m Retrieval` with the repository on its path."""
+    (tmp_path / "mine.yaml").write_text(f"base: '{ROOT}/configs/tiny/Retrieval.yaml'\nseed: 7\n")
+    monkeypatch.chdir(tmp_path)
+    with open("stdout.txt", "w") as out:
+        code = launch(["Retrieval", "--config", "mine.yaml", "--print_config"], stdout=out, threads=1).wait()
+    printed = (tmp_path / "stdout.txt").read_text()
+    assert code == 0, printed[-2000:]
+    assert printed.startswith("# RetrievalConfig") and "\nseed: 7 " in printed
+
+
+@pytest.fixture(scope="module")
+def tokenizer(in_repo):
+    from conftest import tiny_config
+
+    from models.tokenization import build_tokenizer
+
+    return build_tokenizer(tiny_config("pretrain"))
+
+
+def test_a_tool_launched_from_another_directory(tmp_path, monkeypatch, pretrain_checkpoint):
+    """tools.probe launched from another folder with paths relative to it: the checkpoint is read and the
+    record written where the caller meant, while the config's repository-relative paths (the synthetic
+    data, its vocabulary, the probe file) are read in the repository root, where the child runs."""
+    checkpoint, _ = pretrain_checkpoint
+    os.symlink(checkpoint, tmp_path / "mine.pth")
+    monkeypatch.chdir(tmp_path)
+    with open("stdout.txt", "w") as out:
+        code = launch(["tools.probe", "--config", os.path.join(ROOT, "configs/tiny/Pretrain.yaml"),
+                       "--checkpoint", "mine.pth", "--output_dir", "probe", "--limit", "2",
+                       "--device", "cpu"],
+                      stdout=out, threads=1).wait()
+    printed = (tmp_path / "stdout.txt").read_text()
+    assert code == 0, printed[-2000:]
+    record = json.loads((tmp_path / "probe" / "probe.json").read_text())
+    assert record == json.loads(printed.strip().splitlines()[-1])
+    assert record["checkpoint"] == str(tmp_path / "mine.pth") and record["images"] == 2
+    assert record["probe_file"] == "data/synthetic/probe_test.json"
+    assert not os.path.exists(tmp_path / "data")  # nothing generated in the caller's folder

@@ -1,0 +1,177 @@
+"""training.trainer: the one epoch loop. A fake task runs through it and resumes exactly after a crash; the
+four scripts hand their Task to the same Trainer; the log record has the same keys in every script."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+
+import pytest
+import torch
+from conftest import ROOT, small_pretrain_sets, tiny_config
+from torch import Tensor, nn
+
+import NLVR
+import Pretrain
+import Retrieval
+import VQA
+from training.cli import Run
+from training.distributed import DistInfo
+from training.loaders import finetune_sampler
+from training.trainer import Task, Trainer
+
+CPU = DistInfo(rank=0, world_size=1, local_rank=0, device=torch.device("cpu"), distributed=False)
+RECORD_KEYS = ["epoch", "step", "lr", "train_loss", "train_seconds", "samples_per_s", "epoch_seconds",
+               "bad_samples", "skipped_steps", "val_loss", "best_epoch"]
+
+
+@dataclasses.dataclass
+class PairBatch:
+    """What the trainer reads of a batch: len(), reasons; the fake step reads x and y."""
+
+    x: Tensor
+    y: Tensor
+    reasons: list[str]
+
+    def __len__(self) -> int:
+        return self.x.shape[0]
+
+
+class Pairs(torch.utils.data.Dataset):
+    """40 random (x (4,), y) pairs; every fifth is a bad sample (as dataset.bad_samples marks them)."""
+
+    def __init__(self) -> None:
+        g = torch.Generator().manual_seed(0)
+        self.x, self.y = torch.randn(40, 4, generator=g), torch.randint(0, 2, (40,), generator=g)
+
+    def __len__(self) -> int:
+        return 40
+
+    def __getitem__(self, i: int):
+        return self.x[i], self.y[i], (f"entry {i}: unreadable" if i % 5 == 4 else None)
+
+
+def collate(items) -> PairBatch:
+    x, y, reasons = zip(*items)
+    return PairBatch(torch.stack(x), torch.stack(y), [r for r in reasons if r])
+
+
+class FakeTask(Task):
+    """A linear classifier: the smallest task with a step, an evaluation and a best metric."""
+
+    name = "Fake"
+    best_key = "val_loss"
+
+    def __init__(self, config, crash_at: int | None = None) -> None:
+        torch.manual_seed(1)
+        dataset = Pairs()
+        sampler = finetune_sampler(dataset, CPU, seed=config.seed, batch_size=config.batch_size_train)
+        super().__init__(nn.Linear(4, 2), dataset, collate, sampler, config.batch_size_train,
+                         sampler.loader_generator)
+        self.steps, self.crash_at = 0, crash_at
+
+    def step(self, model, batch):
+        loss = nn.functional.cross_entropy(model(batch.x), batch.y)
+        return loss, {"train_loss": loss.detach()}
+
+    def after_step(self, metrics, batch, skipped) -> None:
+        self.steps += 1
+        if self.steps == self.crash_at:
+            raise RuntimeError("crash")
+
+    def evaluate(self, epoch, output_dir) -> dict:
+        with torch.no_grad():  # minus the loss: a higher value is better, as for the recalls
+            loss = nn.functional.cross_entropy(self.model(self.dataset.x), self.dataset.y)
+        return {"val_loss": -float(loss)}
+
+
+def fake_run(output_dir, resume: str | None = None, **values) -> Run:
+    values = {"batch_size_train": 4, "max_epoch": 3, "checkpoint_every_steps": 4, "max_bad_fraction": 0.5,
+              "schedular": {"epochs": 3, "warmup_steps": 3}, **values}
+    config = tiny_config("retrieval", **values)
+    args = argparse.Namespace(output_dir=str(output_dir), resume=resume, checkpoint=None)
+    return Run(args, config, CPU)
+
+
+def read_log(output_dir) -> list[dict]:
+    with open(os.path.join(output_dir, "log.txt"), encoding="utf-8") as f:
+        return [json.loads(line) for line in f]
+
+
+def test_a_fake_task_trains_and_resumes_after_a_crash_exactly(tmp_path):
+    whole = tmp_path / "whole"
+    run = fake_run(whole)
+    task = FakeTask(run.config)
+    Trainer(run, task).fit()
+    rows = read_log(whole)
+    assert [r["epoch"] for r in rows] == [0, 1, 2] and rows[-1]["step"] == 30  # 40 // 4 steps a epoch
+    assert list(rows[0]) == RECORD_KEYS
+    assert [r["bad_samples"] for r in rows] == [8, 8, 8]  # every fifth of 40, counted each epoch
+    assert os.path.isfile(whole / "checkpoint_best.pth") and os.path.isfile(whole / "config.yaml")
+
+    cut = tmp_path / "cut"
+    crashing = FakeTask(fake_run(cut).config, crash_at=15)  # mid-epoch 1, after the step-12 checkpoint
+    with pytest.raises(RuntimeError, match="crash"):
+        Trainer(fake_run(cut), crashing).fit()
+    resumed = FakeTask(fake_run(cut).config)
+    Trainer(fake_run(cut, resume="latest"), resumed).fit()
+    for name, value in task.model.state_dict().items():
+        assert torch.equal(value, resumed.model.state_dict()[name]), name
+    again = read_log(cut)
+    assert [r["epoch"] for r in again] == [0, 1, 2]
+    timing = {"train_seconds", "epoch_seconds", "samples_per_s"}
+    # The same numbers, timing aside; the resumed epoch's means cover the steps after the resume only.
+    for a, b in zip(rows, again):
+        skip = timing | ({"train_loss", "lr"} if a["epoch"] == 1 else set())
+        assert {k: v for k, v in a.items() if k not in skip} == {k: v for k, v in b.items() if k not in skip}
+
+
+def test_resume_in_an_empty_output_dir_starts_fresh_and_says_so(tmp_path, capsys):
+    run = fake_run(tmp_path / "new", resume="latest", max_epoch=1)
+    Trainer(run, FakeTask(run.config)).fit()
+    assert "no checkpoint in" in capsys.readouterr().out and len(read_log(tmp_path / "new")) == 1
+
+
+class Recorder:
+    """Stands in for Trainer in a script: keeps the task it was handed, trains nothing."""
+
+    tasks: list[Task] = []
+
+    def __init__(self, run: Run, task: Task) -> None:
+        assert isinstance(run, Run)
+        Recorder.tasks.append(task)
+
+    def fit(self) -> dict:
+        return {}
+
+    def evaluate_only(self) -> dict:
+        return {}
+
+
+@pytest.mark.parametrize("script, config, sets", [
+    (Pretrain, "configs/tiny/Pretrain.yaml", ()),
+    (Retrieval, "configs/tiny/Retrieval.yaml", ()),
+    (NLVR, "configs/tiny/NLVR_pretrain.yaml", ()),
+    (NLVR, "configs/tiny/NLVR.yaml", ()),
+    (VQA, "configs/tiny/VQA.yaml", ()),
+])
+def test_every_script_runs_its_task_through_the_one_trainer(in_repo, monkeypatch, tmp_path, script, config,
+                                                            sets):
+    monkeypatch.setattr(script, "Trainer", Recorder)
+    Recorder.tasks = []
+    shrink = ["vision_init=null", "image_res=32", "patch_size=16", "vision_depth=1"]
+    if script is Pretrain:
+        shrink = small_pretrain_sets("data/synthetic")
+    script.main(["--config", os.path.join(ROOT, config), "--output_dir", str(tmp_path / "out"),
+                 "--device", "cpu", "--set", *shrink, *sets])
+    (task,) = Recorder.tasks
+    assert isinstance(task, Task) and type(task).step is not Task.step
+    spread = list(range(0, len(task.dataset), len(task.dataset) // 4))[:4]  # four different images
+    batch = next(iter(torch.utils.data.DataLoader(task.dataset, batch_size=4, collate_fn=task.collate,
+                                                  sampler=spread)))
+    assert len(batch) == 4 and batch.reasons == [] and batch.valid.dtype == torch.bool
+    loss, metrics = task.step(task.model, batch)
+    assert loss.dim() == 0 and torch.isfinite(loss) and all(v.dim() == 0 for v in metrics.values())
+    assert not (tmp_path / "out").exists()  # the Trainer creates it, and it never ran

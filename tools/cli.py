@@ -1,0 +1,93 @@
+"""The command line every tool shares: the task scripts' Parser under the name the tool is typed as, the
+flags the checkpoint tools share, the typed config, and the one tail of every tool's main.
+
+A tool is a module tools/X.py whose main(argv) builds its parser with tool_parser('tools.X', ...), reads
+the typed config with tool_config (resolve_config with the tool's --config and --set), raises a user's
+mistake (training.config_files.ConfigError, files.InputFileError, FileNotFoundError), ends with
+emit_record (print the JSON record; with --output_dir, also write it there) and is started by
+`if __name__ == "__main__": run_main(main)` (training.cli.run_main: one `error:` line, exit 2).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+from collections.abc import Mapping
+
+import torch
+
+from files import TRUST_FLAG
+from training.cli import Parser
+from training.config import TaskConfig
+from training.config_resolve import resolve_config
+
+__all__ = ["add_checkpoint_args", "add_config_args", "add_output_dir", "checkpoint_parser", "emit_record",
+           "resolve_device", "tool_config", "tool_parser"]
+
+
+def tool_parser(module: str, description: str) -> Parser:
+    """The parser of tool `module` ('tools.probe'): its usage names the command as typed,
+    `python -m tools.probe`; every `--a_b` flag also answers to `--a-b`; a mistake is one `error:` line."""
+    return Parser(prog=f"python -m {module}", description=description)
+
+
+def add_config_args(parser: Parser, config_help: str, *, required: bool = True) -> None:
+    """--config (a task script's YAML) and --set (its overrides), read by tool_config."""
+    parser.add_argument("--config", required=required, default=None, help=config_help)
+    parser.add_argument("--set", dest="set", nargs="*", action="extend", default=[], metavar="KEY=VALUE",
+                        help="config overrides, as the task scripts take them; dotted keys reach into "
+                             "blocks, values are YAML (e.g. --set image_root=data/x grit.search_space=128)")
+
+
+def add_checkpoint_args(parser: Parser, checkpoint_help: str) -> None:
+    """--checkpoint, --device and --trust_checkpoint (pass args.trust_checkpoint to
+    files.set_trust_checkpoint)."""
+    parser.add_argument("--checkpoint", required=True, help=checkpoint_help)
+    parser.add_argument("--device", default=None, help="cpu | cuda | cuda:N (default: cuda if available)")
+    parser.add_argument(TRUST_FLAG, dest="trust_checkpoint", action="store_true",
+                        help="also load weight files that a weights-only load refuses (they hold pickled "
+                             "objects; unpickling can execute arbitrary code: trusted sources only)")
+
+
+def add_output_dir(parser: Parser, writes: str, *, required: bool = False,
+                   default: str | None = None) -> None:
+    """--output_dir (also --output-dir): the folder the tool writes `writes` into, created when missing."""
+    parser.add_argument("--output_dir", required=required, default=default,
+                        help=f"folder to write {writes} into (created when missing)"
+                             + ("" if required or default else "; without it nothing is written"))
+
+
+def checkpoint_parser(module: str, description: str, config_help: str, checkpoint_help: str,
+                      writes: str, *, output_required: bool = False) -> Parser:
+    """The parser of a tool that loads a pre-training checkpoint: --config, --set, --checkpoint, --device,
+    --trust_checkpoint and --output_dir (the folder `writes` goes to)."""
+    parser = tool_parser(module, description)
+    add_config_args(parser, config_help)
+    add_checkpoint_args(parser, checkpoint_help)
+    add_output_dir(parser, writes, required=output_required)
+    return parser
+
+
+def tool_config(task: str, args: argparse.Namespace, flags: Mapping[str, object] | None = None,
+                check_paths: bool = False) -> TaskConfig:
+    """The typed config of `task` from args.config and args.set (and flags such as {'seed': 3});
+    check_paths: the data files and folders it names must exist (for a tool that reads the data)."""
+    return resolve_config(task, args.config, args.set, flags, check_paths=check_paths)
+
+
+def resolve_device(name: str | None) -> torch.device:
+    """--device, or cuda when available, else cpu."""
+    return torch.device(name or ("cuda" if torch.cuda.is_available() else "cpu"))
+
+
+def emit_record(record: Mapping, output_dir: str | None, name: str) -> Mapping:
+    """The tail of every tool's main: print `record` as one JSON line and, with output_dir, write it
+    (indented) to output_dir/<name>.json as well; returns record."""
+    print(json.dumps(record), flush=True)
+    if output_dir:
+        os.makedirs(output_dir, exist_ok=True)
+        with open(os.path.join(output_dir, f"{name}.json"), "w", encoding="utf-8") as f:
+            json.dump(record, f, indent=2)
+            f.write("\n")
+    return record

@@ -1,0 +1,433 @@
+"""From a YAML file and its overrides to the typed config (training.config), once, at start-up.
+
+resolve_config: the file (with `base:` overlays), `--set` items and flags such as --seed, then ALBEF's
+keys (aliases or refusals), unknown keys (each with the nearest known key), types and allowed values,
+required keys, the rules between keys, and that data files and folders exist. Every check raises
+training.config_files.ConfigError listing all problems of its kind at once and saying where each value
+came from. config_to_dict / render_config / save_resolved write a resolved config back out (every key,
+each with its meaning as a comment); read back, it resolves to an equal config.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import io
+import os
+import types
+import typing
+from collections.abc import Iterable, Mapping, Sequence
+from typing import Any, Literal
+
+from ruamel.yaml.comments import CommentedMap, CommentedSeq
+
+from training.config import ALBEF_KEYS, Alias, TaskConfig, config_class
+from training.config_files import (
+    ConfigError,
+    apply_overrides,
+    atomic_write_text,
+    load_config,
+    round_trip_yaml,
+    split_override,
+    to_plain,
+    unknown_key_message,
+)
+
+__all__ = ["config_from_mapping", "config_to_dict", "known_keys", "render_config", "resolve_config",
+           "save_resolved", "tasks_with"]
+
+
+# ------------------------------------------------------------------------------------------ the keys
+
+
+def _fields(cls: type) -> dict[str, dataclasses.Field]:
+    return {f.name: f for f in dataclasses.fields(cls)}
+
+
+def _types(cls: type) -> dict[str, Any]:
+    return typing.get_type_hints(cls)
+
+
+def _block_class(tp: Any) -> type | None:
+    """The dataclass a block's annotation names (`grit: Grit`), else None."""
+    return tp if dataclasses.is_dataclass(tp) else None
+
+
+def known_keys(task: str) -> dict[str, Any]:
+    """Every dotted key of `task`'s config with its type annotation (a block's own key: its dataclass)."""
+    out: dict[str, Any] = {}
+
+    def walk(cls: type, prefix: str) -> None:
+        for name, tp in _types(cls).items():
+            if name not in _fields(cls):
+                continue
+            out[prefix + name] = tp
+            if _block_class(tp):
+                walk(tp, f"{prefix}{name}.")
+
+    walk(config_class(task), "")
+    return out
+
+
+def tasks_with(key: str) -> list[str]:
+    """The tasks whose config has `key` (a hint when a config is given to the wrong script)."""
+    from training.config import TASK_CONFIGS
+
+    return [t for t in TASK_CONFIGS if key in known_keys(t)]
+
+
+# ------------------------------------------------------------------------------------------ types
+
+
+def _type_name(tp: Any) -> str:
+    origin = typing.get_origin(tp)
+    if origin in (typing.Union, types.UnionType):
+        return " or ".join(_type_name(a) for a in typing.get_args(tp))
+    if origin is Literal:
+        values = typing.get_args(tp)
+        return repr(values[0]) if len(values) == 1 else "one of " + ", ".join(repr(a) for a in values)
+    if origin is list:
+        return f"list of {_type_name(typing.get_args(tp)[0])}"
+    if tp is type(None):
+        return "null"
+    if _block_class(tp):
+        return "a mapping"
+    return getattr(tp, "__name__", str(tp))
+
+
+_NO = object()  # a value the type refuses
+
+
+def _convert(tp: Any, value: Any) -> Any:
+    """`value` as type `tp` (an int for a float becomes a float, '1e-4' too), or _NO."""
+    origin = typing.get_origin(tp)
+    if origin in (typing.Union, types.UnionType):
+        for arg in typing.get_args(tp):
+            out = _convert(arg, value)
+            if out is not _NO:
+                return out
+        return _NO
+    if origin is Literal:
+        # bool is an int: True must not pass for 1, nor 1 for True
+        return value if any(value == a and type(value) is type(a) for a in typing.get_args(tp)) else _NO
+    if origin is list:
+        if not isinstance(value, list):
+            return _NO
+        items = [_convert(typing.get_args(tp)[0], v) for v in value]
+        return _NO if any(v is _NO for v in items) else items
+    if tp is type(None):
+        return None if value is None else _NO
+    if tp is bool:
+        return value if isinstance(value, bool) else _NO
+    if tp is int:
+        return value if isinstance(value, int) and not isinstance(value, bool) else _NO
+    if tp is float:
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            return float(value)
+        if isinstance(value, str):  # PyYAML (YAML 1.1), as ALBEF used, reads 1e-4 as a string
+            try:
+                return float(value)
+            except ValueError:
+                return _NO
+        return _NO
+    if tp is str:
+        return value if isinstance(value, str) else _NO
+    raise TypeError(f"config type {tp!r} is not supported")
+
+
+def _show(value: Any) -> str:
+    return "null" if value is None else f"{value!r} ({type(value).__name__})"
+
+
+def _bounds_problem(f: dataclasses.Field, value: Any) -> str | None:
+    """'must be >= 1' etc. when a number breaks the field's bounds; None when it holds (or is no number)."""
+    if not isinstance(value, (int, float)) or isinstance(value, bool):
+        return None
+    low, high, above = f.metadata.get("low"), f.metadata.get("high"), f.metadata.get("above")
+    if low is not None and value < low:
+        return f"must be >= {low:g}"
+    if above is not None and value <= above:
+        return f"must be > {above:g}"
+    if high is not None and value > high:
+        return f"must be <= {high:g}"
+    return None
+
+
+# ------------------------------------------------------------------------------------------ sources
+
+
+class _Sources:
+    """Where each value came from: the --set item (or flag) that set it or a block holding it, else the
+    file."""
+
+    def __init__(self, path: str, overrides: Sequence[str], flags: Mapping[str, str]) -> None:
+        self.path = path
+        self.set_keys = [split_override(item)[0] for item in overrides]
+        self.flags = dict(flags)  # key -> '--seed'
+
+    def __call__(self, key: str) -> str:
+        if key in self.flags:
+            return self.flags[key]
+        for over in self.set_keys:
+            if over == key or over.startswith(key + ".") or key.startswith(over + "."):
+                return "--set"
+        return self.path
+
+
+def _fail(errors: Sequence[str], what: str) -> None:
+    """Raise one ConfigError for all `errors` (none: return)."""
+    if len(errors) == 1:
+        raise ConfigError(errors[0])
+    if errors:
+        raise ConfigError(f"{len(errors)} {what}:\n  " + "\n  ".join(errors))
+
+
+# ------------------------------------------------------------------------------------------ ALBEF keys
+
+
+def _get(node: Mapping, key: str, default: Any = _NO) -> Any:
+    for part in key.split("."):
+        if not isinstance(node, Mapping) or part not in node:
+            return default
+        node = node[part]
+    return node
+
+
+def _pop(node: dict, key: str) -> Any:
+    *parents, last = key.split(".")
+    for part in parents:
+        node = node[part]
+    return node.pop(last)
+
+
+def _set(node: dict, key: str, value: Any) -> None:
+    *parents, last = key.split(".")
+    for part in parents:
+        node = node.setdefault(part, {})
+    node[last] = value
+
+
+def _albef_keys(plain: dict, task: str, sources: _Sources) -> None:
+    """Read ALBEF-only keys as ours (Alias) or refuse them with what to do instead (all refusals at once)."""
+    errors = []
+    for key, (tasks, rule) in ALBEF_KEYS.items():
+        value = _get(plain, key)
+        if value is _NO or task not in tasks:
+            continue
+        if isinstance(rule, Alias):
+            if _get(plain, rule.key) is not _NO:
+                errors.append(f"config has both '{key}' (ALBEF's) and '{rule.key}' in {sources(key)}; keep "
+                              f"'{rule.key}'")
+                continue
+            if isinstance(value, (int, float)) and not isinstance(value, bool):
+                value = type(value)(value * rule.scale)
+            _pop(plain, key)
+            _set(plain, rule.key, value)
+            continue
+        problem = rule(value)
+        if problem is None:
+            _pop(plain, key)  # accepted: it asks for what this code does anyway
+        else:
+            errors.append(f"config key '{key}' ({value!r}, from {sources(key)}): {problem}")
+    _fail(errors, "ALBEF config keys this code does not take")
+
+
+# ------------------------------------------------------------------------------------------ resolution
+
+
+def _unknown(key: str, task: str, known: Iterable[str], source: str) -> str:
+    others = tasks_with(key)
+    if others:  # a config meant for another script: a spelling hint would mislead
+        return f"{unknown_key_message(key, ())} (read by {', '.join(others)}, not by {task}) in {source}"
+    return f"{unknown_key_message(key, known)} in {source}"
+
+
+def _unknown_keys(plain: Mapping, cls: type, task: str, sources: _Sources, prefix: str = "") -> list[str]:
+    errors = []
+    fields, hints = _fields(cls), _types(cls)
+    for name, value in plain.items():
+        key = prefix + str(name)
+        if name not in fields:
+            errors.append(_unknown(key, task, known_keys(task), sources(key)))
+        elif _block_class(hints[name]) and isinstance(value, Mapping):
+            errors += _unknown_keys(value, hints[name], task, sources, key + ".")
+    return errors
+
+
+def _build(cls: type, plain: Mapping, sources: _Sources, prefix: str, errors: list[str]) -> Any:
+    """An instance of dataclass `cls` from `plain` (known keys only); each problem appended to errors."""
+    values: dict[str, Any] = {}
+    hints = _types(cls)
+    for name, f in _fields(cls).items():
+        key, tp = prefix + name, hints[name]
+        if name not in plain:
+            if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING:
+                errors.append(f"config key '{key}' is required but missing in {sources.path}")
+            continue
+        value = plain[name]
+        block = _block_class(tp)
+        if block is not None:
+            if value is None and name == "grit":  # `grit: null`: GRIT off
+                values[name] = block(enabled=False)
+            elif isinstance(value, Mapping):
+                values[name] = _build(block, value, sources, key + ".", errors)
+            else:
+                errors.append(f"config key '{key}' must be a mapping, got {_show(value)} from {sources(key)}")
+            continue
+        converted = _convert(tp, value)
+        if converted is _NO:
+            errors.append(f"config key '{key}' must be {_type_name(tp)}, got {_show(value)} from "
+                          f"{sources(key)}")
+            continue
+        bound = _bounds_problem(f, converted)
+        if bound:
+            errors.append(f"config key '{key}' {bound}, got {value!r} from {sources(key)}")
+            continue
+        values[name] = converted
+    if errors:  # one of them may be this block's: the caller raises them all
+        return None
+    return cls(**values)
+
+
+def _derived(config: TaskConfig) -> TaskConfig:
+    """Fill the keys whose null means 'take another key's value', so the saved config says what ran."""
+    sched = config.schedular
+    sched = dataclasses.replace(sched, lr=config.optimizer.lr if sched.lr is None else sched.lr,
+                                warmup_lr=sched.min_lr if sched.warmup_lr is None else sched.warmup_lr)
+    epochs = sched.epochs if config.max_epoch is None else config.max_epoch
+    return dataclasses.replace(config, schedular=sched, max_epoch=epochs)
+
+
+def _inside(path: str, root: Any) -> bool:
+    if not isinstance(root, str) or not root:
+        return False
+    root = os.path.abspath(root)
+    try:
+        return os.path.commonpath([os.path.abspath(path), root]) == root
+    except ValueError:  # different drives
+        return False
+
+
+def _missing_paths(config: TaskConfig, sources: _Sources) -> list[str]:
+    """'key: path (no such file; from SOURCE)' for every data file or folder the run opens that is missing."""
+    unread, out = config.unread(), []
+
+    def walk(obj: Any, prefix: str) -> None:
+        for f in dataclasses.fields(obj):
+            key, value = prefix + f.name, getattr(obj, f.name)
+            if dataclasses.is_dataclass(value):
+                walk(value, key + ".")
+                continue
+            kind = f.metadata.get("path")
+            if kind is None or key in unread or value is None:
+                continue
+            for path in [value] if isinstance(value, str) else value:
+                # '' means none (image_root: ''); the synthetic world is generated on first use
+                if not path or _inside(path, config.synthetic_root):
+                    continue
+                if not (os.path.isdir(path) if kind == "dir" else os.path.isfile(path)):
+                    what = "folder" if kind == "dir" else "file"
+                    out.append(f"{key}: {path} (no such {what}; from {sources(key)})")
+
+    walk(config, "")
+    return out
+
+
+def config_from_mapping(task: str, mapping: Mapping, source: str = "config", overrides: Sequence[str] = (),
+                        flags: Mapping[str, str] | None = None, check_paths: bool = False,
+                        unknown: Sequence[str] = ()) -> TaskConfig:
+    """The typed config of `task` from a mapping (a loaded YAML file, a dict): ALBEF keys, unknown keys,
+    types and values, required keys, rules between keys, and (check_paths) data paths; ConfigError else.
+
+    source names the file in messages; overrides (the --set items already applied) and flags ({key:
+    '--seed'}) say which values came from the command line; unknown: messages of unknown --set keys,
+    reported with the file's.
+    """
+    cls = config_class(task)
+    sources = _Sources(source, overrides, flags or {})
+    plain = to_plain(dict(mapping))
+    if "scheduler" in plain:  # the common spelling, read as ALBEF's
+        if "schedular" in plain:
+            raise ConfigError(f"config has both 'schedular' and 'scheduler' in {source}; keep one")
+        plain["schedular"] = plain.pop("scheduler")
+    _albef_keys(plain, task, sources)
+    _fail(_unknown_keys(plain, cls, task, sources) + list(unknown), "unknown config keys")
+    errors: list[str] = []
+    config = _build(cls, plain, sources, "", errors)
+    _fail(errors, "config values are wrong")
+    config = _derived(config)
+    problems = config.problems()
+    if problems:
+        where = sources.path
+        if sources.set_keys or sources.flags:
+            where = " and ".join(sorted({sources.path, "--set" if sources.set_keys else "the command line"}))
+        _fail([f"{p} (from {where})" for p in problems], "config rules are broken")
+    if check_paths:
+        missing = _missing_paths(config, sources)
+        # all at once: a run that fails on the first of several missing files wastes a restart each
+        if missing:
+            raise ConfigError("configured data paths that do not exist:\n  " + "\n  ".join(missing))
+    return config
+
+
+def resolve_config(task: str, path: str, overrides: Sequence[str] = (),
+                   flags: Mapping[str, Any] | None = None, check_paths: bool = True) -> TaskConfig:
+    """The typed config of `task` from YAML file `path`, `--set` items and flags ({'seed': 3}); ConfigError
+    names the file, key or item of every problem."""
+    raw = load_config(path)
+    known = known_keys(task)
+    albef = {k for k, (tasks, _) in ALBEF_KEYS.items() if task in tasks}
+    blocks = {k for k, tp in known.items() if _block_class(tp)}
+
+    def known_override(key: str) -> bool:  # a key, or an item of a known list ('train_file.1')
+        parts = key.split(".")
+        prefixes = (".".join(parts[:i]) for i in range(1, len(parts)))
+        return key in known or key in albef or any(p in known and p not in blocks for p in prefixes)
+
+    unknown = [_unknown(k, task, known, "--set") for k in (split_override(o)[0] for o in overrides)
+               if not known_override(k)]
+    apply_overrides(raw, [o for o in overrides if known_override(split_override(o)[0])], source="--set",
+                    known=set(known) | albef)
+    flag_sources = {}
+    for name, value in (flags or {}).items():
+        if value is not None:
+            raw[name] = value
+            flag_sources[name] = f"--{name}"
+    return config_from_mapping(task, raw, path, overrides, flag_sources, check_paths, unknown)
+
+
+# ------------------------------------------------------------------------------------------ writing out
+
+
+def config_to_dict(config: Any) -> dict:
+    """Every key of a resolved config as plain nested dicts (blocks as mappings)."""
+    return dataclasses.asdict(config)
+
+
+def _commented(obj: Any) -> CommentedMap:
+    out = CommentedMap()
+    for f in dataclasses.fields(obj):
+        value = getattr(obj, f.name)
+        if dataclasses.is_dataclass(value):
+            out[f.name] = _commented(value)
+        elif isinstance(value, list):
+            seq = CommentedSeq(value)
+            seq.fa.set_flow_style()
+            out[f.name] = seq
+        else:
+            out[f.name] = value
+        out.yaml_add_eol_comment(f.metadata.get("meaning", ""), f.name, column=40)
+    return out
+
+
+def render_config(config: TaskConfig) -> str:
+    """The resolved config as YAML, each key with its meaning as a comment."""
+    buf = io.StringIO()
+    buf.write(f"# {type(config).__name__}: the resolved config (every key, defaults included) with the "
+              "meaning of each\n")
+    round_trip_yaml().dump(_commented(config), buf)
+    return buf.getvalue()
+
+
+def save_resolved(config: TaskConfig, path: str) -> None:
+    """Write render_config(config) to `path` atomically."""
+    atomic_write_text(path, render_config(config))

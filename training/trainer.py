@@ -1,0 +1,274 @@
+"""The one trainer: the epoch loop that all four task scripts run.
+
+A script describes its task as a Task: the model, the training data (dataset, collate, sampler), the
+step, what follows a step (GRIT's collection), what starts and ends an epoch, the evaluation and the
+metric whose best epoch is kept. Trainer owns everything else, once: the output directory and its
+config.yaml, the DDP wrapper, optimizer, schedule and loss scaling, --resume, epochs and steps, the
+step guard (non-finite losses skipped; SIGTERM/SIGINT: save and stop), bad samples, the log records
+and the checkpoints (every epoch, every checkpoint_every_steps steps, the best epoch), and --evaluate.
+
+One log record per epoch, the same keys in every script: epoch, step, lr, the task's step metrics
+(epoch means over all ranks), train_seconds (the optimiser steps), epoch_seconds (the epoch as a user
+waits for it: steps plus the task's work around them, e.g. GRIT's grouping; evaluation and checkpoint
+writing excluded), samples_per_s, bad_samples, skipped_steps, then what the task's end_epoch and
+evaluate add (grit_seconds, val_*, test_*, eval_seconds) and best_epoch when a best metric is kept.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from collections.abc import Iterable
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+from torch.utils.data import Dataset, Sampler
+
+from training.bad_samples import BadSampleLog
+from training.checkpoints import (
+    checkpoint_path,
+    keep_best,
+    resolve_resume,
+    restore_training,
+    save_checkpoint,
+    training_state,
+)
+from training.cli import Run
+from training.config_resolve import config_to_dict, save_resolved
+from training.distributed import barrier, cleanup, get_world_size, is_main_process, print_main, wrap_ddp
+from training.loaders import create_loader
+from training.logger import TrainLogger, append_log
+from training.optimizer import autocast_dtype, build_optimizer, build_scaler, build_scheduler
+from training.step_guard import Preempted, StepGuard, TooManySkippedSteps
+
+__all__ = ["Task", "Trainer"]
+
+
+class Task:
+    """What one script trains. Subclass it: set the class attributes, pass the parts to __init__ and
+    write step(); override the other hooks where the task does more.
+
+    The sampler yields this rank's indices in batch order and has set_epoch(epoch), start_batch
+    (batches of the current epoch already done before a resume), batches_per_epoch, state_dict() and
+    load_state_dict() (grit.GritSampler, training.loaders.ResumableSampler). The dataset wraps the
+    task's dataset in dataset.bad_samples.SkipBadSamples and the collate in SkipBadCollate, so that
+    every batch is a named dataset.collate.Batch with `valid` and `reasons`.
+    """
+
+    name = "Train"                  # the progress header
+    best_key: str | None = None     # a metric of evaluate() whose best epoch is kept as checkpoint_best.pth
+    best_summary = ""               # printed at the end, formatted with the best epoch's metrics
+    broadcast_buffers = True        # DDP: re-send buffers every step (False when every rank agrees already)
+
+    def __init__(self, model: nn.Module, dataset: Dataset, collate: Any, sampler: Sampler, batch_size: int,
+                 generator: torch.Generator | None = None) -> None:
+        self.model = model
+        self.dataset = dataset
+        self.collate = collate
+        self.sampler = sampler
+        self.batch_size = int(batch_size)
+        # The DataLoader's generator: its workers' base seeds, independent of the model's random stream.
+        self.generator = generator
+
+    def step(self, model: nn.Module, batch: Any) -> tuple[Tensor, dict[str, Tensor]]:
+        """Forward one batch through `model` (the DDP/compile-wrapped self.model) -> (loss, {name: 0-dim
+        detached tensor}); runs under autocast when the config asks for it."""
+        raise NotImplementedError
+
+    def after_step(self, metrics: dict[str, Tensor], batch: Any, skipped: bool) -> None:
+        """After every optimiser step (skipped: the loss was not finite on some rank, nothing was updated)."""
+
+    def start_epoch(self, epoch: int) -> None:
+        """Before the epoch's first step (also when resuming inside it)."""
+        self.sampler.set_epoch(epoch)
+
+    def end_epoch(self, epoch: int) -> dict[str, Any]:
+        """After the epoch's last step, before evaluation; returns extra log fields."""
+        return {}
+
+    def evaluate(self, epoch: int | None, output_dir: str) -> dict[str, Any]:
+        """Evaluation metrics after epoch `epoch`, or of --checkpoint alone (epoch None: --evaluate)."""
+        return {}
+
+
+class Trainer:
+    """Runs a Task: `fit()` trains (resuming when asked), `evaluate_only()` evaluates --checkpoint."""
+
+    def __init__(self, run: Run, task: Task) -> None:
+        self.run, self.task = run, task
+        self.config, self.info = run.config, run.info
+        self.output_dir = str(run.args.output_dir)
+        self.resume = resolve_resume(getattr(run.args, "resume", None), self.output_dir)  # before writing
+        if is_main_process():  # only now: the config, data and model checks have passed
+            os.makedirs(self.output_dir, exist_ok=True)
+            save_resolved(self.config, os.path.join(self.output_dir, "config.yaml"))
+
+    # ------------------------------------------------------------------------------------------ evaluate
+
+    def evaluate_only(self) -> dict:
+        """--evaluate: one record {'mode', 'checkpoint', ...metrics}, printed and appended to log.txt."""
+        record = {"mode": "evaluate", "checkpoint": self.run.args.checkpoint,
+                  **self.task.evaluate(None, self.output_dir)}
+        print_main(json.dumps(record))
+        append_log(self.output_dir, record)
+        cleanup()
+        return record
+
+    # ------------------------------------------------------------------------------------------ fit
+
+    def fit(self) -> dict:
+        """Train config.max_epoch epochs (from --resume's checkpoint if given); returns the last record."""
+        config, info, task = self.config, self.info, self.task
+        sampler = task.sampler
+        steps_per_epoch = sampler.batches_per_epoch
+        loader = create_loader(task.dataset, sampler, task.batch_size, config.num_workers,
+                               collate_fn=task.collate, drop_last=True, generator=task.generator)
+        model = wrap_ddp(task.model, info, broadcast_buffers=task.broadcast_buffers,
+                         find_unused_parameters=not getattr(task.model, "uses_every_parameter", True),
+                         compile=config.compile)
+        optimizer = build_optimizer(task.model, config.optimizer, zero=config.zero, fused=config.fused_adamw)
+        scheduler = build_scheduler(optimizer, config.schedular, steps_per_epoch)
+        scaler = build_scaler(config.amp, info.device)
+        guard = StepGuard(config.max_skipped_steps)
+        bad_log = BadSampleLog(config.max_bad_fraction, output_dir=self.output_dir)
+        best = {task.best_key: -float("inf"), "epoch": -1} if task.best_key else None
+
+        def state(epoch: int, step: int, complete: bool = False, reseed_rng: bool = True) -> dict:
+            extra = {} if best is None else {"best": best}
+            return training_state(task.model, optimizer, scheduler, scaler, config=config_to_dict(config),
+                                  epoch=epoch, step=step, sampler_state=sampler.state_dict(),
+                                  seed=config.seed, rank=info.rank, complete=complete, guard=guard,
+                                  bad_samples=bad_log, reseed_rng=reseed_rng, **extra)
+
+        start_epoch, global_step = 0, 0
+        if self.resume:
+            saved, start_epoch, global_step = restore_training(
+                self.resume, task.model, optimizer, scheduler, scaler, seed=config.seed, rank=info.rank,
+                guard=guard, bad_samples=bad_log)
+            sampler.load_state_dict(saved["sampler"])
+            sampler.start_batch = global_step - start_epoch * steps_per_epoch  # this epoch's batches done
+            if best is not None:
+                best = dict(saved.get("best", best))
+
+        parts = _Parts(model, loader, optimizer, scheduler, scaler, guard, bad_log, state)
+        record: dict = {}
+        with guard:  # SIGTERM/SIGINT: finish the step, save, exit (training.step_guard)
+            for epoch in range(start_epoch, config.max_epoch):
+                epoch_start = time.perf_counter()
+                task.start_epoch(epoch)
+                stats, global_step = self._train_epoch(parts, epoch, global_step, steps_per_epoch)
+                extra = task.end_epoch(epoch)
+                record = {"epoch": epoch, "step": global_step, **stats,
+                          "epoch_seconds": round(time.perf_counter() - epoch_start, 3),
+                          "bad_samples": bad_log.epoch_total(), "skipped_steps": guard.skipped, **extra}
+                bad_log.start_epoch()
+                guard.start_epoch()
+                record.update(task.evaluate(epoch, self.output_dir))
+                if best is not None:
+                    best = keep_best(best, record, task.best_key, self.output_dir, task.model,
+                                     config_to_dict(config), epoch, global_step)
+                    record["best_epoch"] = best["epoch"]
+                save_checkpoint(checkpoint_path(self.output_dir, epoch=epoch),
+                                **state(epoch, global_step, complete=True))
+                append_log(self.output_dir, record)
+                print_main(json.dumps(record))
+                bad_log.check(record["bad_samples"], steps_per_epoch * task.batch_size * info.world_size,
+                              f"epoch ({epoch})")
+                barrier()
+        if best is not None and best["epoch"] >= 0 and task.best_summary:
+            print_main(task.best_summary.format(**best)
+                       + f": {os.path.join(self.output_dir, 'checkpoint_best.pth')}")
+        cleanup()
+        return record
+
+    def _train_epoch(self, parts: _Parts, epoch: int, global_step: int, steps_per_epoch: int
+                     ) -> tuple[dict[str, float], int]:
+        """One epoch of optimiser steps -> (lr, the step metrics' epoch means, timing; the global step).
+
+        Metrics stay on the device until the epoch summary; the guard's per-step decision is the step's
+        only host synchronisation (training.step_guard)."""
+        config, task, device = self.config, self.task, self.info.device
+        model, optimizer, scheduler, scaler, guard, bad_log = (parts.model, parts.optimizer, parts.scheduler,
+                                                               parts.scaler, parts.guard, parts.bad_log)
+        model.train()
+        dtype = autocast_dtype(config.amp, device)
+        start_batch = task.sampler.start_batch
+        logger = TrainLogger(header=f"{task.name} epoch {epoch}", print_freq=config.print_freq)
+        bad_log.epoch = epoch
+        samples, start = 0, time.time()
+        for batch in logger.log_every(parts.loader, total=steps_per_epoch - start_batch, start=start_batch):
+            bad_log.record(batch.reasons)
+            with torch.autocast(device.type, dtype=dtype or torch.float32, enabled=dtype is not None):
+                loss, metrics = task.step(model, batch)
+            skip, stop = guard.decide(loss)
+            optimizer.zero_grad(set_to_none=True)
+            lr = optimizer.param_groups[0]["lr"]
+            if skip:
+                # Every rank skips together (the decision is all-reduced), so no rank waits in a backward
+                # all-reduce the others never start. The schedule still advances: the batch is spent.
+                print_main(f"{task.name} epoch {epoch}, step {global_step}: loss is not finite on some rank; "
+                           f"step skipped without an update ({guard.consecutive} in a row)", flush=True)
+            else:
+                self._update(loss, optimizer, scaler)
+            scheduler.step()
+            global_step += 1
+            samples += len(batch)
+            if not skip:
+                logger.update(lr=lr, **metrics)
+            task.after_step(metrics, batch, skip)
+            if stop or guard.too_many_skipped:
+                self._stop(parts, epoch, global_step, stop)
+            every = config.checkpoint_every_steps
+            if every and global_step % every == 0:
+                save_checkpoint(checkpoint_path(self.output_dir, step=global_step),
+                                **parts.state(epoch, global_step))
+        summary = logger.epoch_summary()
+        seconds = time.time() - start
+        lr = summary.pop("lr", optimizer.param_groups[0]["lr"])  # mean rate over the epoch's steps
+        task.sampler.start_batch = 0
+        return {"lr": lr, **summary, "train_seconds": round(seconds, 3),
+                "samples_per_s": round(samples * get_world_size() / max(seconds, 1e-9), 2)}, global_step
+
+    def _update(self, loss: Tensor, optimizer: torch.optim.Optimizer, scaler: torch.amp.GradScaler) -> None:
+        """Backward and optimiser step, with loss scaling (fp16) and gradient clipping (clip_grad)."""
+        clip = self.config.clip_grad
+        params = self.task.model.parameters
+        if scaler.is_enabled():
+            scaler.scale(loss).backward()
+            if clip:
+                scaler.unscale_(optimizer)
+                torch.nn.utils.clip_grad_norm_(params(), clip)
+            scaler.step(optimizer)
+            scaler.update()
+            return
+        loss.backward()
+        if clip:
+            torch.nn.utils.clip_grad_norm_(params(), clip)
+        optimizer.step()
+
+    def _stop(self, parts: _Parts, epoch: int, global_step: int, signalled: bool) -> None:
+        """Save a checkpoint at this step and stop: Preempted on a signal, TooManySkippedSteps otherwise."""
+        guard = parts.guard
+        path = checkpoint_path(self.output_dir, step=global_step)
+        # An unbroken run takes no checkpoint here: keep the generators' states, do not reseed.
+        save_checkpoint(path, **parts.state(epoch, global_step, reseed_rng=False))
+        barrier()
+        where = f"epoch {epoch}, step {global_step}; saved {path}; continue with --resume"
+        if signalled:
+            print_main(f"stopping on signal {guard.signal or 'from another rank'}: {where}", flush=True)
+            raise Preempted(guard.exit_code())
+        raise TooManySkippedSteps(f"{guard.consecutive} consecutive steps had a non-finite loss "
+                                  f"(max_skipped_steps={guard.max_skipped_steps}): {where} after fixing the "
+                                  "cause (learning rate, data, amp)")
+
+
+class _Parts:
+    """What fit() built for the epochs: the wrapped model, loader, optimiser, schedule, scaler, guard, bad-
+    sample log and the checkpoint-state function."""
+
+    def __init__(self, model: nn.Module, loader: Iterable, optimizer: torch.optim.Optimizer, scheduler: Any,
+                 scaler: torch.amp.GradScaler, guard: StepGuard, bad_log: BadSampleLog, state: Any) -> None:
+        self.model, self.loader, self.optimizer, self.scheduler = model, loader, optimizer, scheduler
+        self.scaler, self.guard, self.bad_log, self.state = scaler, guard, bad_log, state
