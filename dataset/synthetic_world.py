@@ -28,7 +28,8 @@ SIZES = ("small", "large")
 SIZE_WORDS = {"small": ("small", "little"), "large": ("large", "big")}
 # Objects stand at the centres of a 3 x 3 grid of cells; radius as a share of the cell side. A cell of a
 # 48 px image is 16 px, 2 x 2 patches of 8 px, so every (shape, size) is one fixed pixel pattern per
-# patch: a tiny ViT trained from scratch sees shapes and sizes within minutes (docs/synthetic-world.md, format 5).
+# patch: a tiny ViT trained from scratch sees shapes and sizes within minutes (docs/synthetic-world.md,
+# format 5).
 SIZE_RADIUS = {"small": 0.25, "large": 0.42}
 GRID = 3
 RELATIONS = ("left", "right", "above", "below")

@@ -116,7 +116,8 @@ def conv_stem(patch: int, width: int) -> nn.Sequential:
     Why: a ViT trained from scratch on little data does not learn what small shapes look like inside
     a patch (Xiao et al. 2021, "Early convolutions help transformers see better"). The paper's ViT
     starts from ImageNet DeiT and sees; the tiny CPU configs start from nothing, and with the linear
-    stem their ViT never told a circle from a square (docs/synthetic-world.md, 'Does GRIT help the tiny model?').
+    stem their ViT never told a circle from a square (docs/synthetic-world.md, 'Does GRIT help the tiny
+    model?').
     Channels grow 3/8, 3/4, 1 x width (for patch 8), GELU between the convolutions.
     """
     n = patch.bit_length() - 1  # a power of two >= 2 (training.config checks patch_size for vision_stem conv)

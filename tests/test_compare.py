@@ -47,7 +47,8 @@ def test_evaluations_get_the_overrides_their_config_accepts():
 
 def test_the_downstream_pretraining_is_the_tiny_one_for_longer(monkeypatch):
     # demo --downstream's checkpoint must come from the demo's GRIT-VLP run with a longer schedule only,
-    # so that NLVR2 and VQA measure the same model and method (docs/synthetic-world.md, 'NLVR2 on the synthetic data').
+    # so that NLVR2 and VQA measure the same model and method (docs/synthetic-world.md, 'NLVR2 on the
+    # synthetic data').
     import demo
     from tools.compare import PRETRAIN_CONFIG, pretrain_command
     from training.config_resolve import resolve_config
