@@ -44,7 +44,9 @@ PARSER = script_parser("Retrieval.py", __doc__.splitlines()[0],
                        evaluate="evaluate --checkpoint on the val and test splits only (zero-shot for a "
                                 "pre-training checkpoint)")
 PARSER.add_argument("--bench", action="store_true",
-                    help="time the ITM re-ranking on the test split, print one JSON line, exit")
+                    help="time the ITM re-ranking on the test split, print one JSON line, exit (writes "
+                         "nothing: --output_dir is not needed)")
+PARSER.optional_with["output_dir"] |= {"--bench"}
 LOSSES = ("loss_itc", "loss_cons", "loss_itm")
 
 
@@ -161,7 +163,7 @@ class RetrievalTask(Task):
 
 def main(argv: Sequence[str] | None = None) -> dict:
     """Fine-tune and/or evaluate from the command line; returns the last log record (bench: its JSON)."""
-    run = start(argv, PARSER, "retrieval", needs_output_dir=lambda args: not args.bench)
+    run = start(argv, PARSER, "retrieval")
     config, info, args = run.config, run.info, run.args
     prepare_inputs(config)
 

@@ -90,7 +90,9 @@ def test_output_dir_is_required_and_its_help_says_so(in_repo, capsys):
     for script in (Pretrain, Retrieval, NLVR, VQA):
         line = mistake(capsys, script, ["--config", TINY[script], "--device", "cpu"])
         assert "required" in line and "--output_dir" in line
-        assert "required: the run's folder" in " ".join(script.PARSER.format_help().split())
+        assert "required but with --print_config" in " ".join(script.PARSER.format_help().split())
+        assert " --output_dir OUTPUT_DIR" in script.PARSER.format_usage()  # not [--output_dir ...]
+        assert "[--output_dir" not in script.PARSER.format_usage()
 
 
 def test_pretrain_evaluate_is_refused_with_what_to_run_instead(in_repo, capsys, out):

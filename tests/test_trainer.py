@@ -18,6 +18,7 @@ import Pretrain
 import Retrieval
 import VQA
 from training.cli import Run
+from training.config_resolve import resolve_config
 from training.distributed import DistInfo
 from training.loaders import finetune_sampler
 from training.trainer import Task, Trainer
@@ -109,7 +110,9 @@ def test_a_fake_task_trains_and_resumes_after_a_crash_exactly(tmp_path):
     assert [r["epoch"] for r in rows] == [0, 1, 2] and rows[-1]["step"] == 30  # 40 // 4 steps a epoch
     assert list(rows[0]) == RECORD_KEYS
     assert [r["bad_samples"] for r in rows] == [8, 8, 8]  # every fifth of 40, counted each epoch
-    assert os.path.isfile(whole / "checkpoint_best.pth") and os.path.isfile(whole / "config.yaml")
+    assert os.path.isfile(whole / "checkpoint_best.pth")
+    # output_dir/config.yaml is the resolved config, every default written: it resolves to the same one
+    assert resolve_config("retrieval", str(whole / "config.yaml"), check_paths=False) == run.config
 
     cut = tmp_path / "cut"
     crashing = FakeTask(fake_run(cut).config, crash_at=15)  # mid-epoch 1, after the step-12 checkpoint

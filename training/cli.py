@@ -31,7 +31,13 @@ __all__ = ["Parser", "Run", "run_main", "script_parser", "start"]
 
 
 class Parser(argparse.ArgumentParser):
-    """ArgumentParser with `--a-b` aliases of every `--a_b` flag and one-line errors (exit 2)."""
+    """ArgumentParser with `--a-b` aliases of every `--a_b` flag and one-line errors (exit 2).
+
+    optional_with: {required flag's dest: flags that make it optional} (e.g. --output_dir is required
+    except with --print_config, which writes nothing).
+    """
+
+    optional_with: dict[str, set[str]]
 
     def add_argument(self, *names: str, **kwargs: Any) -> argparse.Action:  # type: ignore[override]
         """As argparse, plus the hyphenated spelling of every underscored long flag."""
@@ -44,7 +50,16 @@ class Parser(argparse.ArgumentParser):
         sys.exit(2)
 
     def parse_known_args(self, args=None, namespace=None):  # type: ignore[override]
-        ns, rest = super().parse_known_args(args, namespace)
+        given = {a.split("=", 1)[0] for a in (sys.argv[1:] if args is None else args)}
+        relaxed = [a for a in self._actions
+                   if a.required and given & getattr(self, "optional_with", {}).get(a.dest, set())]
+        for action in relaxed:  # required in the usage line and in every other case
+            action.required = False
+        try:
+            ns, rest = super().parse_known_args(args, namespace)
+        finally:
+            for action in relaxed:
+                action.required = True
         if getattr(ns, "local_rank", 0) is None:
             # torchrun and `launch --use_env` pass the local rank only through the environment.
             ns.local_rank = int(os.environ.get("LOCAL_RANK", "0"))
@@ -56,10 +71,11 @@ def script_parser(script: str, description: str, *, evaluate: str = "", no_evalu
     no_evaluate: why the script refuses it and what to run instead (start() raises it)."""
     p = Parser(prog=f"python {script}", description=description)
     p.no_evaluate = no_evaluate
+    p.optional_with = {"output_dir": {"--print_config", "--print-config"}}
     p.add_argument("--config", required=True, help="YAML config file (see --print_config for every key)")
-    p.add_argument("--output_dir", default=None,
-                   help="required: the run's folder (config.yaml, log.txt, checkpoints); created once the "
-                        "config, data and model checks pass")
+    p.add_argument("--output_dir", required=True,
+                   help="the run's folder (config.yaml, log.txt, checkpoints), required but with "
+                        "--print_config; created once the config, data and model checks pass")
     p.add_argument("--checkpoint", default=None, help="weights to start from (a .pth checkpoint)")
     p.add_argument("--resume", nargs="?", const="latest", default=None, metavar="PATH",
                    help="resume the training state from PATH; without PATH: the newest checkpoint in "
@@ -97,8 +113,7 @@ class Run:
         return self.info.device
 
 
-def start(argv: Sequence[str] | None, parser: Parser, task: str, *,
-          needs_output_dir: Callable[[argparse.Namespace], bool] = lambda args: True) -> Run:
+def start(argv: Sequence[str] | None, parser: Parser, task: str) -> Run:
     """The start of every script: parse argv, resolve and check `task`'s config (keys, types, values,
     rules, data paths), --print_config (prints and exits), process group, deterministic kernels, seed
     (seed + rank). Errors are ConfigError, caught by run_main."""
@@ -112,8 +127,6 @@ def start(argv: Sequence[str] | None, parser: Parser, task: str, *,
     if args.print_config:
         print(render_config(config), end="")
         sys.exit(0)
-    if not args.output_dir and needs_output_dir(args):
-        parser.error("the following argument is required: --output_dir")
     info = init_distributed(args.device, args.local_rank)
     use_deterministic_kernels(config.deterministic)
     seed_everything(config.seed, info.rank)
