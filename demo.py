@@ -99,7 +99,7 @@ def majority_baseline(config_path: str = 'configs/tiny/VQA.yaml') -> float:
 
 def build_parser() -> Parser:
     """The demo's command line."""
-    parser = Parser(prog='python demo.py', description=__doc__.splitlines()[0])
+    parser = Parser(prog='python demo.py', description=' '.join(__doc__.split('\n\n')[0].split()))
     parser.add_argument('--output_dir', default='output/demo',
                         help='folder of the runs: pretrain/, zeroshot/, ... (default: output/demo)')
     parser.add_argument('--seed', type=int, default=None,

@@ -142,3 +142,11 @@ def test_a_bad_vqa_answer_list_names_the_file(in_repo, capsys, out, tmp_path):
     line = mistake(capsys, VQA, ["--config", TINY[VQA], "--output_dir", out, "--device", "cpu",
                                  "--set", f"answer_list={answers}", "vision_init=null"])
     assert str(answers) in line
+
+
+def test_a_corrupt_resume_checkpoint_names_the_file_and_writes_nothing(in_repo, capsys, out, tmp_path):
+    broken = tmp_path / "checkpoint_03.pth"
+    broken.write_bytes(b"PK\x03\x04 cut short")
+    line = mistake(capsys, Retrieval, ["--config", TINY[Retrieval], "--output_dir", out, "--device", "cpu",
+                                       "--resume", str(broken)])
+    assert str(broken) in line

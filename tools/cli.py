@@ -50,12 +50,13 @@ def add_checkpoint_args(parser: Parser, checkpoint_help: str) -> None:
                              "objects; unpickling can execute arbitrary code: trusted sources only)")
 
 
-def add_output_dir(parser: Parser, writes: str, *, required: bool = False,
-                   default: str | None = None) -> None:
-    """--output_dir (also --output-dir): the folder the tool writes `writes` into, created when missing."""
+def add_output_dir(parser: Parser, writes: str, *, required: bool = False, default: str | None = None,
+                   without: str = "nothing is written") -> None:
+    """--output_dir (also --output-dir): the folder the tool writes `writes` into, created when missing;
+    `without`: what happens when it is not given (and has no default)."""
     parser.add_argument("--output_dir", required=required, default=default,
                         help=f"folder to write {writes} into (created when missing)"
-                             + ("" if required or default else "; without it nothing is written"))
+                             + ("" if required or default else f"; without it {without}"))
 
 
 def checkpoint_parser(module: str, description: str, config_help: str, checkpoint_help: str,

@@ -38,9 +38,9 @@ def build_parser() -> Parser:
                                           "objects (the weights `vision_init: synthetic` loads); prints "
                                           "held-out accuracies as one JSON line.")
     add_config_args(p, "a pre-training config (its synthetic_root and ViT keys are read)")
-    add_output_dir(p, "the ViT (vit_r..._{stem}.pth, the name `vision_init: synthetic` loads) and "
-                      "vit_pretrain.json; default: synthetic_root, where the task scripts look for the ViT",
-                   default=None)
+    add_output_dir(p, "the ViT (vit_r{res}_p{patch}_w{width}_d{depth}_h{heads}_{stem}.pth, the name "
+                      "`vision_init: synthetic` loads) and vit_pretrain.json",
+                   without="the ViT goes to synthetic_root, where the task scripts look for it")
     for key, value in DEFAULTS.items():
         p.add_argument(f"--{key}", type=type(value), default=value, help=f"training recipe (default {value})")
     p.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's)")

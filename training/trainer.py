@@ -100,8 +100,12 @@ class Trainer:
         self.run, self.task = run, task
         self.config, self.info = run.config, run.info
         self.output_dir = str(run.args.output_dir)
-        self.resume = resolve_resume(getattr(run.args, "resume", None), self.output_dir)  # before writing
-        if is_main_process():  # only now: the config, data and model checks have passed
+        self.resume = resolve_resume(getattr(run.args, "resume", None), self.output_dir)
+
+    def _open_output_dir(self) -> None:
+        """Create output_dir with config.yaml: only once the config, data, model and --resume checks passed,
+        so that a mistake leaves output_dir untouched."""
+        if is_main_process():
             os.makedirs(self.output_dir, exist_ok=True)
             save_resolved(self.config, os.path.join(self.output_dir, "config.yaml"))
 
@@ -109,6 +113,7 @@ class Trainer:
 
     def evaluate_only(self) -> dict:
         """--evaluate: one record {'mode', 'checkpoint', ...metrics}, printed and appended to log.txt."""
+        self._open_output_dir()
         record = {"mode": "evaluate", "checkpoint": self.run.args.checkpoint,
                   **self.task.evaluate(None, self.output_dir)}
         print_main(json.dumps(record))
@@ -151,6 +156,7 @@ class Trainer:
             sampler.start_batch = global_step - start_epoch * steps_per_epoch  # this epoch's batches done
             if best is not None:
                 best = dict(saved.get("best", best))
+        self._open_output_dir()
 
         parts = _Parts(model, loader, optimizer, scheduler, scaler, guard, bad_log, state)
         record: dict = {}
