@@ -182,10 +182,10 @@ def main(argv: Sequence[str] | None = None) -> dict:
     columns = ['loss_itm', 'grit_hardness', 'txt_r1', 'img_r1', 'mean_r1', 'r_mean', 'probe']
     kinds = [k for k in next(iter(result[args.seeds[0]].values())) if k.startswith('probe_')]
     columns += kinds
-    print(f'{"seed":>5} {"batches":>15}' + ''.join(f'{c:>14}' for c in columns))
+    print(f'{"seed":>5} {"batches":>15}' + ''.join(f'{c:>15}' for c in columns))
     for seed, runs in result.items():
         for name, row in runs.items():
-            print(f'{seed:>5} {name:>15}' + ''.join(f'{row[c]:>14.4f}' for c in columns))
+            print(f'{seed:>5} {name:>15}' + ''.join(f'{row[c]:>15.4f}' for c in columns))
     emit_record({'seeds': result, 'overrides': args.overrides}, output_dir, 'compare')
     return result
 
