@@ -68,22 +68,23 @@ def test_parser_shared_flags_and_script_flags(monkeypatch):
     monkeypatch.delenv('LOCAL_RANK', raising=False)
     parser = script_parser('Test.py', 'test')
     parser.add_argument('--bench', action='store_true')
-    args = parser.parse_args(['--config', 'c.yaml', '--resume', '--bench', '--set', 'a=1', 'b.c=x',
-                              '--set', 'd=[1, 2]', '--seed', '3', '--evaluate'])
+    args = parser.parse_args(['--config', 'c.yaml', '--output_dir', 'o', '--resume', '--bench',
+                              '--set', 'a=1', 'b.c=x', '--set', 'd=[1, 2]', '--seed', '3', '--evaluate'])
     assert args.bench and args.evaluate and args.resume == 'latest' and args.seed == 3
     assert args.set == ['a=1', 'b.c=x', 'd=[1, 2]']
     assert args.local_rank == 0 and args.device is None and args.checkpoint is None
-    assert parser.parse_args(['--config', 'c.yaml', '--resume', 'x.pth']).resume == 'x.pth'
-    assert parser.parse_args(['--config', 'c.yaml']).resume is None
+    assert parser.parse_args(['--config', 'c.yaml', '--output_dir', 'o', '--resume', 'x.pth']).resume \
+        == 'x.pth'
+    assert parser.parse_args(['--config', 'c.yaml', '--output_dir', 'o']).resume is None
 
 
 def test_local_rank_spellings_and_env(monkeypatch):
     monkeypatch.delenv('LOCAL_RANK', raising=False)
     parser = script_parser('Test.py', 'test')
-    assert parser.parse_args(['--config', 'c', '--local_rank', '3']).local_rank == 3
-    assert parser.parse_args(['--config', 'c', '--local-rank=2']).local_rank == 2
+    assert parser.parse_args(['--config', 'c', '--output_dir', 'o', '--local_rank', '3']).local_rank == 3
+    assert parser.parse_args(['--config', 'c', '--output_dir', 'o', '--local-rank=2']).local_rank == 2
     monkeypatch.setenv('LOCAL_RANK', '5')
-    assert parser.parse_args(['--config', 'c']).local_rank == 5
+    assert parser.parse_args(['--config', 'c', '--print_config']).local_rank == 5  # no --output_dir needed
 
 
 # ---------------------------------------------------------------- config
