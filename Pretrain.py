@@ -53,8 +53,9 @@ class PretrainTask(Task):
         super().__init__(model, dataset, collate, sampler, config.batch_size, generator)
         self.config, self.device = config, device
         # Per-entry image ids on the device: a step looks its batch up by a gather, without a host sync
-        # (the model's false-negative guard, config key guard_false_negatives).
-        self.image_keys = torch.as_tensor(dataset.image_keys, dtype=torch.long, device=device)
+        # (the model's false-negative guard, config key guard_false_negatives; D int64s, so only with it).
+        self.image_keys = (torch.as_tensor(dataset.image_keys, dtype=torch.long, device=device)
+                           if config.guard_false_negatives else None)
         self.grit_seconds = 0.0
         self.features: dict[str, Tensor | None] = {}
 
@@ -63,7 +64,7 @@ class PretrainTask(Task):
         idx = batch.ids.to(self.device, non_blocking=True)  # once: the guard's lookup and GRIT's collect
         valid = batch.valid_on(self.device)  # None without bad samples: the paper's computation
         out = model(batch.image.to(self.device, non_blocking=True), batch.text.to(self.device),
-                    image_key=self.image_keys[idx], valid=valid)
+                    image_key=None if self.image_keys is None else self.image_keys[idx], valid=valid)
         self.features = {"image": out["image_feat"], "text": out["text_feat"], "idx": idx, "valid": valid}
         metrics = {k: out[k].detach() for k in LOSSES}
         metrics["grit_hardness"] = out["hardness"]
@@ -118,7 +119,8 @@ def main(argv: Sequence[str] | None = None) -> dict:
 
     tokenizer = build_tokenizer(config)
     dataset = SkipBadSamples(create_dataset("pretrain", config))
-    check_global_batch(len(dataset), config.batch_size, info.world_size, config.train_files, "batch_size")
+    check_global_batch(len(dataset), config.batch_size, info.world_size,
+                       config.train_files + config.train_shard_specs, "batch_size")
     sampler = GritSampler(dataset, num_replicas=info.world_size, rank=info.rank, seed=config.seed,
                           batch_size=config.batch_size, dim=config.embed_dim, device=info.device,
                           **config.grit.sampler_options())

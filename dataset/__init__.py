@@ -1,5 +1,5 @@
-"""Json-list datasets per task, ALBEF transforms, named batches and their collates, and the built-in
-synthetic data.
+"""Datasets per task over json lists (and, for pre-training, tar shards), ALBEF transforms, named batches
+and their collates, and the built-in synthetic data.
 
 create_dataset(task, config) and prepare_data(config) take the resolved task config
 (training.config.*Config) and read its attributes; every key's type, default and meaning live there.
@@ -13,11 +13,13 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     from torch.utils.data import Dataset
 
+    from .corpus import PretrainCorpus
     from .pretrain import PretrainDataset
 
 __all__ = [
     "Batch", "EmptyTextError", "ImageBatch", "ImageCaptionDataset", "ImageCollate", "ImagePairBatch",
-    "ImageReadError", "ImageTextBatch", "ImageTextCollate", "NLVRCollate", "NLVRDataset", "PretrainDataset",
+    "ImageReadError", "ImageTextBatch", "ImageTextCollate", "NLVRCollate", "NLVRDataset", "PretrainCorpus",
+    "PretrainDataset", "ShardDataset",
     "QABatch", "QACollate", "QuestionBatch", "QuestionCollate", "RetrievalEvalDataset",
     "RetrievalTrainDataset", "SkipBadCollate", "SkipBadSamples", "VQADataset", "create_dataset",
     "ensure_synthetic", "load_json_list", "pre_caption", "pre_question", "prepare_data", "read_image",
@@ -28,6 +30,7 @@ __all__ = [
 # generator) does not pull in torch and the others.
 _LAZY = {
     "NLVRDataset": "nlvr", "ImageCaptionDataset": "pretrain", "PretrainDataset": "pretrain",
+    "PretrainCorpus": "corpus", "ShardDataset": "shards",
     "RetrievalEvalDataset": "retrieval", "RetrievalTrainDataset": "retrieval", "VQADataset": "vqa",
     "ensure_synthetic": "synthetic", "test_transform": "transforms", "train_transform": "transforms",
     **dict.fromkeys(("Batch", "ImageBatch", "ImageCollate", "ImagePairBatch", "ImageTextBatch",
@@ -61,7 +64,7 @@ def prepare_data(config: Any) -> None:
 
 
 def create_dataset(task: str,
-                   config: Any) -> PretrainDataset | tuple[Dataset, Dataset | None, Dataset | None]:
+                   config: Any) -> PretrainCorpus | tuple[Dataset, Dataset | None, Dataset | None]:
     """The datasets of `task` ('pretrain', 'retrieval', 'nlvr' or 'vqa'), training sets with the training
     transform (image_res, crop_scale, hflip, randaugment) and evaluation sets with the test transform.
 
@@ -69,7 +72,10 @@ def create_dataset(task: str,
     randaugment, image_root (null or '': the json paths as they are), max_words, train_file, and per task
     val_file, test_file, answer_list (vqa) and text_assignment (nlvr).
 
-    Returns 'pretrain' -> PretrainDataset; 'retrieval' -> (RetrievalTrainDataset, RetrievalEvalDataset x2);
+    'pretrain' also reads train_shards, train_repeat, shard_cache_dir and shard_lru_size.
+
+    Returns 'pretrain' -> PretrainCorpus (json lists, then shards, in one index space); 'retrieval' ->
+    (RetrievalTrainDataset, RetrievalEvalDataset x2);
     'nlvr' -> (train, val, test) NLVRDatasets, or with text_assignment true (PretrainDataset of train_file,
     None, None): stage 1 trains on pre-training captions and has no evaluation split, and a triple either
     way lets NLVR.py unpack both stages alike; 'vqa' -> (train, val or None when val_file is null, test)
@@ -89,7 +95,13 @@ def create_dataset(task: str,
     root = config.image_root or ""
     max_words = config.max_words
     if task == "pretrain":
-        return PretrainDataset(config.train_file, train_tf, root, max_words)
+        from .corpus import PretrainCorpus
+        from .shards import ShardDataset
+
+        sources = [(f, PretrainDataset(f, train_tf, root, max_words)) for f in config.train_files]
+        sources += [(s, ShardDataset(s, train_tf, max_words, config.shard_cache_dir, config.shard_lru_size))
+                    for s in config.train_shard_specs]
+        return PretrainCorpus(sources, config.train_repeat)
     if task == "retrieval":
         return (RetrievalTrainDataset(config.train_file, train_tf, root, max_words),
                 RetrievalEvalDataset(config.val_file, test_tf, root, max_words),

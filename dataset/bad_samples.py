@@ -1,5 +1,6 @@
 """Bad samples: an entry whose image is missing or undecodable, or whose text is empty after
-cleaning, is skipped, never replaced by another entry.
+cleaning or missing (a shard sample without caption), or a shard sample that cannot be reached (a
+truncated shard), is skipped, never replaced by another entry.
 
 `SkipBadSamples(dataset)` returns `(item, None)` for a good entry and `(placeholder, reason)` for a bad
 one; the placeholder (`dataset.placeholder(index)`) has the shapes of a real item, so every rank's
@@ -20,12 +21,12 @@ from PIL import Image
 from torch.utils.data import Dataset
 
 from .collate import Batch
-from .utils import EmptyTextError, ImageReadError
+from .utils import EmptyTextError, ImageReadError, MissingTextError, ShardReadError
 
 __all__ = ["BAD_SAMPLE_ERRORS", "SkipBadCollate", "SkipBadSamples", "blank_image"]
 
 # What makes an entry bad. Anything else (a bug, a wrong config) still stops the run.
-BAD_SAMPLE_ERRORS = (ImageReadError, EmptyTextError)
+BAD_SAMPLE_ERRORS = (ImageReadError, EmptyTextError, MissingTextError, ShardReadError)
 
 
 def blank_image(transform: Callable) -> torch.Tensor:

@@ -11,6 +11,7 @@ from __future__ import annotations
 import os
 import re
 from collections.abc import Callable, Iterable, Sequence
+from typing import BinaryIO
 
 from PIL import Image
 
@@ -19,6 +20,9 @@ from files import InputFileError, read_json
 __all__ = [
     "EmptyTextError",
     "ImageReadError",
+    "MissingTextError",
+    "ShardReadError",
+    "decode_image",
     "load_json_list",
     "pre_caption",
     "pre_question",
@@ -42,6 +46,15 @@ class ImageReadError(OSError):
 
 class EmptyTextError(ValueError):
     """A caption, question or sentence is empty after cleaning (a bad sample, not a bad config)."""
+
+
+class MissingTextError(ValueError):
+    """A shard sample has no caption: no `.txt` member and no `caption` in its `.json` (a bad sample)."""
+
+
+class ShardReadError(OSError):
+    """A sample of a tar shard cannot be reached: the shard cannot be opened or indexed (truncated,
+    corrupt) or holds fewer samples than its index says (a bad sample)."""
 
 
 def _clean(text: str, max_words: int, what: str) -> str:
@@ -115,8 +128,15 @@ def read_image(path: str) -> Image.Image:
     """Open an image file as a fully decoded PIL RGB image; ImageReadError names the file on failure."""
     if not os.path.isfile(path):
         raise ImageReadError(path, "not a file" if os.path.exists(path) else "file not found")
+    return decode_image(path, path)
+
+
+def decode_image(source: str | BinaryIO, name: str) -> Image.Image:
+    """Decode an image file or stream (a tar member) as a fully decoded PIL RGB image; ImageReadError names
+    it (`name`: the file, or shard and member) on failure. One decoder for files and shards, so that both
+    give the same pixels."""
     try:
-        with Image.open(path) as im:
+        with Image.open(source) as im:
             return im.convert("RGB")
     except (OSError, ValueError, Image.DecompressionBombError) as e:
-        raise ImageReadError(path, f"{type(e).__name__}: {e}") from None
+        raise ImageReadError(name, f"{type(e).__name__}: {e}") from None

@@ -61,5 +61,7 @@ class BadSampleLog:
         if samples > 0 and total > self.max_bad_fraction * samples:
             raise TooManyBadSamples(
                 f'{total} of the {samples} samples of this {what} were bad (missing or undecodable images, '
-                f'empty texts), more than max_bad_fraction={self.max_bad_fraction:g}; the first ones are '
-                'named above. Fix or drop those entries of the json list (or raise max_bad_fraction).')
+                f'empty or missing texts, unreadable shard samples), more than max_bad_fraction='
+                f'{self.max_bad_fraction:g}; the first ones are named above, all of them in '
+                'bad_samples_rank*.jsonl. Fix or drop those entries of the json list or shards (or raise '
+                'max_bad_fraction).')

@@ -36,6 +36,10 @@ def key(default: Any = REQUIRED, meaning: str = "", *, low: float | None = None,
     return field(default=default, metadata=metadata)
 
 
+def _as_list(value: str | list[str] | None) -> list[str]:
+    return [] if value is None else [value] if isinstance(value, str) else list(value)
+
+
 def meaning(cls: type, name: str) -> str:
     """The one-line meaning of key `name` of config class `cls`."""
     return next(f.metadata.get("meaning", "") for f in dataclasses.fields(cls) if f.name == name)
@@ -209,8 +213,13 @@ class TaskConfig:
 
     @property
     def train_files(self) -> list[str]:
-        """train_file as a list."""
-        return [self.train_file] if isinstance(self.train_file, str) else list(self.train_file)
+        """train_file as a list ([] when null)."""
+        return _as_list(self.train_file)
+
+    @property
+    def train_shard_specs(self) -> list[str]:
+        """train_shards as a list ([] when the task has none or it is null)."""
+        return _as_list(getattr(self, "train_shards", None))
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -246,9 +255,32 @@ class PretrainConfig(_Objectives, TaskConfig):
     batch_size: int = key(REQUIRED, "per-rank batch N: one GRIT group per local batch", low=1)
     grit: Grit = key(Grit(enabled=False), "the GRIT sampler block; null: GRIT off")
 
+    # --- web-scale data (dataset.shards, dataset.corpus) ------------------------------------------------
+    train_file: str | list[str] | None = key(None, "json list(s) of training entries (ALBEF's format); "
+                                                   "null when train_shards holds all the data", path="file")
+    train_shards: str | list[str] | None = key(None, "tar shards in img2dataset's layout: shard-index "
+                                                     "json(s) (wids' format, as tools.make_shards writes "
+                                                     "them) or brace patterns of .tar files; after "
+                                                     "train_file in the index space")
+    train_repeat: dict[str, int] = key({}, "integer repeat factor per source, keyed by a train_file or "
+                                           "train_shards entry as written; each copy has its own indices")
+    shard_cache_dir: str | None = key(None, "wids' cache: remote shards are downloaded here, local ones only "
+                                            "linked; null: $WIDS_CACHE or /tmp/_wids_cache")
+    shard_lru_size: int = key(64, "open shards kept per loader worker (wids' lru_size); GRIT's order visits "
+                                  "shards at random", low=1)
+
     def problems(self) -> list[str]:
         """TaskConfig's rules, the objectives' and GRIT's sizes."""
         out = super().problems() + self.grit.problems(self.batch_size)
+        if not (self.train_file or self.train_shards):
+            out.append("no training data: set train_file (json lists) or train_shards (tar shards), or both")
+        sources = self.train_files + self.train_shard_specs
+        for name, times in self.train_repeat.items():
+            if name not in sources:
+                out.append(f"train_repeat names {name!r}, which is no train_file or train_shards entry "
+                           f"(those are: {', '.join(map(repr, sources))})")
+            if times < 1:
+                out.append(f"train_repeat of {name!r} must be an integer >= 1, got {times}")
         if not (self.itc or self.itm or self.mlm):
             out.append("itc, itm and mlm are all false: nothing to train")
         if self.itm and not self.itc and self.itm_negatives == "hard":

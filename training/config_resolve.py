@@ -87,6 +87,9 @@ def _type_name(tp: Any) -> str:
         return repr(values[0]) if len(values) == 1 else "one of " + ", ".join(repr(a) for a in values)
     if origin is list:
         return f"list of {_type_name(typing.get_args(tp)[0])}"
+    if origin is dict:
+        key_tp, value_tp = typing.get_args(tp)
+        return f"a mapping of {_type_name(key_tp)} to {_type_name(value_tp)}"
     if tp is type(None):
         return "null"
     if _block_class(tp):
@@ -114,6 +117,12 @@ def _convert(tp: Any, value: Any) -> Any:
             return _NO
         items = [_convert(typing.get_args(tp)[0], v) for v in value]
         return _NO if any(v is _NO for v in items) else items
+    if origin is dict:
+        if not isinstance(value, Mapping):
+            return _NO
+        key_tp, value_tp = typing.get_args(tp)
+        pairs = [(_convert(key_tp, k), _convert(value_tp, v)) for k, v in value.items()]
+        return _NO if any(k is _NO or v is _NO for k, v in pairs) else dict(pairs)
     if tp is type(None):
         return None if value is None else _NO
     if tp is bool:
@@ -413,6 +422,10 @@ def _commented(obj: Any) -> CommentedMap:
             seq = CommentedSeq(value)
             seq.fa.set_flow_style()
             out[f.name] = seq
+        elif isinstance(value, dict):
+            mapping = CommentedMap(value)
+            mapping.fa.set_flow_style()
+            out[f.name] = mapping
         else:
             out[f.name] = value
         out.yaml_add_eol_comment(f.metadata.get("meaning", ""), f.name, column=40)

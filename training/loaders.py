@@ -89,6 +89,7 @@ def check_global_batch(n: int, batch_size: int, world_size: int, files: list[str
     key `batch_key`) per process x world_size processes; called where a script has loaded its data."""
     if n < batch_size * world_size:
         raise ConfigError(
-            f"train_file ({', '.join(files)}) has {n} {unit}, fewer than one global batch: {batch_key} "
+            f"the training data ({', '.join(files)}) has {n} {unit}, fewer than one global batch: "
+            f"{batch_key} "
             f"{batch_size} x world size {world_size} = {batch_size * world_size}; lower {batch_key} or use "
             "fewer processes")
