@@ -12,9 +12,9 @@ format is stored losslessly as `.png`, so every image decodes to the same pixels
 caption as `.txt` (the first one of a list) and as `.json` {"caption": the caption or list as in the json,
 "image": the json path, "source": the json file, "entry": i}. Entries that name one image file share an
 image key in `{name}-image_keys.npy`, which the index names (the false-negative guard reads it). Training
-from `{output_dir}/{name}.json` therefore reads the same examples under the same indices as from the json lists. An image file that is
-missing is written as a sample without an image member (training counts it as a bad sample, as it would
-the missing file) and reported.
+from `{output_dir}/{name}.json` therefore reads the same examples under the same indices as from the json
+lists. An image file that is missing is written as a sample without an image member (training counts it
+as a bad sample, as it would the missing file) and reported.
 
 Each shard is written under a temporary name and renamed when complete, so an interrupted conversion
 resumes where it stopped when run again with the same arguments (complete shards are kept; the inputs
