@@ -246,7 +246,7 @@ def test_wrong_types_name_key_type_value_and_source(tmp_path):
         f"  config key 'image_res' must be int, got '48' (str) from {path}",
         "  config key 'optimizer.lr' must be float, got 'fast' (str) from --set",
         "  config key 'seed' must be int, got 1.5 (float) from --set",
-        "  config key 'train_file' must be str or list of str, got 5 (int) from --set",
+        "  config key 'train_file' must be str or list of str or null, got 5 (int) from --set",
     ]
 
 
@@ -437,7 +437,8 @@ def test_check_global_batch():
     check_global_batch(16, 8, 2, ["a.json", "b.json"], "batch_size")  # exactly one global batch
     with pytest.raises(ConfigError) as err:
         check_global_batch(15, 8, 2, ["a.json", "b.json"], "batch_size")
-    assert str(err.value) == ("train_file (a.json, b.json) has 15 entries, fewer than one global batch: "
+    assert str(err.value) == ("the training data (a.json, b.json) has 15 entries, fewer than one global "
+                              "batch: "
                               "batch_size 8 x world size 2 = 16; lower batch_size or use fewer processes")
 
 

@@ -32,6 +32,7 @@ from dataset import (
     ImageTextCollate,
     NLVRCollate,
     NLVRDataset,
+    PretrainCorpus,
     PretrainDataset,
     QABatch,
     QACollate,
@@ -539,8 +540,11 @@ def test_create_dataset_from_config(data_root):
 def test_create_dataset_pretrain_and_nlvr(data_root):
     pretrain = create_dataset("pretrain", _task_config("pretrain", data_root, crop_scale=[0.2, 1.0],
                                                        train_file=[os.path.join(data_root, "pretrain.json")]))
-    assert isinstance(pretrain, PretrainDataset) and pretrain.transform.transforms[0].scale == (0.2, 1.0)
+    # one json list, no repeat: the corpus is that list under its own indices
+    assert isinstance(pretrain, PretrainCorpus) and [type(d) for d in pretrain.datasets] == [PretrainDataset]
+    assert pretrain.datasets[0].transform.transforms[0].scale == (0.2, 1.0)
     assert len(pretrain) == len(_load(data_root, "pretrain.json"))
+    assert pretrain[3][1:] == pretrain.datasets[0][3][1:]
 
     files = {k: os.path.join(data_root, f"nlvr_{s}.json")
              for k, s in (("train_file", "train"), ("val_file", "dev"), ("test_file", "test"))}

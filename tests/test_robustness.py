@@ -112,7 +112,7 @@ def test_skip_wrapper_reports_each_bad_kind(data_dir, bad_list):
     assert 'file not found' in reasons[0] and 'missing.png' in reasons[0]
     assert 'truncated.png' in reasons[9] and 'zero.png' in reasons[17] and 'text.jpg' in reasons[26]
     assert 'empty after cleaning' in reasons[39]
-    converted = [i for i, a in enumerate(dataset.ann)
+    converted = [i for i, a in enumerate(dataset.datasets[0].ann)
                  if os.path.basename(a['image']) in ('grey.png', 'palette.png', 'rgba.png', 'cmyk.jpg')]
     assert len(converted) == 4
     for i in converted:  # greyscale, palette, RGBA and CMYK are converted to RGB, not bad

@@ -11,6 +11,11 @@ within the whole sub-queue of M (the ceiling a group of N can approach).
 (grit.shard_grouping): per rank, its wall time and its CPU time (one thread per rank, so on a machine
 with fewer cores than ranks the CPU time is the fair measure of the work) against the single-rank
 fill; it also gives the memory of G and of the queues at the paper's and at LAION-400M sizes.
+`--scale 10000000 100000000` instead measures GritSampler itself at web scale, each D in a fresh process:
+a sampler resumed at the last step of an epoch (G of D - L/2 grouped examples, half a queue of random
+features: no training), then end_epoch (the partial queue's grouping, the duplicate check, composing the
+next epoch) and the next set_epoch timed, with the bytes of the index arrays it holds and the peak resident
+memory above them; and the per-rank figures extrapolated to LAION-400M.
 With --output_dir the JSON object is also written to DIR/grit_bench.json.
 """
 
@@ -20,6 +25,7 @@ import argparse
 import json
 import math
 import os
+import subprocess
 import tempfile
 import time
 from collections.abc import Sequence
@@ -96,6 +102,10 @@ def build_parser() -> Parser:
     p.add_argument("--seed", type=int, default=0, help="seed of the features and chain starts (default: 0)")
     p.add_argument("--worlds", type=int, nargs="*", default=None,
                    help="time grouping sharded over this many gloo processes (e.g. 1 2 4) instead")
+    p.add_argument("--scale", type=int, nargs="*", default=None, metavar="D",
+                   help="instead: GritSampler's memory and end_epoch time for datasets of D examples (e.g. "
+                        "10000000 100000000), each in a fresh process")
+    p.add_argument("--one_scale", type=int, default=None, help=argparse.SUPPRESS)
     add_output_dir(p, "grit_bench.json (the printed record)")
     return p
 
@@ -109,6 +119,12 @@ def main(argv: Sequence[str] | None = None) -> dict:
     """Run the benchmark and print one JSON object (also returned)."""
     p = build_parser()
     args = p.parse_args(argv)
+    if args.one_scale:
+        return emit_record(one_scale(args), None, "grit_bench")
+    if args.scale:
+        if min(args.scale) < args.queue_size * 2:
+            p.error("need every --scale D >= 2 x queue_size")
+        return emit_record(at_scale(args), args.output_dir, "grit_bench")
     if args.worlds:
         if min(args.worlds) < 1 or args.queue_size % args.search_space:
             p.error("need --worlds >= 1 and --queue_size a multiple of --search_space")
@@ -279,6 +295,106 @@ def sharded(args: argparse.Namespace) -> dict:
             "worlds": {str(w): r for w, r in rows.items()}, "memory": memory_table(args.dim),
             "note": "cpu_vs_single_over_w = per-rank CPU time / (single-rank CPU time / W); sub-queues are "
                     "dealt round robin, so a rank chains ceil(S / W) of the S sub-queues"}
+
+
+# ------------------------------------------------------------------------------------------ scale
+
+
+def _rss() -> dict:
+    """This process's resident memory now and at its peak since the last _reset_peak(), in bytes."""
+    out = {}
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith(("VmRSS:", "VmHWM:")):
+                out[line.split(":")[0]] = int(line.split()[1]) * 1024
+    return {"rss": out["VmRSS"], "peak": out["VmHWM"]}
+
+
+def _reset_peak() -> None:
+    with open("/proc/self/clear_refs", "w") as f:  # '5' resets VmHWM to the current RSS (Linux >= 4.0)
+        f.write("5")
+
+
+def _held(sampler) -> int:
+    """Bytes of the D-sized index arrays the sampler holds: this epoch's, the next one's, G so far."""
+    arrays = [sampler._epoch_array, sampler._next_array, *(sampler.collector._groups or [])]
+    return sum(a.numel() * a.element_size() for a in arrays if a is not None)
+
+
+def one_scale(args: argparse.Namespace) -> dict:
+    """One dataset size in this process: a GritSampler resumed at the last step of an epoch (G of D - L/2
+    grouped examples, half a queue of random features), then end_epoch and the next set_epoch timed, with
+    the memory they hold and their peak."""
+    from grit import GritSampler
+
+    torch.manual_seed(args.seed)
+    D, L, M, d, N = args.one_scale, args.queue_size, args.search_space, args.dim, args.batch_size
+    grit = dict(enabled=True, queue_size=L, search_space=M, example_shuffle=True, batch_shuffle=True,
+                mode="concurrent", warmstart_indices=None, shard_grouping=True)
+    sampler = GritSampler(D, num_replicas=1, rank=0, seed=args.seed, batch_size=N, dim=d, **grit)
+    T = sampler.batches_per_epoch
+    half = L // 2
+    perm = torch.randperm(D)
+    state = {"version": 1, "epoch": 0, "in_progress": 1, "position": T, "has_next": 0, "epochs_started": 1,
+             "dataset_len": D, "batch_size": N, "num_replicas": 1, "seed": args.seed, "mode": "concurrent",
+             "epoch_indices": perm[:T * N].to(sampler.index_dtype), "indices": perm[half:],
+             "collector": {"ptr": half, "image": F.normalize(torch.randn(half, d), dim=-1),
+                           "text": F.normalize(torch.randn(half, d), dim=-1), "index": perm[:half].clone(),
+                           "valid": torch.ones(half, dtype=torch.bool),
+                           "rng": torch.Generator().manual_seed(args.seed).get_state()}}
+    sampler.load_state_dict(state)
+    del state, perm
+    sampler.set_epoch(0)  # resumes at the epoch's end: its G and half a queue are held
+    before = _rss()
+    held_in_epoch = _held(sampler)
+    _reset_peak()
+    t0 = time.perf_counter()
+    sampler.end_epoch()
+    end_epoch_s = time.perf_counter() - t0
+    after_end = _rss()
+    held_after = _held(sampler)
+    _reset_peak()
+    t0 = time.perf_counter()
+    sampler.set_epoch(1)
+    first = next(iter(sampler))
+    set_epoch_s = time.perf_counter() - t0
+    after_set = _rss()
+    assert 0 <= first < D
+    return {"dataset": D, "index_dtype": str(sampler.index_dtype).removeprefix("torch."),
+            "end_epoch_s": round(end_epoch_s, 3), "set_epoch_and_first_index_s": round(set_epoch_s, 3),
+            "held_bytes_in_epoch": held_in_epoch, "held_bytes_after_end_epoch": held_after,
+            "rss_before_end_epoch": before["rss"],
+            "end_epoch_peak_over_rss": after_end["peak"] - before["rss"],
+            "set_epoch_peak_over_rss": after_set["peak"] - after_end["rss"],
+            "rss_after_set_epoch": after_set["rss"]}
+
+
+def at_scale(args: argparse.Namespace) -> dict:
+    """one_scale for every D of args.scale, each in a fresh Python (so that its peak memory is its own)."""
+    from tools.launch import child_env, python_command
+
+    rows = []
+    for D in args.scale:
+        sizes = ["--queue_size", args.queue_size, "--search_space", args.search_space, "--dim", args.dim,
+                 "--batch_size", args.batch_size, "--seed", args.seed, "--one_scale", D]
+        proc = subprocess.run(python_command(["tools.grit_bench", *map(str, sizes)]),
+                              capture_output=True, text=True, env=child_env(threads=1))
+        if proc.returncode != 0:
+            rows.append({"dataset": D, "error": proc.stderr.strip()[-800:]})
+            continue
+        rows.append(json.loads(proc.stdout.strip().splitlines()[-1]))
+    per_example = [r["end_epoch_peak_over_rss"] / r["dataset"] for r in rows if "error" not in r]
+    held = [r["held_bytes_after_end_epoch"] / r["dataset"] for r in rows if "error" not in r]
+    out = {"mode": "GritSampler at scale (random features, no training)", "queue_size": args.queue_size,
+           "search_space": args.search_space, "dim": args.dim, "batch_size": args.batch_size,
+           "threads": 1, "rows": rows}
+    if per_example:
+        D = 400_000_000
+        out["laion_400m_per_rank"] = {
+            "held_bytes": round(max(held) * D), "end_epoch_peak_bytes_over_held": round(max(per_example) * D),
+            "note": "linear extrapolation from the largest bytes per example measured; every rank holds "
+                    "the same arrays, whatever the world size"}
+    return out
 
 
 if __name__ == "__main__":

@@ -11,10 +11,18 @@ crop, flip, RandAugment, normalise), and tokenising batches of captions as the c
 one JSON object (also written to DIR/loader_bench.json with --output_dir): images/s per worker for each
 stage and for the whole pipeline, and, given a training step rate in samples/s per GPU, the number of
 workers that rate needs.
+
+--locality also times whole samples (read + decode + transform, as a worker produces them) from the json
+list of files and from the same images as tar shards (tools.make_shards, --shard_size samples each, read
+with wids), in sequential order and in GRIT's order (a GritSampler epoch: a permutation that jumps across
+shards), with the config's shard_lru_size open shards per worker and with one (a corpus of far more shards
+than a worker keeps open), and the milliseconds wids takes to open a shard (its header scan).
 """
 
 from __future__ import annotations
 
+import contextlib
+import io
 import math
 import os
 import tempfile
@@ -62,6 +70,11 @@ def build_parser() -> Parser:
     p.add_argument('--step_samples_per_s', type=float, default=None,
                    help='a training step rate (samples/s per GPU) to size the workers for')
     p.add_argument('--seed', type=int, default=0, help='seed of the images (default: 0)')
+    p.add_argument('--locality', action='store_true',
+                   help='also time whole samples (read, decode, transform) from files and from tar shards, '
+                        'in sequential and in GRIT order, and the cost of opening a shard')
+    p.add_argument('--shard_size', type=int, default=100,
+                   help='samples per shard with --locality (default: 100)')
     add_output_dir(p, 'loader_bench.json (the printed record)')
     return p
 
@@ -125,11 +138,106 @@ def main(argv: Sequence[str] | None = None) -> dict:
                                     'pipeline': _rate(args.images, total)},
         'share_of_time': {k: round(v / total, 3) for k, v in best.items()},
     }
+    if args.locality:
+        result['locality'] = locality(args, config, width, height)
     if args.step_samples_per_s:
         result['step_samples_per_s'] = args.step_samples_per_s
         per_worker = result['images_per_s_per_worker']['pipeline']
         result['workers_needed'] = math.ceil(args.step_samples_per_s / per_worker)
     return emit_record(result, args.output_dir, 'loader_bench')
+
+
+def grit_order(n: int, seed: int) -> list[int]:
+    """A GRIT epoch's order over n examples: GritSampler's second epoch, grouped from random features.
+    To storage it is as good as a random permutation: groups follow similarity, not where samples lie."""
+    import torch.nn.functional as F
+
+    from grit import GritSampler
+
+    N = 8
+    L = max(N, min(n, 480)) // N * N
+    sampler = GritSampler(n, num_replicas=1, rank=0, seed=seed, batch_size=N, enabled=True, queue_size=L,
+                          search_space=min(L, 120), example_shuffle=True, batch_shuffle=True,
+                          mode='concurrent', warmstart_indices=None, shard_grouping=True, dim=16)
+    g = torch.Generator().manual_seed(seed)
+    features = F.normalize(torch.randn(n, 16, generator=g), dim=-1)
+    sampler.set_epoch(0)
+    first = list(iter(sampler))
+    for k in range(0, len(first), N):
+        idx = torch.tensor(first[k:k + N])
+        sampler.collect(features[idx], features[idx], idx)
+    sampler.end_epoch()
+    sampler.set_epoch(1)
+    return list(iter(sampler))
+
+
+def _time_reads(dataset, order: list[int], repeats: int) -> float:
+    """Best images/s over `repeats` passes of dataset[i] for i in order (read, decode, transform)."""
+    best = math.inf
+    for _ in range(max(1, repeats)):
+        t0 = time.perf_counter()
+        for i in order:
+            dataset[i]
+        best = min(best, time.perf_counter() - t0)
+    return _rate(len(order), best)
+
+
+def _open_ms(index: str, transform, shards: int) -> float:
+    """Mean milliseconds to open and index one shard (wids' memory map and header scan), fresh readers."""
+    from dataset.shards import ShardDataset
+
+    ds = ShardDataset(index, transform, lru_size=1)
+    sizes = [s['nsamples'] for s in ds.shards][:shards]
+    t0 = time.perf_counter()
+    for k in range(len(sizes)):
+        ds._reader = None
+        ds.reader().get_shard(sum(sizes[:k]))
+    return round(1000 * (time.perf_counter() - t0) / len(sizes), 3)
+
+
+def locality(args, config, width: int, height: int) -> dict:
+    """Whole samples per second per worker: json list of files against tar shards (lru of the config, and
+    of 1: every change of shard reopens one, as when a worker cycles through far more shards than it keeps
+    open), each in sequential and in GRIT order; and what opening a shard costs."""
+    import json as _json
+
+    from dataset.pretrain import PretrainDataset
+    from dataset.shards import ShardDataset
+    from tools.make_shards import convert
+
+    transform = train_transform(config.image_res, scale=tuple(config.crop_scale), hflip=config.hflip,
+                                randaugment=config.randaugment)
+    out = {'shard_size': args.shard_size, 'shard_lru_size': config.shard_lru_size,
+           'timing': f'best of {max(1, args.repeats)} passes, one thread, local disk (page cache warm)'}
+    with tempfile.TemporaryDirectory() as folder:
+        paths = _write_images(folder, args.images, width, height, args.seed)
+        listed = os.path.join(folder, 'list.json')
+        with open(listed, 'w') as f:
+            _json.dump([{'image': os.path.basename(q), 'caption': 'a photo'} for q in paths], f)
+        with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
+            index = convert([listed], folder, os.path.join(folder, 'shards'), args.shard_size)['index']
+        orders = {'sequential': list(range(args.images)), 'grit': grit_order(args.images, args.seed)}
+        sources = {
+            'files': PretrainDataset(listed, transform, folder),
+            f'shards_lru{config.shard_lru_size}': ShardDataset(index, transform,
+                                                               lru_size=config.shard_lru_size),
+            'shards_lru1': ShardDataset(index, transform, lru_size=1),
+        }
+        out['images_per_s_per_worker'] = {f'{name}_{order}': _time_reads(ds, orders[order], args.repeats)
+                                          for name, ds in sources.items() for order in orders}
+        out['shards'] = len(sources['shards_lru1'].shards)
+        out['open_ms_per_shard'] = _open_ms(index, transform, out['shards'])
+        # Opening cost grows with the members a shard holds (wids scans every tar header): a 10,000-sample
+        # shard (img2dataset's default) of 1x1 images measures that scan alone.
+        big = os.path.join(folder, 'big')
+        tiny = os.path.join(folder, 'tiny.json')
+        Image.new('RGB', (1, 1)).save(os.path.join(folder, 'dot.png'))
+        with open(tiny, 'w') as f:
+            _json.dump([{'image': 'dot.png', 'caption': 'x'}] * 10000, f)
+        with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
+            big_index = convert([tiny], folder, big, 10000)['index']
+        out['open_ms_per_10000_sample_shard'] = _open_ms(big_index, transform, 1)
+    return out
 
 
 if __name__ == '__main__':
