@@ -163,7 +163,8 @@ class GritCollector:
         if not self._groups:
             return torch.empty(0, dtype=self.index_dtype)
         G = torch.cat(self._groups).cpu()
-        return G[G >= 0]
+        invalid = G < 0
+        return G[~invalid] if bool(invalid.any()) else G
 
     @torch.no_grad()
     def finalize(self) -> torch.Tensor:
@@ -174,9 +175,11 @@ class GritCollector:
         G = self.partial_groups()
         self._groups = []
         if G.numel():
-            counts = torch.bincount(G, minlength=self.dataset_len)
-            if int(counts.max()) > 1:
-                dup = torch.nonzero(counts > 1).flatten()[:5].tolist()
+            # One byte per example, not bincount's eight: D is up to 400M (grit_bench --scale).
+            seen = torch.zeros(self.dataset_len, dtype=torch.bool)
+            seen[G] = True
+            if int(seen.sum()) != G.numel():
+                dup = torch.nonzero(torch.bincount(G, minlength=self.dataset_len) > 1).flatten()[:5].tolist()
                 raise ValueError(
                     "GRIT: an index passed to collect() occurred more than once in one epoch (e.g. "
                     f"{dup}); index must be the dataset position of the sample (0..{self.dataset_len - 1}), "

@@ -28,6 +28,13 @@ def _mix(seed: int, epoch: int, stream: int) -> int:
             + 0x2545F4914F6CDD1D) % (2**63 - 1)
 
 
+def _as_ints(indices: torch.Tensor, chunk: int = 1 << 16) -> Iterator[int]:
+    """The indices (n,) as Python ints, converted a chunk at a time: a rank's share of a 400M-example
+    epoch as one Python list would take gigabytes."""
+    for part in indices.split(chunk):
+        yield from part.tolist()
+
+
 class GritSampler(torch.utils.data.Sampler):
     """Yields this rank's dataset indices for one epoch in per-rank batch order (see grit/__init__.py).
 
@@ -190,11 +197,14 @@ class GritSampler(torch.utils.data.Sampler):
         """Epoch array from G: unseen indices first, cut into chunks of N, drop/shuffle chunks -> (T*B,)."""
         gen = torch.Generator().manual_seed(_mix(self.seed, epoch, _STREAM_COMPOSE))
         D, N, W = self.dataset_len, self.batch_size, self.num_replicas
-        G = G.cpu().long()
+        # D-sized arrays stay in index_dtype (int32 below 2**31 examples): at web scale the transient int64
+        # copies were most of the epoch end's memory (tools.grit_bench --scale, docs/speed-and-scale.md).
+        G = G.cpu().to(self.index_dtype)
         seen = torch.zeros(D, dtype=torch.bool)
         seen[G] = True
         unseen = torch.nonzero(~seen).flatten()
-        unseen = unseen[torch.randperm(unseen.numel(), generator=gen)]
+        del seen
+        unseen = unseen[torch.randperm(unseen.numel(), generator=gen)].to(self.index_dtype)
         # Unseen indices go first, so the D % N tail left over after cutting chunks comes from G and
         # the dropped chunks can be drawn among chunks made of G only: whenever fewer than B indices
         # were unseen, all of them are used this epoch and the left-out ones were seen last epoch.
@@ -214,8 +224,7 @@ class GritSampler(torch.utils.data.Sampler):
         kept = torch.nonzero(kept).flatten()
         if self.grit["batch_shuffle"]:
             kept = kept[torch.randperm(kept.numel(), generator=gen)]
-        # Composed in int64 (the transient randperm / nonzero arrays), held in index_dtype.
-        return chunks[kept].reshape(-1).to(self.index_dtype)
+        return chunks[kept].reshape(-1)
 
     def _comm_device(self) -> torch.device:
         if gdist.is_distributed() and dist.get_backend() == "nccl":
@@ -231,7 +240,7 @@ class GritSampler(torch.utils.data.Sampler):
         self._ensure_started()
         T, W, N = self.batches_per_epoch, self.num_replicas, self.batch_size
         mine = self._epoch_array.view(T, W, N)[self.start_batch:, self.rank].reshape(-1)
-        return iter(mine.tolist())
+        return _as_ints(mine)
 
     def __len__(self) -> int:
         return (self.batches_per_epoch - self.start_batch) * self.batch_size
