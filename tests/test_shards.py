@@ -446,3 +446,44 @@ def test_two_process_gloo_pretraining_from_independent_shards(data_dir, tmp_path
     left_out = set(range(D)) - set(this_epoch.tolist())
     bad_index = n_json + 16 + 5  # never grouped (invalid): back next epoch, as an unseen index
     assert left_out | {bad_index} <= set(nxt.tolist())
+
+
+# ------------------------------------------------------------------------------------------ benchmarks
+
+
+def test_grit_bench_at_scale_fields(monkeypatch):
+    """tools.grit_bench --scale: per D, end_epoch's time and memory; what a sampler holds is two int32
+    arrays of D after the epoch end (this epoch's and the next), 400M extrapolated from the largest D."""
+    from tools import grit_bench
+
+    monkeypatch.chdir(ROOT)
+    result = grit_bench.main(["--scale", "40000", "80000", "--queue_size", "2000", "--search_space", "200",
+                              "--dim", "8", "--batch_size", "16"])
+    rows = result["rows"]
+    assert [r["dataset"] for r in rows] == [40000, 80000] and not any("error" in r for r in rows)
+    for r in rows:
+        assert r["index_dtype"] == "int32" and r["held_bytes_after_end_epoch"] == 8 * r["dataset"]
+        assert r["end_epoch_s"] > 0 and r["end_epoch_peak_over_rss"] >= 0
+    assert result["laion_400m_per_rank"]["held_bytes"] == 8 * 400_000_000
+
+
+def test_loader_bench_locality_fields(tmp_path, monkeypatch):
+    from tools import loader_bench
+
+    monkeypatch.chdir(tmp_path)
+    result = loader_bench.main(["--images", "12", "--size", "64x48", "--repeats", "1", "--locality",
+                                "--shard_size", "4"])
+    loc = result["locality"]
+    assert loc["shards"] == 3 and loc["shard_size"] == 4
+    rates = loc["images_per_s_per_worker"]
+    assert set(rates) == {f"{s}_{o}" for s in ("files", f"shards_lru{loc['shard_lru_size']}", "shards_lru1")
+                          for o in ("sequential", "grit")}
+    assert all(v > 0 for v in rates.values())
+    assert loc["open_ms_per_shard"] > 0 and loc["open_ms_per_10000_sample_shard"] > loc["open_ms_per_shard"]
+
+
+def test_grit_order_is_a_permutation_of_whole_batches():
+    from tools.loader_bench import grit_order
+
+    order = grit_order(100, seed=0)
+    assert len(order) == 96 and len(set(order)) == 96 and order != sorted(order)
