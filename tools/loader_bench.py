@@ -15,8 +15,9 @@ workers that rate needs.
 --locality also times whole samples (read + decode + transform, as a worker produces them) from the json
 list of files and from the same images as tar shards (tools.make_shards, --shard_size samples each, read
 with wids), in sequential order and in GRIT's order (a GritSampler epoch: a permutation that jumps across
-shards), with the config's shard_lru_size open shards per worker and with one (a corpus of far more shards
-than a worker keeps open), and the milliseconds wids takes to open a shard (its header scan).
+shards) with the config's shard_lru_size open shards per worker, and with every read opening its shard
+(what a worker does in GRIT's order when the corpus has far more shards than it keeps open), and the
+milliseconds wids takes to open a shard (its memory map and header scan).
 """
 
 from __future__ import annotations
@@ -171,12 +172,15 @@ def grit_order(n: int, seed: int) -> list[int]:
     return list(iter(sampler))
 
 
-def _time_reads(dataset, order: list[int], repeats: int) -> float:
-    """Best images/s over `repeats` passes of dataset[i] for i in order (read, decode, transform)."""
+def _time_reads(dataset, order: list[int], repeats: int, reopen: bool = False) -> float:
+    """Best images/s over `repeats` passes of dataset[i] for i in order (read, decode, transform); reopen:
+    a shard dataset closes its open shards before every read, so that every read opens its shard."""
     best = math.inf
     for _ in range(max(1, repeats)):
         t0 = time.perf_counter()
         for i in order:
+            if reopen:
+                dataset.reader().cache.clear()  # wids' LRU of open shards
             dataset[i]
         best = min(best, time.perf_counter() - t0)
     return _rate(len(order), best)
@@ -196,9 +200,9 @@ def _open_ms(index: str, transform, shards: int) -> float:
 
 
 def locality(args, config, width: int, height: int) -> dict:
-    """Whole samples per second per worker: json list of files against tar shards (lru of the config, and
-    of 1: every change of shard reopens one, as when a worker cycles through far more shards than it keeps
-    open), each in sequential and in GRIT order; and what opening a shard costs."""
+    """Whole samples per second per worker: json list of files against tar shards (with the config's
+    shard_lru_size open shards; and opening its shard on every read, as a worker does whose corpus has far
+    more shards than it keeps open), each in sequential and in GRIT order; and what opening a shard costs."""
     import json as _json
 
     from dataset.pretrain import PretrainDataset
@@ -221,11 +225,13 @@ def locality(args, config, width: int, height: int) -> dict:
             'files': PretrainDataset(listed, transform, folder),
             f'shards_lru{config.shard_lru_size}': ShardDataset(index, transform,
                                                                lru_size=config.shard_lru_size),
-            'shards_lru1': ShardDataset(index, transform, lru_size=1),
         }
         out['images_per_s_per_worker'] = {f'{name}_{order}': _time_reads(ds, orders[order], args.repeats)
                                           for name, ds in sources.items() for order in orders}
-        out['shards'] = len(sources['shards_lru1'].shards)
+        # The order no longer matters when every read opens its shard.
+        out['images_per_s_per_worker']['shards_open_every_read'] = _time_reads(
+            ShardDataset(index, transform, lru_size=1), orders['grit'], args.repeats, reopen=True)
+        out['shards'] = len(ShardDataset(index, transform).shards)
         out['open_ms_per_shard'] = _open_ms(index, transform, out['shards'])
         # Opening cost grows with the members a shard holds (wids scans every tar header): a 10,000-sample
         # shard (img2dataset's default) of 1x1 images measures that scan alone.
