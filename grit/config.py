@@ -1,7 +1,9 @@
-"""The rules a GritSampler's options must obey, and the index-array files grit.warmstart_indices may name.
+"""The defaults a GritSampler's switches take, the rules its options must obey, and the index-array files
+grit.warmstart_indices may name.
 
-The options' defaults and meanings are the `grit` block of the typed config (training.config.Grit),
-which checks these same rules at start-up."""
+DEFAULTS are the paper's: GritSampler's signature and the `grit` block of the typed config
+(training.config.Grit, where each option's meaning is) both take them from here; the config checks the
+same rules at start-up."""
 
 from __future__ import annotations
 
@@ -12,9 +14,14 @@ import torch
 
 from files import InputFileError, load_torch_file, read_json
 
-__all__ = ["MODES", "load_index_array", "option_problems"]
+__all__ = ["DEFAULTS", "MODES", "load_index_array", "option_problems"]
 
 MODES = ("concurrent", "naive")
+
+# The paper's GRIT (Sec. 3.1, S.M. Algorithms 1-2): grouping on, both shuffles, features collected while
+# training; our extensions off or neutral (no warm-start file; sharded grouping gives the same G).
+DEFAULTS = {"enabled": True, "example_shuffle": True, "batch_shuffle": True, "mode": "concurrent",
+            "warmstart_indices": None, "shard_grouping": True}
 
 
 def option_problems(*, batch_size: int, enabled: bool, queue_size: int | None, search_space: int | None,

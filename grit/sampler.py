@@ -11,7 +11,7 @@ import torch.distributed as dist
 
 from . import dist as gdist
 from .collector import GritCollector
-from .config import load_index_array, option_problems
+from .config import DEFAULTS, load_index_array, option_problems
 
 __all__ = ["GritSampler"]
 
@@ -44,12 +44,18 @@ class GritSampler(torch.utils.data.Sampler):
 
     def __init__(self, dataset, num_replicas: int | None = None, rank: int | None = None,
                  shuffle: bool = True, seed: int = 0, drop_last: bool = True, *, batch_size: int,
-                 enabled: bool, queue_size: int | None, search_space: int | None, example_shuffle: bool,
-                 batch_shuffle: bool, mode: str, warmstart_indices: str | None, shard_grouping: bool,
+                 queue_size: int | None, search_space: int | None,
+                 enabled: bool = DEFAULTS["enabled"], example_shuffle: bool = DEFAULTS["example_shuffle"],
+                 batch_shuffle: bool = DEFAULTS["batch_shuffle"], mode: str = DEFAULTS["mode"],
+                 warmstart_indices: str | None = DEFAULTS["warmstart_indices"],
+                 shard_grouping: bool = DEFAULTS["shard_grouping"],
                  dim: int = 256, device: torch.device | str | None = None,
                  index_dtype: torch.dtype | None = None) -> None:
-        """The GRIT options are the `grit` block's keys (training.config.Grit: what each means; a script
-        passes config.grit.sampler_options()); ValueError when they break grit.config.option_problems."""
+        """dataset: a sized dataset or its length D; batch_size N per rank; queue_size L and search_space M
+        (N <= M <= L); the switches default to the paper's (grit.config.DEFAULTS) and are the `grit` block's
+        keys (training.config.Grit says what each means; the scripts pass config.grit.sampler_options());
+        dim: the feature size collect() gets; device: where the queues and the grouping live. ValueError
+        when the options break grit.config.option_problems."""
         self.dataset_len = int(dataset) if isinstance(dataset, numbers.Integral) else len(dataset)
         # The epoch arrays hold D indices on every rank (3.2 GB as int64 for LAION-400M): int32 whenever
         # the dataset fits, int64 beyond 2**31 - 1 entries or when asked. The batches are the same.

@@ -17,6 +17,7 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
+from grit.config import DEFAULTS as GRIT_DEFAULTS  # the sampler's defaults (the paper's), one place
 from grit.config import option_problems  # the sampler's own rules, asked at start-up
 
 __all__ = ["ALBEF_KEYS", "REQUIRED", "Alias", "TASK_CONFIGS", "Grit", "NLVRConfig", "Optimizer",
@@ -88,20 +89,27 @@ class Schedule:
 class Grit:
     """The `grit` block (grit.GritSampler; paper Sec. 4.1, S.M. Algorithms 1-2). `grit: null` = GRIT off."""
 
-    enabled: bool = key(True, "false: random batches (DistributedSampler's permutation), the ALBEF baseline")
+    # Defaults: the paper's, from grit.config.DEFAULTS (GritSampler's signature takes them from there too).
+    enabled: bool = key(GRIT_DEFAULTS["enabled"], "false: random batches (DistributedSampler's permutation), "
+                                                  "the ALBEF baseline")
     queue_size: int | None = key(None, "L: examples collected before a grouping; null only while GRIT is off",
                                  low=1)
     search_space: int | None = key(None, "M: sub-queue size a group is searched in (>= batch_size); null "
                                          "only while GRIT is off", low=1)
-    example_shuffle: bool = key(True, "phase 2: shuffle a full queue before splitting it into sub-queues")
-    batch_shuffle: bool = key(True, "phase 4: shuffle the order of the next epoch's groups")
-    mode: Literal["concurrent", "naive"] = key("concurrent", "concurrent: group from the features collected "
-                                                             "while training; naive: an extra no-grad pass "
-                                                             "per epoch (Remark 2)")
-    warmstart_indices: str | None = key(None, "index array G for the first epoch (tools.warmstart); null: a "
-                                              "random first epoch", path="file")
-    shard_grouping: bool = key(True, "with W ranks, rank r chains every W-th sub-queue and the chains are "
-                                     "all-gathered (the same G everywhere, W times less work each)")
+    example_shuffle: bool = key(GRIT_DEFAULTS["example_shuffle"], "phase 2: shuffle a full queue before "
+                                                                  "splitting it into sub-queues")
+    batch_shuffle: bool = key(GRIT_DEFAULTS["batch_shuffle"], "phase 4: shuffle the order of the next "
+                                                              "epoch's groups")
+    mode: Literal["concurrent", "naive"] = key(
+        GRIT_DEFAULTS["mode"], "concurrent: group from the features collected while training; naive: an "
+                               "extra no-grad pass per epoch (Remark 2)")
+    warmstart_indices: str | None = key(
+        GRIT_DEFAULTS["warmstart_indices"], "index array G for the first epoch (tools.warmstart); null: a "
+                                            "random first epoch", path="file")
+    shard_grouping: bool = key(GRIT_DEFAULTS["shard_grouping"], "with W ranks, rank r chains every W-th "
+                                                                "sub-queue and the chains are all-gathered "
+                                                                "(the same G everywhere, W times less work "
+                                                                "each)")
 
     def problems(self, batch_size: int) -> list[str]:
         """GRIT's size rules (grit.config.option_problems), when it is on: batch_size <= search_space <=
