@@ -11,6 +11,7 @@ similarity of the hardest in-batch ITM negative) and grit_seconds (GRIT's collec
 
 from __future__ import annotations
 
+import os
 import time
 from collections.abc import Iterator, Sequence
 
@@ -26,9 +27,10 @@ from models.pretrain import ALBEF_Base
 from models.tokenization import build_tokenizer
 from training.cli import run_main, script_parser, start
 from training.config import PretrainConfig
-from training.distributed import print_main
+from training.distributed import is_main_process, print_main
 from training.inputs import prepare_inputs
 from training.loaders import check_global_batch
+from training.pictures import batch_grid, denormalize
 from training.reproducibility import make_generator
 from training.trainer import Task, Trainer
 
@@ -49,9 +51,10 @@ class PretrainTask(Task):
 
     def __init__(self, model: ALBEF_Base, dataset: SkipBadSamples, collate: SkipBadCollate,
                  sampler: GritSampler, config: PretrainConfig, device: torch.device,
-                 generator: torch.Generator) -> None:
+                 generator: torch.Generator, tokenizer) -> None:
         super().__init__(model, dataset, collate, sampler, config.batch_size, generator)
-        self.config, self.device = config, device
+        self.config, self.device, self.tokenizer = config, device, tokenizer
+        self.shown: dict | None = None  # the epoch's first batch, for its picture (see pictures())
         # Per-entry image ids on the device: a step looks its batch up by a gather, without a host sync
         # (the model's false-negative guard, config key guard_false_negatives; D int64s, so only with it).
         self.image_keys = (torch.as_tensor(dataset.image_keys, dtype=torch.long, device=device)
@@ -66,6 +69,10 @@ class PretrainTask(Task):
         out = model(batch.image.to(self.device, non_blocking=True), batch.text.to(self.device),
                     image_key=None if self.image_keys is None else self.image_keys[idx], valid=valid)
         self.features = {"image": out["image_feat"], "text": out["text_feat"], "idx": idx, "valid": valid}
+        if self.shown is None and is_main_process():  # device tensors kept; copied once, at the epoch end
+            self.shown = {"image": batch.image[:8], "ids": batch.text["input_ids"][:8],
+                          "image_feat": out["image_feat"][:8].detach(),
+                          "text_feat": out["text_feat"][:8].detach()}
         metrics = {k: out[k].detach() for k in LOSSES}
         metrics["grit_hardness"] = out["hardness"]
         return out["loss_itc"] + out["loss_cons"] + out["loss_itm"] + out["loss_mlm"], metrics
@@ -85,6 +92,7 @@ class PretrainTask(Task):
         """The epoch's batches: GRIT's groups from the last epoch (naive mode: from an extra pass now)."""
         start = time.perf_counter()
         self.grit_seconds = 0.0
+        self.shown = None
         naive = self.naive_pass if self.config.grit.mode == "naive" else None
         self.sampler.set_epoch(epoch, naive_pass=naive)
         self.grit_seconds += time.perf_counter() - start
@@ -95,6 +103,37 @@ class PretrainTask(Task):
         self.sampler.end_epoch()
         self.grit_seconds += time.perf_counter() - start
         return {"grit_seconds": round(self.grit_seconds, 3)}
+
+    def summary(self) -> list[str]:
+        """GRIT's sizes for the start-up summary."""
+        grit, N = self.config.grit, self.config.batch_size
+        if not self.config.grit_on:
+            return ["GRIT off: random batches every epoch (the ALBEF baseline)"]
+        W = self.sampler.num_replicas
+        return [f"GRIT {grit.mode}: groups of N = {N} per rank from sub-queues of M = {grit.search_space} in "
+                f"queues of L = {grit.queue_size}, W = {W} ranks, D = {self.sampler.dataset_len:,}; "
+                + ("epoch 0 from grit.warmstart_indices" if grit.warmstart_indices else
+                   "epoch 0 random, grouped batches from epoch 1")]
+
+    def grouped(self, epoch: int) -> bool:
+        """True when epoch `epoch`'s batches are GRIT groups (not random)."""
+        grit = self.config.grit
+        return self.config.grit_on and (epoch > 0 or grit.mode == "naive" or bool(grit.warmstart_indices))
+
+    def pictures(self, epoch: int, output_dir: str) -> dict[str, str]:
+        """batches/epoch_EE_{grit|random}.png: the epoch's first batch on rank 0 (up to 8 of its samples),
+        each with its caption and its hardest in-batch negative (training.pictures)."""
+        shown, self.shown = self.shown, None
+        if shown is None:
+            return {}
+        kind = "grit" if self.grouped(epoch) else "random"
+        captions = self.tokenizer.batch_decode(shown["ids"].cpu(), skip_special_tokens=True)
+        similarity = shown["image_feat"].float() @ shown["text_feat"].float().T
+        what = "a GRIT batch (one group)" if kind == "grit" else "a random batch"
+        path = batch_grid(denormalize(shown["image"]), captions, similarity.cpu(),
+                          os.path.join(output_dir, "batches", f"epoch_{epoch:02d}_{kind}.png"),
+                          f"epoch {epoch}: {what} - red: each image's hardest in-batch negative caption")
+        return {f"batches/{kind}": path} if path else {}
 
     def naive_pass(self, indices: Tensor) -> Iterator[tuple[Tensor, Tensor, Tensor, Tensor]]:
         """GRIT's naive mode (Remark 2): a no-grad pass of the uni-modal encoders over this rank's share
@@ -132,7 +171,7 @@ def main(argv: Sequence[str] | None = None) -> dict:
     # The loader draws its workers' base seed from its own generator, not the global stream, so that
     # creating the iterator on resume does not shift the random numbers the model draws.
     task = PretrainTask(model, dataset, collate, sampler, config, info.device,
-                        make_generator(config.seed + info.rank))
+                        make_generator(config.seed + info.rank), tokenizer)
     return Trainer(run, task).fit()
 
 

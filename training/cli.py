@@ -24,6 +24,7 @@ from training.config import TaskConfig
 from training.config_files import ConfigError
 from training.config_resolve import render_config, resolve_config
 from training.distributed import DistInfo, init_distributed
+from training.reporting import check_backends
 from training.reproducibility import seed_everything, use_deterministic_kernels
 from training.step_guard import TooManySkippedSteps
 
@@ -89,6 +90,9 @@ def script_parser(script: str, description: str, *, evaluate: str = "", no_evalu
     p.add_argument("--device", default=None,
                    help="cpu | cuda | cuda:N (default: cuda if available, else cpu)")
     p.add_argument("--seed", type=int, default=None, help="sets config key seed")
+    p.add_argument("--report_to", nargs="+", default=None, metavar="BACKEND",
+                   help="sets config key report_to: tensorboard and/or wandb (besides log.txt and "
+                        "metrics.jsonl)")
     p.add_argument("--set", dest="set", nargs="*", action="extend", default=[], metavar="KEY=VALUE",
                    help="config overrides; dotted keys reach into blocks, values are YAML "
                         "(e.g. --set grit.enabled=false optimizer.lr=1e-4 \"train_file=[a.json]\")")
@@ -122,11 +126,12 @@ def start(argv: Sequence[str] | None, parser: Parser, task: str) -> Run:
         raise ConfigError(f"{parser.prog.removeprefix('python ')} --evaluate: {parser.no_evaluate}")
     set_trust_checkpoint(args.trust_checkpoint)  # set on every start: no leak between runs in one process
     # Before the process group, the data and the model: a config mistake costs seconds, not a job start.
-    flags = {"seed": args.seed, "text_encoder": args.text_encoder}
+    flags = {"seed": args.seed, "text_encoder": args.text_encoder, "report_to": args.report_to}
     config = resolve_config(task, args.config, args.set, flags, check_paths=not args.print_config)
     if args.print_config:
         print(render_config(config), end="")
         sys.exit(0)
+    check_backends(config.report_to)
     info = init_distributed(args.device, args.local_rank)
     use_deterministic_kernels(config.deterministic)
     seed_everything(config.seed, info.rank)

@@ -176,7 +176,15 @@ class TaskConfig:
     compile: bool = key(False, "torch.compile the training forward")
 
     # --- the run (training.trainer) --------------------------------------------------------------------
-    print_freq: int = key(50, "a progress line every this many steps (when not on a terminal)", low=1)
+    print_freq: int = key(50, "a progress line (and a line of metrics.jsonl, a point per back-end) every "
+                              "this many steps", low=1)
+    report_to: list[Literal["tensorboard", "wandb"]] = key([], "logging back-ends besides log.txt and "
+                                                               "metrics.jsonl: tensorboard (event files in "
+                                                               "output_dir/tensorboard), wandb")
+    wandb_project: str = key("grit-vlp", "W&B project (with report_to: [wandb])")
+    run_name: str | None = key(None, "W&B run name; null: the output_dir folder's name")
+    keep_checkpoints: int = key(0, "keep the newest this many epoch checkpoints (never the one --resume "
+                                   "would take); 0: keep all", low=0)
     checkpoint_every_steps: int = key(0, "also save a checkpoint every this many steps; 0: at epoch ends "
                                          "only", low=0)
     max_skipped_steps: int = key(10, "consecutive non-finite-loss steps (each skipped) before the run saves "

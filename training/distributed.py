@@ -111,6 +111,15 @@ def print_main(*values: Any, **kwargs: Any) -> None:
         print(*values, **kwargs)
 
 
+def all_gather_objects(value: Any) -> list[Any]:
+    """[value of rank 0, value of rank 1, ...] (picklable values; a collective); [value] in one process."""
+    if not is_dist():
+        return [value]
+    out: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(out, value)
+    return out
+
+
 def reduce_sum(t: torch.Tensor) -> torch.Tensor:
     """All-reduce (sum) a float tensor on the backend's device; identity without a process group."""
     if not is_dist():

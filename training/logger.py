@@ -9,7 +9,7 @@ import json
 import os
 import sys
 import time
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from typing import Any
 
 import numpy as np
@@ -31,13 +31,20 @@ class TrainLogger:
     """
 
     def __init__(self, header: str = '', print_freq: int = 50, enabled: bool | None = None,
-                 use_tqdm: bool | None = None) -> None:
+                 use_tqdm: bool | None = None, samples_per_step: int = 0,
+                 on_log: Callable[[int, dict[str, float]], None] | None = None) -> None:
+        """samples_per_step: the global batch (for samples/s); on_log(step, values): called at every
+        printed step with the window's metric means and its timing (training.reporting)."""
         self.header = header
         self.print_freq = max(1, int(print_freq))
         self.enabled = is_main_process() if enabled is None else enabled
         self.use_tqdm = (sys.stderr.isatty() if use_tqdm is None else use_tqdm) and self.enabled
+        self.samples_per_step = int(samples_per_step)
+        self.on_log = on_log
         self._sum: dict[str, Any] = {}   # running sums: 0-dim tensors (device) or floats
         self._count: dict[str, int] = {}
+        self._wsum: dict[str, Any] = {}  # the same since the last printed step
+        self._wcount: dict[str, int] = {}
         self._last: dict[str, Any] = {}
         self.step = 0
         self.start_time = time.time()
@@ -51,6 +58,8 @@ class TrainLogger:
                 v = float(v)
             self._sum[k] = self._sum[k] + v if k in self._sum else v
             self._count[k] = self._count.get(k, 0) + 1
+            self._wsum[k] = self._wsum[k] + v if k in self._wsum else v
+            self._wcount[k] = self._wcount.get(k, 0) + 1
             self._last[k] = v
 
     def local_means(self) -> dict[str, float]:
@@ -61,14 +70,20 @@ class TrainLogger:
         sums = stack_values([self._sum[k] for k in keys]).tolist()
         return {k: s / self._count[k] for k, s in zip(keys, sums)}
 
-    def _line(self) -> str:
+    def _line(self) -> tuple[str, dict[str, float]]:
+        """The progress line's metrics ('name: last (epoch mean)') and the window's means (one host sync)."""
         keys = sorted(self._last)
         if not keys:
-            return ''
-        vals = stack_values([self._last[k] for k in keys] + [self._sum[k] for k in keys]).tolist()
+            return '', {}
+        wkeys = sorted(self._wsum)
+        vals = stack_values([self._last[k] for k in keys] + [self._sum[k] for k in keys]
+                            + [self._wsum[k] for k in wkeys]).tolist()
         n = len(keys)
-        return '  '.join(f'{k}: {_fmt(k, vals[i])} ({_fmt(k, vals[n + i] / self._count[k])})'
+        window = {k: vals[2 * n + i] / self._wcount[k] for i, k in enumerate(wkeys)}
+        self._wsum, self._wcount = {}, {}
+        line = '  '.join(f'{k}: {_fmt(k, vals[i])} ({_fmt(k, vals[n + i] / self._count[k])})'
                          for i, k in enumerate(keys))
+        return line, window
 
     def log_every(self, iterable: Iterable, total: int | None = None, start: int = 0) -> Iterator:
         """Yield from `iterable`, counting steps and printing (rank 0) a progress line every print_freq."""
@@ -98,18 +113,23 @@ class TrainLogger:
                 if bar is not None:
                     bar.update(1)
                 if self.enabled and (self.step % self.print_freq == 0 or self.step == end):
-                    line = self._line()
+                    line, window = self._line()
+                    rate = self.samples_per_step * n_window / max(iter_time, 1e-9)
+                    speed = f'samples/s: {rate:.1f}  ' if self.samples_per_step else ''
                     if bar is not None:
-                        bar.set_postfix_str(line, refresh=True)
+                        bar.set_postfix_str(f'{speed}{line}', refresh=True)
                     else:
                         eta = ''
                         if end is not None:
                             left = (end - self.step) * iter_time / max(n_window, 1)
                             eta = f'eta: {datetime.timedelta(seconds=int(left))}  '
                         of = f'/{end}' if end is not None else ''
-                        print(f'{self.header} [{self.step:>{width}}{of}]  {eta}{line}  '
+                        print(f'{self.header} [{self.step:>{width}}{of}]  {eta}{speed}{line}  '
                               f'time: {iter_time / n_window:.3f}s/it  data: {data_time / n_window:.3f}s/it',
                               flush=True)
+                    if self.on_log is not None:
+                        self.on_log(self.step, {**window, 'samples_per_s': rate,
+                                                'data_wait_share': data_time / max(iter_time, 1e-9)})
                     t_window, data_time, n_window = time.time(), 0.0, 0
                     t_end = t_window
         finally:

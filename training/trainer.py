@@ -41,6 +41,7 @@ from training.distributed import barrier, cleanup, get_world_size, is_main_proce
 from training.loaders import create_loader
 from training.logger import TrainLogger, append_log
 from training.optimizer import autocast_dtype, build_optimizer, build_scaler, build_scheduler
+from training.reporting import Reporter, prune_checkpoints, run_record
 from training.step_guard import Preempted, StepGuard, TooManySkippedSteps
 
 __all__ = ["Task", "Trainer"]
@@ -90,6 +91,14 @@ class Task:
 
     def evaluate(self, epoch: int | None, output_dir: str) -> dict[str, Any]:
         """Evaluation metrics after epoch `epoch`, or of --checkpoint alone (epoch None: --evaluate)."""
+        return {}
+
+    def summary(self) -> list[str]:
+        """Lines of the start-up summary that only the task knows (e.g. GRIT's sizes)."""
+        return []
+
+    def pictures(self, epoch: int, output_dir: str) -> dict[str, str]:
+        """PNGs written into output_dir after epoch `epoch` (every rank calls it): {tag: path}."""
         return {}
 
 
@@ -157,8 +166,44 @@ class Trainer:
             if best is not None:
                 best = dict(saved.get("best", best))
         self._open_output_dir()
+        reporter = Reporter(self.output_dir, config.report_to, config_to_dict(config),
+                            config.run_name or os.path.basename(os.path.normpath(self.output_dir)),
+                            config.wandb_project)
+        try:
+            reporter.record_start(run_record(info.world_size))
+            self._print_summary(start_epoch, global_step, steps_per_epoch)
+            parts = _Parts(model, loader, optimizer, scheduler, scaler, guard, bad_log, state, reporter)
+            return self._epochs(parts, start_epoch, global_step, steps_per_epoch, best)
+        finally:
+            reporter.close()
 
-        parts = _Parts(model, loader, optimizer, scheduler, scaler, guard, bad_log, state)
+    def _print_summary(self, start_epoch: int, global_step: int, steps_per_epoch: int) -> None:
+        """What the run is about to do, before its first step (rank 0)."""
+        config, info, task = self.config, self.info, self.task
+        params = list(task.model.parameters())
+        trainable = sum(p.numel() for p in params if p.requires_grad)
+        sources = config.train_files + getattr(config, "train_shard_specs", [])
+        backend = "nccl" if info.device.type == "cuda" else "gloo" if info.distributed else "single process"
+        lines = [
+            f"{task.name}: device {info.device}, world size {info.world_size} ({backend}); model "
+            f"{sum(p.numel() for p in params) / 1e6:.2f} M parameters ({trainable / 1e6:.2f} M trainable)",
+            f"  data: {len(task.dataset):,} training examples ({', '.join(sources)}); bad ones are skipped "
+            f"and counted as they are read (max_bad_fraction {config.max_bad_fraction:g})",
+            f"  {steps_per_epoch:,} steps per epoch, global batch {task.batch_size * info.world_size:,} "
+            f"({task.batch_size} per rank x {info.world_size})",
+            *(f"  {line}" for line in task.summary()),
+            f"  epochs {start_epoch}-{config.max_epoch - 1}"
+            + (f" (resuming at step {global_step:,})" if global_step else "")
+            + f"; output_dir {self.output_dir}" + (f"; report_to {', '.join(config.report_to)}"
+                                                   if config.report_to else ""),
+        ]
+        print_main("\n".join(lines), flush=True)
+
+    def _epochs(self, parts: _Parts, start_epoch: int, global_step: int, steps_per_epoch: int,
+                best: dict | None) -> dict:
+        """The epochs from start_epoch on: train, end, evaluate, save, log; returns the last record."""
+        config, info, task = self.config, self.info, self.task
+        guard, bad_log, state, reporter = parts.guard, parts.bad_log, parts.state, parts.reporter
         record: dict = {}
         with guard:  # SIGTERM/SIGINT: finish the step, save, exit (training.step_guard)
             for epoch in range(start_epoch, config.max_epoch):
@@ -173,13 +218,21 @@ class Trainer:
                 guard.start_epoch()
                 record.update(task.evaluate(epoch, self.output_dir))
                 if best is not None:
-                    best = keep_best(best, record, task.best_key, self.output_dir, task.model,
-                                     config_to_dict(config), epoch, global_step)
+                    # In place: the checkpoint-state function (parts.state) holds this same dict.
+                    new = keep_best(best, record, task.best_key, self.output_dir, task.model,
+                                    config_to_dict(config), epoch, global_step)
+                    if new is not best:
+                        best.clear()
+                        best.update(new)
                     record["best_epoch"] = best["epoch"]
-                save_checkpoint(checkpoint_path(self.output_dir, epoch=epoch),
-                                **state(epoch, global_step, complete=True))
+                saved = checkpoint_path(self.output_dir, epoch=epoch)
+                save_checkpoint(saved, **state(epoch, global_step, complete=True))
+                prune_checkpoints(self.output_dir, config.keep_checkpoints, protect=[saved])
                 append_log(self.output_dir, record)
                 print_main(json.dumps(record))
+                reporter.epoch(global_step, record)
+                for tag, path in task.pictures(epoch, self.output_dir).items():
+                    reporter.image(tag, path, global_step)
                 bad_log.check(record["bad_samples"], steps_per_epoch * task.batch_size * info.world_size,
                               f"epoch ({epoch})")
                 barrier()
@@ -201,7 +254,16 @@ class Trainer:
         model.train()
         dtype = autocast_dtype(config.amp, device)
         start_batch = task.sampler.start_batch
-        logger = TrainLogger(header=f"{task.name} epoch {epoch}", print_freq=config.print_freq)
+        world = get_world_size()
+        first_step = global_step - start_batch  # the global step of this epoch's step 0
+
+        def on_log(step: int, values: dict[str, float]) -> None:
+            values["samples_per_s_per_rank"] = values["samples_per_s"] / world
+            values["peak_memory_bytes"] = _peak_memory(device)
+            parts.reporter.step(first_step + step, epoch, values)
+
+        logger = TrainLogger(header=f"{task.name} epoch {epoch}", print_freq=config.print_freq,
+                             samples_per_step=task.batch_size * world, on_log=on_log)
         bad_log.epoch = epoch
         samples, start = 0, time.time()
         for batch in logger.log_every(parts.loader, total=steps_per_epoch - start_batch, start=start_batch):
@@ -270,11 +332,22 @@ class Trainer:
                                   "cause (learning rate, data, amp)")
 
 
+def _peak_memory(device: torch.device) -> int:
+    """Peak bytes so far: CUDA's max allocated on a GPU, the process's peak resident set on the CPU."""
+    if device.type == "cuda":
+        return int(torch.cuda.max_memory_allocated(device))
+    import resource
+
+    return int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) * 1024
+
+
 class _Parts:
     """What fit() built for the epochs: the wrapped model, loader, optimiser, schedule, scaler, guard, bad-
-    sample log and the checkpoint-state function."""
+    sample log, the checkpoint-state function and the reporter."""
 
     def __init__(self, model: nn.Module, loader: Iterable, optimizer: torch.optim.Optimizer, scheduler: Any,
-                 scaler: torch.amp.GradScaler, guard: StepGuard, bad_log: BadSampleLog, state: Any) -> None:
+                 scaler: torch.amp.GradScaler, guard: StepGuard, bad_log: BadSampleLog, state: Any,
+                 reporter: Reporter) -> None:
         self.model, self.loader, self.optimizer, self.scheduler = model, loader, optimizer, scheduler
         self.scaler, self.guard, self.bad_log, self.state = scaler, guard, bad_log, state
+        self.reporter = reporter
