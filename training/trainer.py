@@ -29,6 +29,7 @@ from torch.utils.data import Dataset, Sampler
 from training.bad_samples import BadSampleLog
 from training.checkpoints import (
     checkpoint_path,
+    find_latest_checkpoint,
     keep_best,
     resolve_resume,
     restore_training,
@@ -227,7 +228,8 @@ class Trainer:
                     record["best_epoch"] = best["epoch"]
                 saved = checkpoint_path(self.output_dir, epoch=epoch)
                 save_checkpoint(saved, **state(epoch, global_step, complete=True))
-                prune_checkpoints(self.output_dir, config.keep_checkpoints, protect=[saved])
+                latest = find_latest_checkpoint(self.output_dir) if is_main_process() else None
+                prune_checkpoints(self.output_dir, config.keep_checkpoints, protect=[saved, latest or saved])
                 append_log(self.output_dir, record)
                 print_main(json.dumps(record))
                 reporter.epoch(global_step, record)
