@@ -136,8 +136,13 @@ def main(argv: Sequence[str] | None = None) -> None:
         print(f'\n=== downstream, from the {DOWNSTREAM_PRETRAIN_CONFIG} checkpoint: '
               f'{os.path.relpath(long_checkpoint)} ===')
         print(downstream_summary(downstream))
+    pictures = os.path.join(output_dir, 'pretrain', 'batches')
+    last = runs['GRIT-VLP'][0][-1]['epoch']
     print(f'\ncheckpoint: {os.path.relpath(checkpoint)}\nlogs:       {args.output_dir}/*/log.txt, '
           f'{args.output_dir}/zeroshot*/probe.json')
+    print(f'batches:    a random batch {os.path.relpath(os.path.join(pictures, "epoch_00_random.png"))} '
+          f'and a GRIT batch {os.path.relpath(os.path.join(pictures, f"epoch_{last:02d}_grit.png"))} '
+          '(each image\'s hardest in-batch negative caption in red)')
     print(f'demo time:  {time.time() - start:.0f} s')
 
 

@@ -132,7 +132,7 @@ def start(argv: Sequence[str] | None, parser: Parser, task: str) -> Run:
         print(render_config(config), end="")
         sys.exit(0)
     check_backends(config.report_to)
-    info = init_distributed(args.device, args.local_rank)
+    info = init_distributed(args.device, args.local_rank, config.dist_timeout_minutes)
     use_deterministic_kernels(config.deterministic)
     seed_everything(config.seed, info.rank)
     return Run(args, config, info)

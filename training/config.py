@@ -192,6 +192,9 @@ class TaskConfig:
     max_bad_fraction: float = key(0.01, "bad samples (missing or undecodable image, empty text) are skipped "
                                         "and counted; a larger share of an epoch stops the run",
                                   low=0, high=1)
+    dist_timeout_minutes: float = key(30.0, "how long ranks wait for each other: to form the process group "
+                                            "(a rank still waiting says so every minute) and in every "
+                                            "collective", above=0)
     seed: int = key(42, "random seed; rank r uses seed + r")
     deterministic: bool = key(False, "torch's deterministic kernels: bitwise-repeatable runs, slower on GPUs")
 

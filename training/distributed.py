@@ -4,7 +4,11 @@ reductions of logged metrics, and the DDP wrapper. Every function works unchange
 
 from __future__ import annotations
 
+import datetime
 import os
+import re
+import sys
+import threading
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -47,11 +51,72 @@ def _resolve_device(name: str | None, local_rank: int, distributed: bool) -> tor
     return device
 
 
-def init_distributed(device_name: str | None = None, local_rank: int | None = None) -> DistInfo:
-    """Start the process group when launched with WORLD_SIZE > 1 (torchrun / launch), else single process.
+def first_host(nodelist: str) -> str:
+    """The first host of a SLURM node list: 'gpu[07-09,12],cpu1' -> 'gpu07', 'a1,a2' -> 'a1'."""
+    match = re.match(r'([^,\[]+)(?:\[([^\]]+)\])?', nodelist.strip())
+    if match is None:
+        raise ConfigError(f'cannot read the SLURM node list {nodelist!r}; set MASTER_ADDR')
+    prefix, ranges = match.groups()
+    return prefix + (ranges.split(',')[0].split('-')[0] if ranges else '')
+
+
+def slurm_environment(environ: Mapping[str, str]) -> dict[str, str] | None:
+    """RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR, MASTER_PORT for a process that srun started (one task
+    per GPU), from SLURM_PROCID, SLURM_NTASKS (SLURM_STEP_NUM_TASKS when srun set it), SLURM_LOCALID and
+    the job's first node; None when torchrun or launch set WORLD_SIZE, or srun started one task. MASTER_ADDR
+    and MASTER_PORT that the user set are kept; the default port is derived from the job id, so that two
+    jobs sharing a node do not collide."""
+    if 'WORLD_SIZE' in environ or 'SLURM_PROCID' not in environ:
+        return None
+    world = int(environ.get('SLURM_STEP_NUM_TASKS') or environ.get('SLURM_NTASKS') or 1)
+    if world <= 1:
+        return None
+    nodes = (environ.get('SLURM_STEP_NODELIST') or environ.get('SLURM_JOB_NODELIST')
+             or environ.get('SLURM_NODELIST'))
+    master = environ.get('MASTER_ADDR') or (first_host(nodes) if nodes else '127.0.0.1')
+    port = environ.get('MASTER_PORT') or str(20000 + int(environ.get('SLURM_JOB_ID') or 0) % 20000)
+    return {'RANK': environ['SLURM_PROCID'], 'WORLD_SIZE': str(world),
+            'LOCAL_RANK': environ.get('SLURM_LOCALID', '0'), 'MASTER_ADDR': master, 'MASTER_PORT': port}
+
+
+class _RendezvousWatch:
+    """Says, every `every` seconds until the process group has formed, that this rank is still waiting and
+    what usually causes it, so that a hang at start-up (or at an elastic restart) cannot go unnoticed."""
+
+    def __init__(self, rank: int, world_size: int, every: float = 60.0) -> None:
+        self.rank, self.world_size, self.every = rank, world_size, every
+        self.done = threading.Event()
+        self.thread = threading.Thread(target=self._watch, daemon=True)
+
+    def _watch(self) -> None:
+        waited = 0.0
+        while not self.done.wait(self.every):
+            waited += self.every
+            where = f"{os.environ.get('MASTER_ADDR')}:{os.environ.get('MASTER_PORT')}"
+            print(f'[rank {self.rank}] still waiting for the process group after {waited:.0f} s '
+                  f'({self.world_size} ranks at {where}). Every rank must start; a torchrun restart with '
+                  '--master_addr/--master_port (static rendezvous) never re-forms its group: launch with '
+                  '--rdzv-backend c10d --rdzv-endpoint HOST:PORT (or --standalone on one node); under srun, '
+                  'start the script with srun, not in the batch script itself', file=sys.stderr, flush=True)
+
+    def __enter__(self) -> _RendezvousWatch:
+        self.thread.start()
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.done.set()
+
+
+def init_distributed(device_name: str | None = None, local_rank: int | None = None,
+                     timeout_minutes: float = 30.0) -> DistInfo:
+    """Start the process group when launched with WORLD_SIZE > 1 (torchrun / launch) or by srun with
+    several tasks, else single process.
 
     device_name: --device (None: cuda if available, else cpu); local_rank: --local_rank (old launch),
-    else LOCAL_RANK from the environment."""
+    else LOCAL_RANK from the environment; timeout_minutes: of the rendezvous and of every collective."""
+    slurm = slurm_environment(os.environ)
+    if slurm is not None:
+        os.environ.update(slurm)
     world_size = int(os.environ.get('WORLD_SIZE', '1'))
     env_rank = os.environ.get('LOCAL_RANK')
     local_rank = int(env_rank) if env_rank is not None else int(local_rank or 0)
@@ -63,12 +128,23 @@ def init_distributed(device_name: str | None = None, local_rank: int | None = No
         raise ConfigError('WORLD_SIZE > 1 but RANK is not set: launch with torchrun or '
                           'torch.distributed.launch (which set RANK, MASTER_ADDR and MASTER_PORT)')
     rank = int(os.environ['RANK'])
-    if device.type == 'cuda':
-        torch.cuda.set_device(device)
-        dist.init_process_group('nccl', init_method='env://', world_size=world_size, rank=rank,
-                                device_id=device)
-    else:
-        dist.init_process_group('gloo', init_method='env://', world_size=world_size, rank=rank)
+    timeout = datetime.timedelta(minutes=timeout_minutes)
+    try:
+        with _RendezvousWatch(rank, world_size):
+            if device.type == 'cuda':
+                torch.cuda.set_device(device)
+                dist.init_process_group('nccl', init_method='env://', world_size=world_size, rank=rank,
+                                        device_id=device, timeout=timeout)
+            else:
+                dist.init_process_group('gloo', init_method='env://', world_size=world_size, rank=rank,
+                                        timeout=timeout)
+    except (RuntimeError, dist.DistStoreError) as e:
+        raise ConfigError(f'the process group of {world_size} ranks did not form within dist_timeout_minutes='
+                          f'{timeout_minutes:g} ({type(e).__name__}: {str(e).splitlines()[0]}); see the '
+                          '"still waiting" lines above') from None
+    if slurm is not None and rank == 0:
+        print(f'srun: {world_size} tasks, process group at {slurm["MASTER_ADDR"]}:{slurm["MASTER_PORT"]}',
+              flush=True)
     return DistInfo(rank=rank, world_size=world_size, local_rank=local_rank, device=device, distributed=True)
 
 

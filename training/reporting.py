@@ -136,6 +136,7 @@ class Reporter:
         self.tensorboard = self.wandb = None
         self._console: list[tuple[str, Any]] = []
         name = "console.txt" if self.main else f"console_rank{get_rank()}.txt"
+        os.makedirs(output_dir, exist_ok=True)  # rank 0 makes it too; another rank may get here first
         for attr in ("stdout", "stderr"):
             self._console.append((attr, getattr(sys, attr)))
             setattr(sys, attr, _Tee(getattr(sys, attr), os.path.join(output_dir, name)))
