@@ -131,12 +131,19 @@ def init_distributed(device_name: str | None = None, local_rank: int | None = No
     timeout = datetime.timedelta(minutes=timeout_minutes)
     try:
         with _RendezvousWatch(rank, world_size):
+            # env:// as torch does it, but with the keys of each torchelastic attempt under their own
+            # prefix: torchrun's agents keep one store across restarts, and a restarted group that reads
+            # the killed attempt's addresses never forms (gloo: connection refused; measured in
+            # tests/test_launch.py).
+            store, rank, world_size = next(dist.rendezvous('env://', rank, world_size, timeout=timeout))
+            attempt = os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')
+            store = dist.PrefixStore(f'grit_vlp/attempt_{attempt}', store)
             if device.type == 'cuda':
                 torch.cuda.set_device(device)
-                dist.init_process_group('nccl', init_method='env://', world_size=world_size, rank=rank,
+                dist.init_process_group('nccl', store=store, world_size=world_size, rank=rank,
                                         device_id=device, timeout=timeout)
             else:
-                dist.init_process_group('gloo', init_method='env://', world_size=world_size, rank=rank,
+                dist.init_process_group('gloo', store=store, world_size=world_size, rank=rank,
                                         timeout=timeout)
     except (RuntimeError, dist.DistStoreError) as e:
         raise ConfigError(f'the process group of {world_size} ranks did not form within dist_timeout_minutes='

@@ -1,0 +1,128 @@
+"""Launching as clusters do: srun's variables alone form the process group (no torchrun variables), and
+torchrun --max-restarts with the c10d rendezvous brings a group back after a worker is SIGKILLed mid-run,
+resuming from the newest checkpoint, to the same weights as a run that was never interrupted."""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+from conftest import ROOT, small_pretrain_sets
+
+from training.config_files import ConfigError
+from training.distributed import first_host, slurm_environment
+
+LAUNCH_VARS = ("WORLD_SIZE", "RANK", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT", "LOCAL_WORLD_SIZE",
+               "TORCHELASTIC_RUN_ID")
+
+
+@pytest.fixture(scope="module")
+def data_dir(tmp_path_factory) -> str:
+    from dataset.synthetic import ensure_synthetic
+
+    return ensure_synthetic(str(tmp_path_factory.mktemp("launch_data") / "synthetic"), n=96, seed=3)
+
+
+def _env(**extra: str) -> dict:
+    env = {k: v for k, v in os.environ.items() if k not in LAUNCH_VARS and not k.startswith("SLURM_")}
+    return dict(env, OMP_NUM_THREADS="1", PYTHONPATH=ROOT, **extra)
+
+
+def _args(data: str, out: str, **values) -> list[str]:
+    sets = {"grit.queue_size": 36, "grit.search_space": 12, "batch_size": 6, "max_epoch": 2,
+            "schedular.epochs": 2, "schedular.warmup_steps": 4, "print_freq": 1000, **values}
+    return ["Pretrain.py", "--config", "configs/tiny/Pretrain.yaml", "--output_dir", out, "--device", "cpu",
+            "--set", *small_pretrain_sets(data, **sets)]
+
+
+def test_first_host_and_the_variables_srun_sets():
+    assert first_host("gpu[07-09,12],cpu1") == "gpu07" and first_host("a1,a2") == "a1"
+    assert first_host("node[001-004]") == "node001" and first_host("localhost") == "localhost"
+    srun = {"SLURM_PROCID": "3", "SLURM_NTASKS": "16", "SLURM_LOCALID": "3", "SLURM_JOB_ID": "4242",
+            "SLURM_JOB_NODELIST": "gpu[07-08]"}
+    assert slurm_environment(srun) == {"RANK": "3", "WORLD_SIZE": "16", "LOCAL_RANK": "3",
+                                       "MASTER_ADDR": "gpu07", "MASTER_PORT": str(20000 + 4242)}
+    # srun's own task count for its step wins; MASTER_ADDR/PORT the user set are kept
+    kept = slurm_environment({**srun, "SLURM_STEP_NUM_TASKS": "8", "MASTER_ADDR": "h", "MASTER_PORT": "1"})
+    assert (kept["WORLD_SIZE"], kept["MASTER_ADDR"], kept["MASTER_PORT"]) == ("8", "h", "1")
+    # torchrun's variables win; one task is a single process
+    assert slurm_environment({**srun, "WORLD_SIZE": "2"}) is None
+    assert slurm_environment({**srun, "SLURM_NTASKS": "1"}) is None
+    with pytest.raises(ConfigError, match="set MASTER_ADDR"):
+        first_host("[bad")
+
+
+def test_two_processes_started_with_slurm_variables_alone_train_together(data_dir, tmp_path):
+    out = str(tmp_path / "srun")
+    job = str(os.getpid() % 10000)
+    procs = [subprocess.Popen([sys.executable, *_args(data_dir, out)], cwd=ROOT, stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, text=True,
+                              env=_env(SLURM_PROCID=str(r), SLURM_NTASKS="2", SLURM_LOCALID=str(r),
+                                       SLURM_JOB_ID=job, SLURM_JOB_NODELIST="localhost"))
+             for r in range(2)]
+    outputs = [p.communicate(timeout=300) for p in procs]
+    assert [p.returncode for p in procs] == [0, 0], outputs[0][1][-2000:] + outputs[1][1][-2000:]
+    assert f"srun: 2 tasks, process group at localhost:{20000 + int(job)}" in outputs[0][0]
+    assert "world size 2 (gloo)" in outputs[0][0]
+    log = [json.loads(line) for line in open(os.path.join(out, "log.txt"))]
+    n = len(json.load(open(os.path.join(data_dir, "pretrain.json"))))
+    assert [r["epoch"] for r in log] == [0, 1] and log[-1]["step"] == 2 * (n // 12)  # 2 ranks x 6
+    state = torch.load(os.path.join(out, "checkpoint_01.pth"), map_location="cpu", weights_only=True)
+    nxt = state["sampler"]["indices"]  # G from both ranks' features: disjoint batches, whole global batches
+    assert nxt.numel() == n // 12 * 12 and nxt.unique().numel() == nxt.numel()
+
+
+def _workers(out: str) -> list[int]:
+    """The pids of the Pretrain.py workers (not torchrun) writing into `out`."""
+    pids = []
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            with open(f"/proc/{pid}/cmdline", "rb") as f:
+                args = f.read().split(b"\0")
+        except OSError:
+            continue
+        if b"Pretrain.py" in args and out.encode() in args and b"torch.distributed.run" not in args:
+            pids.append(int(pid))
+    return pids
+
+
+def _torchrun(port: int) -> list[str]:
+    return [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", "--max-restarts", "1",
+            "--rdzv-backend", "c10d", "--rdzv-endpoint", f"localhost:{port}"]
+
+
+def test_a_worker_killed_mid_run_restarts_and_ends_as_if_never_interrupted(data_dir, tmp_path):
+    port = 29600 + os.getpid() % 300
+    whole, killed = str(tmp_path / "whole"), str(tmp_path / "killed")
+    extra = {"checkpoint_every_steps": 3, "max_epoch": 3, "schedular.epochs": 3}
+    proc = subprocess.run([*_torchrun(port), *_args(data_dir, whole, **extra), "--resume"], cwd=ROOT,
+                          env=_env(), capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+
+    run = subprocess.Popen([*_torchrun(port + 1), *_args(data_dir, killed, **extra), "--resume"], cwd=ROOT,
+                           env=_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    deadline = time.time() + 240
+    while not any(n.startswith("checkpoint_step_") for n in (os.listdir(killed) if os.path.isdir(killed)
+                                                             else [])) and time.time() < deadline:
+        time.sleep(0.05)
+    time.sleep(random.Random(os.getpid()).uniform(0.0, 0.5))  # a moment after the first step checkpoint
+    victims = _workers(killed)
+    assert len(victims) == 2, victims
+    os.kill(victims[1], signal.SIGKILL)
+    stdout, stderr = run.communicate(timeout=300)
+    assert run.returncode == 0, stderr[-3000:]
+    assert "exitcode: -9" in stderr  # torchrun saw the worker die, and restarted the group:
+    assert "--resume: no checkpoint" in stdout and stdout.count("resumed from") == 1  # the restart resumed
+
+    a = torch.load(os.path.join(whole, "checkpoint_02.pth"), map_location="cpu", weights_only=True)
+    b = torch.load(os.path.join(killed, "checkpoint_02.pth"), map_location="cpu", weights_only=True)
+    for name, value in a["model"].items():
+        assert torch.equal(value, b["model"][name]), name
+    assert torch.equal(a["sampler"]["indices"], b["sampler"]["indices"])
