@@ -166,7 +166,7 @@ def main(argv: Sequence[str] | None = None) -> dict:
     collate = SkipBadCollate(ImageTextCollate(tokenizer, config.max_tokens))
 
     model = ALBEF_Base(config, tokenizer).to(info.device)
-    if run.args.checkpoint and not run.args.resume:
+    if run.args.checkpoint:  # the start; with --resume, a checkpoint found in output_dir then replaces it
         print_main(load_weights(model, run.args.checkpoint).summary())
     # The loader draws its workers' base seed from its own generator, not the global stream, so that
     # creating the iterator on resume does not shift the random numbers the model draws.
