@@ -126,3 +126,21 @@ def test_a_worker_killed_mid_run_restarts_and_ends_as_if_never_interrupted(data_
     for name, value in a["model"].items():
         assert torch.equal(value, b["model"][name]), name
     assert torch.equal(a["sampler"]["indices"], b["sampler"]["indices"])
+
+
+def test_a_rank_left_alone_says_it_is_waiting_and_stops_with_one_error_line(tmp_path):
+    """WORLD_SIZE 2 but only rank 0 starts (as a script started in an sbatch file without srun would):
+    it says every interval what it waits for and why that usually happens, then stops at the timeout."""
+    code = ("import training.distributed as d\n"
+            "d._RendezvousWatch.__init__.__defaults__ = (1.0,)\n"  # say it every second, not every minute
+            "from training.cli import run_main\n"
+            "run_main(lambda argv: d.init_distributed('cpu', None, timeout_minutes=0.06))\n")
+    port = str(29400 + os.getpid() % 100)
+    proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120,
+                          env=_env(WORLD_SIZE="2", RANK="0", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1",
+                                   MASTER_PORT=port))
+    assert proc.returncode == 2
+    waiting = [line for line in proc.stderr.splitlines() if "still waiting for the process group" in line]
+    assert waiting and f"(2 ranks at 127.0.0.1:{port})" in waiting[0] and "--rdzv-backend c10d" in waiting[0]
+    assert proc.stderr.strip().splitlines()[-1].startswith(
+        "error: the process group of 2 ranks did not form within dist_timeout_minutes=0.06")
