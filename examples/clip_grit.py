@@ -16,12 +16,12 @@ import argparse
 import json
 import os
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 from PIL import Image
 from torch import nn
 from torch.utils.data import DataLoader, Dataset
-from torchvision.transforms.functional import pil_to_tensor
 
 from grit import GritSampler
 
@@ -43,7 +43,7 @@ class Pairs(Dataset):
         entry = self.entries[i]
         caption = entry["caption"] if isinstance(entry["caption"], str) else entry["caption"][0]
         with Image.open(os.path.join(self.root, entry["image"])) as im:
-            image = pil_to_tensor(im.convert("RGB").resize((32, 32))).float() / 255
+            image = torch.from_numpy(np.array(im.convert("RGB").resize((32, 32)))).permute(2, 0, 1) / 255
         ids = [self.vocab.get(w, 1) for w in caption.lower().split()][: self.words]
         return image, torch.tensor(ids + [0] * (self.words - len(ids))), i
 

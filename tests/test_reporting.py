@@ -127,10 +127,12 @@ def test_pretrain_pictures_a_random_and_a_grit_batch_and_logs_them(tmp_path):
     out = tmp_path / "run"
     values = {"grit.queue_size": 40, "grit.search_space": 16, "max_epoch": 2, "schedular.epochs": 2,
               "schedular.warmup_steps": 4, "print_freq": 5}
+    env = {k: v for k, v in os.environ.items() if not k.startswith("WANDB_")}
+    env.update(OMP_NUM_THREADS="1", PYTHONPATH=ROOT, HOME=str(tmp_path / "home"), WANDB_SILENT="true")
     proc = subprocess.run([sys.executable, "Pretrain.py", "--config", "configs/tiny/Pretrain.yaml",
-                           "--output_dir", str(out), "--device", "cpu", "--report_to", "tensorboard", "--set",
-                           *small_pretrain_sets(data, **values)], cwd=ROOT, capture_output=True, text=True,
-                          env=dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=ROOT), timeout=300)
+                           "--output_dir", str(out), "--device", "cpu", "--report_to", "tensorboard", "wandb",
+                           "--set", *small_pretrain_sets(data, **values)], cwd=ROOT, capture_output=True,
+                          text=True, env=env, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "GRIT concurrent: groups of N = 8 per rank from sub-queues of M = 16" in proc.stdout
     assert sorted(os.listdir(out / "batches")) == ["epoch_00_random.png", "epoch_01_grit.png"]
@@ -138,3 +140,6 @@ def test_pretrain_pictures_a_random_and_a_grit_batch_and_logs_them(tmp_path):
     assert set(events.Tags()["images"]) == {"batches/random", "batches/grit"}
     assert {"train/loss_itc", "train/grit_hardness", "train/samples_per_s", "epoch/grit_seconds"} <= set(
         events.Tags()["scalars"])
+    # W&B, offline (no account here): both pictures among the run's media
+    media = glob.glob(str(out / "wandb" / "offline-run-*" / "files" / "media" / "images" / "*.png"))
+    assert sorted(os.path.basename(m).split("_")[1] for m in media) == ["grit", "random"]
