@@ -6,11 +6,13 @@
     cli              one command-line style, the start of every script, one `error:` line per mistake
     inputs           what a run makes on first use: the synthetic world and its pre-trained ViT
     trainer          Task + Trainer: the one epoch loop of all four scripts
-    distributed      process group, ranks, metric reductions, DDP wrapper
+    distributed      process group (torchrun, launch, srun), ranks, metric reductions, DDP wrapper
     reproducibility  seeds, deterministic kernels, reseed on checkpoint/resume, worker seeds
     optimizer        AdamW parameter groups, warm-up + cosine schedule, mixed precision
     checkpoints      checkpoint files, --resume, the training state dict, checkpoint_best.pth
     logger           TrainLogger (per-step metrics on the device, progress lines), log.txt
+    reporting        start-up summary, run record, metrics.jsonl, console copy, TensorBoard/W&B, keep_checkpoints
+    pictures         a batch drawn with each image's hardest in-batch negative
     loaders          DataLoader settings, the resumable fine-tuning sampler, the one-global-batch check
     bad_samples      per-epoch bad-sample counts and the max_bad_fraction stop
     step_guard       non-finite steps skipped; SIGTERM/SIGINT: save and stop (one decision per step)
