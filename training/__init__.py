@@ -11,7 +11,7 @@
     optimizer        AdamW parameter groups, warm-up + cosine schedule, mixed precision
     checkpoints      checkpoint files, --resume, the training state dict, checkpoint_best.pth
     logger           TrainLogger (per-step metrics on the device, progress lines), log.txt
-    reporting        start-up summary, run record, metrics.jsonl, console copy, TensorBoard/W&B, keep_checkpoints
+    reporting        start-up summary, run record, metrics.jsonl, console copy, TensorBoard, W&B, pruning
     pictures         a batch drawn with each image's hardest in-batch negative
     loaders          DataLoader settings, the resumable fine-tuning sampler, the one-global-batch check
     bad_samples      per-epoch bad-sample counts and the max_bad_fraction stop
