@@ -141,5 +141,6 @@ def test_pretrain_pictures_a_random_and_a_grit_batch_and_logs_them(tmp_path):
     assert {"train/loss_itc", "train/grit_hardness", "train/samples_per_s", "epoch/grit_seconds"} <= set(
         events.Tags()["scalars"])
     # W&B, offline (no account here): both pictures among the run's media
-    media = glob.glob(str(out / "wandb" / "offline-run-*" / "files" / "media" / "images" / "batches" / "*.png"))
+    run_dir = glob.glob(str(out / "wandb" / "offline-run-*"))[0]
+    media = glob.glob(os.path.join(run_dir, "files", "media", "images", "batches", "*.png"))
     assert sorted(os.path.basename(m).split("_")[0] for m in media) == ["grit", "random"]
