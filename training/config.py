@@ -286,7 +286,8 @@ class PretrainConfig(_Objectives, TaskConfig):
     shard_cache_dir: str | None = key(None, "wids' cache: remote shards are downloaded here, local ones only "
                                             "linked; null: $WIDS_CACHE or /tmp/_wids_cache")
     shard_lru_size: int = key(64, "open shards kept per loader worker (wids' lru_size; wids refuses more "
-                                  "than 100 open files); GRIT's order visits shards at random", low=1, high=100)
+                                  "than 100 open files); GRIT's order visits shards at random",
+                              low=1, high=100)
 
     def problems(self) -> list[str]:
         """TaskConfig's rules, the objectives' and GRIT's sizes."""
