@@ -16,7 +16,8 @@ import torch
 import Pretrain
 import Retrieval
 import training.cli
-from training.config import ALBEF_KEYS, TASK_CONFIGS, Grit, Optimizer, Schedule, config_class
+from training.config import TASK_CONFIGS, Grit, Optimizer, Schedule, config_class
+from training.config_albef import ALBEF_KEYS
 from training.config_files import ConfigError, load_config, save_config
 from training.config_resolve import config_to_dict, known_keys, render_config, resolve_config, save_resolved
 from training.loaders import check_global_batch

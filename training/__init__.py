@@ -2,6 +2,8 @@
 
     config           the typed config: every key of each script, its type, default, allowed values, meaning
     config_files     YAML files: load, `base:` overlays, `--set` overrides, save (ConfigError)
+    config_albef     ALBEF's own config keys: read as ours or refused with what to do instead
+    config_types     a value against its key's annotation and bounds (conversion, messages)
     config_resolve   YAML + overrides -> the typed config, checked once at start-up; the config written out
     cli              one command-line style, the start of every script, one `error:` line per mistake
     inputs           what a run makes on first use: the synthetic world and its pre-trained ViT

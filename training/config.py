@@ -6,7 +6,7 @@ RetrievalConfig, NLVRConfig, VQAConfig. Code reads attributes (`config.grit.sear
 default of its own. A field's type annotation is its type (Literal: the allowed values); key() holds its
 default, its one-line meaning, numeric bounds and whether it names a data file or folder. Rules that
 tie several keys together are each class's problems() method. Keys that only ALBEF's own config files
-carry, and what becomes of them, are in ALBEF_KEYS.
+carry, and what becomes of them, are in training.config_albef.
 
 `python Pretrain.py --config FILE --print_config` prints the resolved config with every key's meaning.
 """
@@ -20,7 +20,7 @@ from typing import Any, Literal
 from grit.config import DEFAULTS as GRIT_DEFAULTS  # the sampler's defaults (the paper's), one place
 from grit.config import option_problems  # the sampler's own rules, asked at start-up
 
-__all__ = ["ALBEF_KEYS", "REQUIRED", "Alias", "TASK_CONFIGS", "Grit", "NLVRConfig", "Optimizer",
+__all__ = ["REQUIRED", "TASK_CONFIGS", "Grit", "NLVRConfig", "Optimizer",
            "PretrainConfig", "RetrievalConfig", "Schedule", "TaskConfig", "VQAConfig", "config_class", "key",
            "meaning"]
 
@@ -393,46 +393,3 @@ def config_class(task: str) -> type[TaskConfig]:
     if task not in TASK_CONFIGS:
         raise ValueError(f"unknown task {task!r}; expected one of {tuple(TASK_CONFIGS)}")
     return TASK_CONFIGS[task]
-
-
-# Keys only ALBEF's own config files carry: {key: (tasks, what becomes of it)}. An Alias is read as one of
-# our keys; a callable(value) returns None to accept the value (it asks for nothing this code does not do)
-# or the message refusing it. Momentum distillation: the paper uses it in no task (S.M. D), and pre-trains
-# without ALBEF's momentum model and queues (Sec. 3, footnote 1).
-
-
-@dataclass(frozen=True)
-class Alias:
-    """An ALBEF key read as our key `key`, its value multiplied by `scale`."""
-
-    key: str
-    scale: int = 1
-
-
-_NO_DISTILLATION = ("ALBEF's momentum distillation is not part of GRIT-VLP (paper S.M. D: not used in any "
-                    "downstream task); delete distill, alpha and warm_up (or set distill and warm_up false)")
-_ONE_IMAGE_ROOT = ("is ALBEF's; here every json image path is relative to image_root (or absolute): set "
-                   "image_root and write the paths from there")
-_FINETUNE_TASKS = ("retrieval", "nlvr", "vqa")
-
-ALBEF_KEYS: dict[str, tuple[tuple[str, ...], Any]] = {
-    # ALBEF steps its warm-up every 100 iterations of epoch 0 (step_size 100): warmup_epochs x 100 steps.
-    "schedular.warmup_epochs": (tuple(TASK_CONFIGS), Alias("schedular.warmup_steps", 100)),
-    "batch_size": (("nlvr",), Alias("batch_size_train")),  # ALBEF's NLVR scripts train with batch_size
-    "distill": (_FINETUNE_TASKS, lambda v: None if v is False else _NO_DISTILLATION),
-    "warm_up": (_FINETUNE_TASKS, lambda v: None if v is False else _NO_DISTILLATION),
-    "alpha": (tuple(TASK_CONFIGS), lambda v: "alpha weighs ALBEF's momentum distillation, which GRIT-VLP "
-                                             "does not use (paper Sec. 3, S.M. D); delete alpha"),
-    "eval_ema": (("nlvr",), lambda v: None if v is False else "eval_ema needs ALBEF's momentum model, "
-                                                              "which NLVR fine-tuning here does not keep; "
-                                                              "delete it"),
-    "queue_size": (("pretrain",), lambda v: "GRIT-VLP pre-trains without ALBEF's momentum model and "
-                                            "feature queue (paper Sec. 3); delete queue_size (GRIT's own "
-                                            "queue is grit.queue_size)"),
-    "momentum": (("pretrain",), lambda v: "GRIT-VLP pre-trains without ALBEF's momentum model (paper "
-                                          "Sec. 3); delete momentum"),
-    "vqa_root": (("vqa",), lambda v: f"vqa_root {_ONE_IMAGE_ROOT}"),
-    "vg_root": (("vqa",), lambda v: f"vg_root {_ONE_IMAGE_ROOT}"),
-    "eos": (("vqa",), lambda v: None if v == "[SEP]" else f"eos {v!r}: the answer decoder ends every answer "
-                                                          "with [SEP] (ALBEF's eos); delete eos"),
-}

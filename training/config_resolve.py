@@ -1,11 +1,12 @@
 """From a YAML file and its overrides to the typed config (training.config), once, at start-up.
 
 resolve_config: the file (with `base:` overlays), `--set` items and flags such as --seed, then ALBEF's
-keys (aliases or refusals), unknown keys (each with the nearest known key), types and allowed values,
-required keys, the rules between keys, and that data files and folders exist. Every check raises
-training.config_files.ConfigError listing all problems of its kind at once and saying where each value
-came from. config_to_dict / render_config / save_resolved write a resolved config back out (every key,
-each with its meaning as a comment); read back, it resolves to an equal config.
+keys (aliases or refusals, training.config_albef), unknown keys (each with the nearest known key), types
+and allowed values (training.config_types), required keys, the rules between keys, and that data files
+and folders exist. Every check raises training.config_files.ConfigError listing all problems of its kind
+at once and saying where each value came from. config_to_dict / render_config / save_resolved write a
+resolved config back out (every key, each with its meaning as a comment); read back, it resolves to an
+equal config.
 """
 
 from __future__ import annotations
@@ -13,14 +14,14 @@ from __future__ import annotations
 import dataclasses
 import io
 import os
-import types
 import typing
 from collections.abc import Iterable, Mapping, Sequence
-from typing import Any, Literal
+from typing import Any
 
 from ruamel.yaml.comments import CommentedMap, CommentedSeq
 
-from training.config import ALBEF_KEYS, Alias, TaskConfig, config_class
+from training.config import TaskConfig, config_class
+from training.config_albef import ALBEF_KEYS, Alias
 from training.config_files import (
     ConfigError,
     apply_overrides,
@@ -31,6 +32,7 @@ from training.config_files import (
     to_plain,
     unknown_key_message,
 )
+from training.config_types import REFUSED, bounds_problem, convert, show, type_name
 
 __all__ = ["config_from_mapping", "config_to_dict", "known_keys", "render_config", "resolve_config",
            "save_resolved", "tasks_with"]
@@ -75,92 +77,6 @@ def tasks_with(key: str) -> list[str]:
     return [t for t in TASK_CONFIGS if key in known_keys(t)]
 
 
-# ------------------------------------------------------------------------------------------ types
-
-
-def _type_name(tp: Any) -> str:
-    origin = typing.get_origin(tp)
-    if origin in (typing.Union, types.UnionType):
-        return " or ".join(_type_name(a) for a in typing.get_args(tp))
-    if origin is Literal:
-        values = typing.get_args(tp)
-        return repr(values[0]) if len(values) == 1 else "one of " + ", ".join(repr(a) for a in values)
-    if origin is list:
-        return f"list of {_type_name(typing.get_args(tp)[0])}"
-    if origin is dict:
-        key_tp, value_tp = typing.get_args(tp)
-        return f"a mapping of {_type_name(key_tp)} to {_type_name(value_tp)}"
-    if tp is type(None):
-        return "null"
-    if _block_class(tp):
-        return "a mapping"
-    return getattr(tp, "__name__", str(tp))
-
-
-_NO = object()  # a value the type refuses
-
-
-def _convert(tp: Any, value: Any) -> Any:
-    """`value` as type `tp` (an int for a float becomes a float, '1e-4' too), or _NO."""
-    origin = typing.get_origin(tp)
-    if origin in (typing.Union, types.UnionType):
-        for arg in typing.get_args(tp):
-            out = _convert(arg, value)
-            if out is not _NO:
-                return out
-        return _NO
-    if origin is Literal:
-        # bool is an int: True must not pass for 1, nor 1 for True
-        return value if any(value == a and type(value) is type(a) for a in typing.get_args(tp)) else _NO
-    if origin is list:
-        if not isinstance(value, list):
-            return _NO
-        items = [_convert(typing.get_args(tp)[0], v) for v in value]
-        return _NO if any(v is _NO for v in items) else items
-    if origin is dict:
-        if not isinstance(value, Mapping):
-            return _NO
-        key_tp, value_tp = typing.get_args(tp)
-        pairs = [(_convert(key_tp, k), _convert(value_tp, v)) for k, v in value.items()]
-        return _NO if any(k is _NO or v is _NO for k, v in pairs) else dict(pairs)
-    if tp is type(None):
-        return None if value is None else _NO
-    if tp is bool:
-        return value if isinstance(value, bool) else _NO
-    if tp is int:
-        return value if isinstance(value, int) and not isinstance(value, bool) else _NO
-    if tp is float:
-        if isinstance(value, (int, float)) and not isinstance(value, bool):
-            return float(value)
-        if isinstance(value, str):  # PyYAML (YAML 1.1), as ALBEF used, reads 1e-4 as a string
-            try:
-                return float(value)
-            except ValueError:
-                return _NO
-        return _NO
-    if tp is str:
-        return value if isinstance(value, str) else _NO
-    raise TypeError(f"config type {tp!r} is not supported")
-
-
-def _show(value: Any) -> str:
-    return "null" if value is None else f"{value!r} ({type(value).__name__})"
-
-
-def _bounds_problem(f: dataclasses.Field, value: Any) -> str | None:
-    """'must be >= 1' etc. when a number breaks the field's bounds; None when it holds (or is no number)."""
-    if not isinstance(value, (int, float)) or isinstance(value, bool):
-        return None
-    low, high, above = f.metadata.get("low"), f.metadata.get("high"), f.metadata.get("above")
-    if low is not None and value < low:
-        return f"must be >= {low:g}"
-    if above is not None and value <= above:
-        return f"must be > {above:g}"
-    if high is not None and value > high:
-        return f"must be <= {high:g}"
-    return None
-
-
 # ------------------------------------------------------------------------------------------ sources
 
 
@@ -192,8 +108,10 @@ def _fail(errors: Sequence[str], what: str) -> None:
 
 # ------------------------------------------------------------------------------------------ ALBEF keys
 
+_MISSING = object()  # _get's default: the key is not in the mapping
 
-def _get(node: Mapping, key: str, default: Any = _NO) -> Any:
+
+def _get(node: Mapping, key: str, default: Any = _MISSING) -> Any:
     for part in key.split("."):
         if not isinstance(node, Mapping) or part not in node:
             return default
@@ -220,10 +138,10 @@ def _albef_keys(plain: dict, task: str, sources: _Sources) -> None:
     errors = []
     for key, (tasks, rule) in ALBEF_KEYS.items():
         value = _get(plain, key)
-        if value is _NO or task not in tasks:
+        if value is _MISSING or task not in tasks:
             continue
         if isinstance(rule, Alias):
-            if _get(plain, rule.key) is not _NO:
+            if _get(plain, rule.key) is not _MISSING:
                 errors.append(f"config has both '{key}' (ALBEF's) and '{rule.key}' in {sources(key)}; keep "
                               f"'{rule.key}'")
                 continue
@@ -280,14 +198,14 @@ def _build(cls: type, plain: Mapping, sources: _Sources, prefix: str, errors: li
             elif isinstance(value, Mapping):
                 values[name] = _build(block, value, sources, key + ".", errors)
             else:
-                errors.append(f"config key '{key}' must be a mapping, got {_show(value)} from {sources(key)}")
+                errors.append(f"config key '{key}' must be a mapping, got {show(value)} from {sources(key)}")
             continue
-        converted = _convert(tp, value)
-        if converted is _NO:
-            errors.append(f"config key '{key}' must be {_type_name(tp)}, got {_show(value)} from "
+        converted = convert(tp, value)
+        if converted is REFUSED:
+            errors.append(f"config key '{key}' must be {type_name(tp)}, got {show(value)} from "
                           f"{sources(key)}")
             continue
-        bound = _bounds_problem(f, converted)
+        bound = bounds_problem(f, converted)
         if bound:
             errors.append(f"config key '{key}' {bound}, got {value!r} from {sources(key)}")
             continue

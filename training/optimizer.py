@@ -95,7 +95,7 @@ def build_scheduler(optimizer: torch.optim.Optimizer, config: Any,
     pre-training uses a 30-epoch horizon but stops at max_epoch 20. The first `warmup_steps` optimiser
     steps ramp linearly from warmup_lr to lr (ALBEF: warmup_epochs 20 x step_size 100 = 2000 steps); if
     they outlast epoch 0 the ramp continues. After the ramp epoch 0 runs at `lr`. ALBEF's warmup_epochs
-    is read as warmup_steps (x 100, training.config.ALBEF_KEYS); its decay_rate and cooldown_epochs
+    is read as warmup_steps (x 100, training.config_albef.ALBEF_KEYS); its decay_rate and cooldown_epochs
     change nothing.
     """
     if steps_per_epoch <= 0:
