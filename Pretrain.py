@@ -92,7 +92,6 @@ class PretrainTask(Task):
         """The epoch's batches: GRIT's groups from the last epoch (naive mode: from an extra pass now)."""
         start = time.perf_counter()
         self.grit_seconds = 0.0
-        self.shown = None
         naive = self.naive_pass if self.config.grit.mode == "naive" else None
         self.sampler.set_epoch(epoch, naive_pass=naive)
         self.grit_seconds += time.perf_counter() - start

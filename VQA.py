@@ -32,7 +32,7 @@ from models.vqa import ALBEF_VQA, vqa_accuracy
 from training.bad_samples import BadSampleLog
 from training.cli import run_main, script_parser, start
 from training.config import VQAConfig
-from training.distributed import DistInfo, get_world_size, is_dist, is_main_process, print_main
+from training.distributed import DistInfo, all_gather_objects, is_main_process, print_main
 from training.inputs import prepare_inputs
 from training.loaders import check_global_batch, create_loader, finetune_sampler
 from training.reproducibility import build_on_every_rank
@@ -92,13 +92,10 @@ def evaluate(model: ALBEF_VQA, dataset: VQADataset, tokenizer, config: VQAConfig
     answers = tokenizer(dataset.answer_list, padding="longest", return_tensors="pt").to(info.device)
     bad = BadSampleLog()
     results = predict(model, loader, dataset.answer_list, answers, config.k_test, info.device, bad, split)
-    bad_count = bad.count
-    if is_dist():
-        # One collective for answers and counts; every rank takes part, bad questions or not.
-        parts: list = [None] * get_world_size()
-        torch.distributed.all_gather_object(parts, (results, bad.count))
-        results = [r for part_results, _ in parts for r in part_results]
-        bad_count = sum(count for _, count in parts)
+    # One collective for answers and counts; every rank takes part, bad questions or not.
+    parts = all_gather_objects((results, bad.count))
+    results = [r for part_results, _ in parts for r in part_results]
+    bad_count = sum(count for _, count in parts)
     order = {entry["question_id"]: i for i, entry in enumerate(dataset.ann)}
     results.sort(key=lambda r: order[r["question_id"]])
     if result_path and is_main_process():

@@ -30,7 +30,6 @@ import argparse
 import dataclasses
 import json
 import os
-import resource
 import subprocess
 import tempfile
 import time
@@ -42,6 +41,7 @@ from tools.cli import add_config_args, add_output_dir, emit_record, tool_config,
 from tools.launch import child_env, python_command
 from training.cli import Parser, run_main
 from training.config import PretrainConfig
+from training.reporting import peak_memory_bytes
 
 VARIANTS = ('default', 'bf16', 'grad_checkpointing', 'compile')
 LOSSES = ('loss_itc', 'loss_cons', 'loss_itm', 'loss_mlm')
@@ -169,11 +169,6 @@ def device_name(device: torch.device) -> str:
         return 'cpu'
 
 
-def rss_bytes() -> int:
-    """This process's peak RSS so far (Linux reports ru_maxrss in KiB)."""
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
-
-
 def run_variant(args: argparse.Namespace, variant: str) -> dict:
     """Build, warm up, time and count one variant in this process -> its JSON fields."""
     from models.pretrain import ALBEF_Base
@@ -186,7 +181,7 @@ def run_variant(args: argparse.Namespace, variant: str) -> dict:
     with tempfile.TemporaryDirectory() as workdir:
         tokenizer, vocab_note = build_bench_tokenizer(config, workdir)
     batch = synthetic_batch(config, tokenizer, args.batch_size, device, args.seed)
-    baseline_rss = rss_bytes()
+    baseline_rss = peak_memory_bytes(torch.device("cpu"))
     # Random weights: nothing to download or read.
     model_config = dataclasses.replace(config, vision_init=None, text_encoder=None)
     model = ALBEF_Base(model_config, tokenizer).to(device).train()
@@ -226,10 +221,8 @@ def run_variant(args: argparse.Namespace, variant: str) -> dict:
         out = step()
     sync(device)
     seconds = (time.perf_counter() - t0) / args.steps
-    if device.type == 'cuda':
-        fields['peak_memory_bytes'] = torch.cuda.max_memory_allocated(device)
-    else:
-        fields['peak_memory_bytes'] = rss_bytes()
+    fields['peak_memory_bytes'] = peak_memory_bytes(device)
+    if device.type != 'cuda':
         fields['baseline_rss_bytes'] = baseline_rss  # Python + torch + the batch, before the model
     losses = {k: float(out[k]) for k in (*LOSSES, 'loss')}
 

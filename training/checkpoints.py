@@ -23,7 +23,7 @@ from torch.distributed.optim import ZeroRedundancyOptimizer
 
 from files import InputFileError, load_torch_file
 from training.config_files import atomic_write_text, to_plain
-from training.distributed import get_world_size, is_dist, is_main_process, print_main
+from training.distributed import all_gather_objects, get_world_size, is_main_process, print_main
 from training.reproducibility import reseed, rng_state, set_rng_state
 
 _CKPT_RE = re.compile(r'^checkpoint_(?:\d+|step_\d+)\.pth$')
@@ -247,12 +247,7 @@ def load_optimizer_state(optimizer: torch.optim.Optimizer, saved: Mapping) -> No
 
 def _gather_rng_states() -> list[dict]:
     """Every rank's rng_state(), in rank order (all_gather_object when distributed)."""
-    state = rng_state()
-    if not is_dist():
-        return [state]
-    states: list = [None] * get_world_size()
-    torch.distributed.all_gather_object(states, state)
-    return states
+    return all_gather_objects(rng_state())
 
 
 def keep_best(best: dict, record: Mapping, key: str, output_dir: str, model: nn.Module, config: Mapping,

@@ -94,10 +94,11 @@ class _RendezvousWatch:
             waited += self.every
             where = f"{os.environ.get('MASTER_ADDR')}:{os.environ.get('MASTER_PORT')}"
             print(f'[rank {self.rank}] still waiting for the process group after {waited:.0f} s '
-                  f'({self.world_size} ranks at {where}). Every rank must start; a torchrun restart with '
-                  '--master_addr/--master_port (static rendezvous) never re-forms its group: launch with '
-                  '--rdzv-backend c10d --rdzv-endpoint HOST:PORT (or --standalone on one node); under srun, '
-                  'start the script with srun, not in the batch script itself', file=sys.stderr, flush=True)
+                  f'({self.world_size} ranks at {where}). Every rank must start and reach this address: '
+                  'check that no rank failed before it (its log); that MASTER_ADDR, or across nodes '
+                  "torchrun's --rdzv-backend c10d --rdzv-endpoint HOST:PORT, names a host every node "
+                  'reaches; under SLURM, that srun started the script (not the batch script itself)',
+                  file=sys.stderr, flush=True)
 
     def __enter__(self) -> _RendezvousWatch:
         self.thread.start()
@@ -145,7 +146,7 @@ def init_distributed(device_name: str | None = None, local_rank: int | None = No
             else:
                 dist.init_process_group('gloo', store=store, world_size=world_size, rank=rank,
                                         timeout=timeout)
-    except (RuntimeError, dist.DistStoreError) as e:
+    except RuntimeError as e:  # the store's timeout (DistStoreError is one) or a peer that never connected
         raise ConfigError(f'the process group of {world_size} ranks did not form within dist_timeout_minutes='
                           f'{timeout_minutes:g} ({type(e).__name__}: {str(e).splitlines()[0]}); see the '
                           '"still waiting" lines above') from None

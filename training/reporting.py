@@ -18,6 +18,7 @@ import io
 import json
 import os
 import platform
+import resource
 import secrets
 import socket
 import subprocess
@@ -26,15 +27,24 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 import numpy as np
+import torch
 
 from training.config_files import ConfigError
 from training.distributed import all_gather_objects, get_rank, is_main_process
 
-__all__ = ["BACKENDS", "Reporter", "check_backends", "prune_checkpoints", "run_record"]
+__all__ = ["BACKENDS", "Reporter", "check_backends", "peak_memory_bytes", "prune_checkpoints", "run_record"]
 
 # report_to value -> (module to import, pip package)
 BACKENDS = {"tensorboard": ("tensorboard", "tensorboard"), "wandb": ("wandb", "wandb")}
 LIBRARIES = ("torch", "torchvision", "timm", "transformers", "numpy", "wids", "tensorboard", "wandb")
+
+
+def peak_memory_bytes(device: torch.device) -> int:
+    """Peak bytes so far: CUDA's max allocated on a GPU, the process's peak resident set on the CPU (Linux
+    reports ru_maxrss in KiB; it never resets)."""
+    if device.type == "cuda":
+        return int(torch.cuda.max_memory_allocated(device))
+    return int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) * 1024
 
 
 def check_backends(report_to: Sequence[str]) -> None:

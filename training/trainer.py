@@ -42,7 +42,7 @@ from training.distributed import barrier, cleanup, get_world_size, is_main_proce
 from training.loaders import create_loader
 from training.logger import TrainLogger, append_log
 from training.optimizer import autocast_dtype, build_optimizer, build_scaler, build_scheduler
-from training.reporting import Reporter, prune_checkpoints, run_record
+from training.reporting import Reporter, peak_memory_bytes, prune_checkpoints, run_record
 from training.step_guard import Preempted, StepGuard, TooManySkippedSteps
 
 __all__ = ["Task", "Trainer"]
@@ -183,7 +183,7 @@ class Trainer:
         config, info, task = self.config, self.info, self.task
         params = list(task.model.parameters())
         trainable = sum(p.numel() for p in params if p.requires_grad)
-        sources = config.train_files + getattr(config, "train_shard_specs", [])
+        sources = config.train_files + config.train_shard_specs
         backend = "nccl" if info.device.type == "cuda" else "gloo" if info.distributed else "single process"
         lines = [
             f"{task.name}: device {info.device}, world size {info.world_size} ({backend}); model "
@@ -261,7 +261,7 @@ class Trainer:
 
         def on_log(step: int, values: dict[str, float]) -> None:
             values["samples_per_s_per_rank"] = values["samples_per_s"] / world
-            values["peak_memory_bytes"] = _peak_memory(device)
+            values["peak_memory_bytes"] = peak_memory_bytes(device)
             parts.reporter.step(first_step + step, epoch, values)
 
         logger = TrainLogger(header=f"{task.name} epoch {epoch}", print_freq=config.print_freq,
@@ -332,15 +332,6 @@ class Trainer:
         raise TooManySkippedSteps(f"{guard.consecutive} consecutive steps had a non-finite loss "
                                   f"(max_skipped_steps={guard.max_skipped_steps}): {where} after fixing the "
                                   "cause (learning rate, data, amp)")
-
-
-def _peak_memory(device: torch.device) -> int:
-    """Peak bytes so far: CUDA's max allocated on a GPU, the process's peak resident set on the CPU."""
-    if device.type == "cuda":
-        return int(torch.cuda.max_memory_allocated(device))
-    import resource
-
-    return int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) * 1024
 
 
 class _Parts:
