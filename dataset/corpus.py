@@ -14,7 +14,6 @@ a repeated source; every shard sample is an image of its own.
 from __future__ import annotations
 
 import bisect
-import os
 from collections.abc import Mapping, Sequence
 from functools import cached_property
 
@@ -22,8 +21,7 @@ import torch
 from torch import Tensor
 from torch.utils.data import ConcatDataset, Dataset
 
-from .pretrain import PretrainDataset
-from .utils import resolve_image
+from .pretrain import PretrainDataset, first_seen_keys
 
 __all__ = ["PretrainCorpus"]
 
@@ -68,14 +66,11 @@ class PretrainCorpus(ConcatDataset):
     def image_keys(self) -> Tensor:
         """(len,) int64 image identity of every example (see the module docstring); built on first use."""
         unique = list({id(ds): ds for _, ds in self.sources}.values())
-        by_path: dict[str, int] = {}
-        keys: dict[int, Tensor] = {}
-        for ds in unique:  # json lists first: one key per image file, across all lists
-            if isinstance(ds, PretrainDataset):
-                paths = (os.path.normpath(resolve_image(ds.image_root, a["image"])) for a in ds.ann)
-                keys[id(ds)] = torch.tensor([by_path.setdefault(p, len(by_path)) for p in paths],
-                                            dtype=torch.long)
-        offset = len(by_path)
+        lists = [ds for ds in unique if isinstance(ds, PretrainDataset)]
+        # json lists first: one key per image file, across all lists
+        joint = torch.tensor(first_seen_keys(f for ds in lists for f in ds.image_files()), dtype=torch.long)
+        keys = dict(zip(map(id, lists), joint.split([len(ds) for ds in lists])))
+        offset = int(joint.max()) + 1 if joint.numel() else 0
         for ds in unique:  # then every other source's own keys, after all of those
             if id(ds) not in keys:
                 own = torch.as_tensor(ds.image_keys, dtype=torch.long)

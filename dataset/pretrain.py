@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import os
 import random
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Hashable, Iterable, Iterator, Sequence
+from functools import cached_property
 
 from torch import Tensor
 from torch.utils.data import Dataset
@@ -12,10 +13,22 @@ from torch.utils.data import Dataset
 from .bad_samples import blank_image
 from .utils import load_json_list, pre_caption, read_image, resolve_image
 
-__all__ = ["PLACEHOLDER_CAPTION", "ImageCaptionDataset", "PretrainDataset", "check_caption"]
+__all__ = ["PLACEHOLDER_CAPTION", "ImageCaptionDataset", "PretrainDataset", "check_caption",
+           "first_seen_keys", "image_file"]
 
 # The text of a bad sample's placeholder (dataset.bad_samples); no loss ever reads it.
 PLACEHOLDER_CAPTION = "bad sample"
+
+
+def image_file(image_root: str, entry: dict) -> str:
+    """An entry's image file, resolved against image_root and normalised: what image keys compare."""
+    return os.path.normpath(resolve_image(image_root, entry["image"]))
+
+
+def first_seen_keys(items: Iterable[Hashable]) -> list[int]:
+    """A key per item, equal for equal items, numbered in order of first appearance: a, b, a -> 0, 1, 0."""
+    seen: dict[Hashable, int] = {}
+    return [seen.setdefault(item, len(seen)) for item in items]
 
 
 def check_caption(entry: dict, key: str = "caption") -> None:
@@ -72,14 +85,14 @@ class PretrainDataset(ImageCaptionDataset):
     first appearance. The pre-training guard against in-batch false negatives reads it.
     """
 
-    def __init__(self, files: str | Sequence[str], transform: Callable, image_root: str = "",
-                 max_words: int = 30) -> None:
-        super().__init__(files, transform, image_root, max_words)
-        first_seen: dict[str, int] = {}
-        self.image_keys: list[int] = [
-            first_seen.setdefault(os.path.normpath(resolve_image(image_root, ann["image"])), len(first_seen))
-            for ann in self.ann
-        ]
+    def image_files(self) -> Iterator[str]:
+        """Each entry's image file, resolved and normalised (the identity image_keys compares)."""
+        return (image_file(self.image_root, ann) for ann in self.ann)
+
+    @cached_property
+    def image_keys(self) -> list[int]:
+        """Entry i's image key (see the class docstring); built on first use."""
+        return first_seen_keys(self.image_files())
 
     def __getitem__(self, index: int) -> tuple[Tensor, str, int]:
         image, caption = self.image_and_caption(index)

@@ -34,6 +34,7 @@ import numpy as np
 from PIL import Image
 from tqdm import tqdm
 
+from dataset.pretrain import first_seen_keys, image_file
 from dataset.shards import IMAGE_MEMBERS, read_shard_list
 from dataset.utils import load_json_list, resolve_image
 from files import InputFileError, read_json
@@ -164,9 +165,7 @@ def convert(files: Sequence[str], image_root: str, output_dir: str, shard_size: 
               for k in range(n_shards)]
     # Entries that name one image file share a key (as dataset.pretrain.PretrainDataset.image_keys): the
     # false-negative guard reads them.
-    first_seen: dict[str, int] = {}
-    keys = np.array([first_seen.setdefault(os.path.normpath(resolve_image(image_root, e["image"])),
-                                           len(first_seen)) for e in entries], dtype=np.int64)
+    keys = np.array(first_seen_keys(image_file(image_root, e) for e in entries), dtype=np.int64)
     keys_name = f"{name}-image_keys.npy"
     np.save(os.path.join(output_dir, keys_name), keys)
     index = write_index(output_dir, name, shards, keys_name)
