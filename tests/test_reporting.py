@@ -55,6 +55,11 @@ def test_a_run_keeps_metrics_record_console_and_writes_both_backends(tmp_path, c
     assert all(METRIC_KEYS <= set(r) for r in rows)
     assert all(r["samples_per_s"] > 0 and 0 <= r["data_wait_share"] <= 1 and r["peak_memory_bytes"] > 0
                for r in rows)
+    # each line holds the means since the line before: five windows of two steps average to the epoch's
+    epochs = [json.loads(line) for line in open(out / "log.txt")]
+    for e, record in enumerate(epochs):
+        windows = [r["train_loss"] for r in rows if r["epoch"] == e]
+        assert sum(windows) / len(windows) == pytest.approx(record["train_loss"], rel=1e-6)
 
     record = json.loads(open(out / "run_record.jsonl").readline())
     assert record["world_size"] == 1 and len(record["hostnames"]) == 1

@@ -43,8 +43,9 @@ class TrainLogger:
         self.on_log = on_log
         self._sum: dict[str, Any] = {}   # running sums: 0-dim tensors (device) or floats
         self._count: dict[str, int] = {}
-        self._wsum: dict[str, Any] = {}  # the same since the last printed step
-        self._wcount: dict[str, int] = {}
+        # The sums and counts at the last printed step (host floats, read then anyway): the window's means
+        # are differences, so a step adds nothing for them.
+        self._mark: dict[str, tuple[float, int]] = {}
         self._last: dict[str, Any] = {}
         self.step = 0
         self.start_time = time.time()
@@ -58,8 +59,6 @@ class TrainLogger:
                 v = float(v)
             self._sum[k] = self._sum[k] + v if k in self._sum else v
             self._count[k] = self._count.get(k, 0) + 1
-            self._wsum[k] = self._wsum[k] + v if k in self._wsum else v
-            self._wcount[k] = self._wcount.get(k, 0) + 1
             self._last[k] = v
 
     def local_means(self) -> dict[str, float]:
@@ -75,12 +74,14 @@ class TrainLogger:
         keys = sorted(self._last)
         if not keys:
             return '', {}
-        wkeys = sorted(self._wsum)
-        vals = stack_values([self._last[k] for k in keys] + [self._sum[k] for k in keys]
-                            + [self._wsum[k] for k in wkeys]).tolist()
+        vals = stack_values([self._last[k] for k in keys] + [self._sum[k] for k in keys]).tolist()
         n = len(keys)
-        window = {k: vals[2 * n + i] / self._wcount[k] for i, k in enumerate(wkeys)}
-        self._wsum, self._wcount = {}, {}
+        window = {}
+        for i, k in enumerate(keys):
+            mark_sum, mark_count = self._mark.get(k, (0.0, 0))
+            if self._count[k] > mark_count:
+                window[k] = (vals[n + i] - mark_sum) / (self._count[k] - mark_count)
+            self._mark[k] = (vals[n + i], self._count[k])
         line = '  '.join(f'{k}: {_fmt(k, vals[i])} ({_fmt(k, vals[n + i] / self._count[k])})'
                          for i, k in enumerate(keys))
         return line, window
