@@ -10,8 +10,9 @@
     python Retrieval.py --config configs/tiny/Retrieval.yaml --output_dir output/retrieval_tiny [--bench]
 
 log.txt gets one JSON line per epoch (training.trainer: train losses, val_* and test_* metrics: txt_r1/5/10,
-img_r1/5/10, txt_r_mean, img_r_mean, r_mean, bad_samples: unreadable images and empty captions left out
-of the scoring) and one for --evaluate; checkpoint_best.pth is the best val r_mean;
+img_r1/5/10, txt_r_mean, img_r_mean, r_mean, the same with itc_ for the ITC cosine's ranking alone,
+bad_samples: unreadable images and empty captions left out of the scoring) and one for --evaluate;
+checkpoint_best.pth is the best val r_mean;
 rankings_{val,test}.json hold every image's top-k texts and every text's top-k images with scores.
 """
 
@@ -96,9 +97,15 @@ def evaluate_split(model: ALBEF_Retrieval, dataset: RetrievalEvalDataset, split:
         rerank_pairs=config.rerank_pairs, max_tokens=config.max_tokens, amp=bool(config.amp),
         rerank=config.itm, txt2img=dataset.txt2img,
     )
-    metrics = itr_metrics(dense_scores(result["i2t_idx"], result["i2t_score"], len(result["text_ids"])),
-                          dense_scores(result["t2i_idx"], result["t2i_score"], len(result["image_ids"])),
-                          result["txt2img"])
+    def recall(i2t: str, t2i: str) -> dict[str, float]:
+        return itr_metrics(dense_scores(result["i2t_idx"], result[i2t], len(result["text_ids"])),
+                           dense_scores(result["t2i_idx"], result[t2i], len(result["image_ids"])),
+                           result["txt2img"])
+
+    metrics = recall("i2t_score", "t2i_score")
+    # The same candidates ranked by the ITC cosine alone: which objective a pre-training helped (itc_*;
+    # equal to the above when itm is false). R@K is exact for K <= k_test.
+    metrics.update({f"itc_{k}": v for k, v in recall("i2t_itc", "t2i_itc").items()})
     # Every rank reads every image and the ranks agreed on image_valid, so this count is already the
     # split's (a sum over ranks would count each bad image once per rank); main names the first few.
     metrics["bad_samples"] = len(dataset.bad_texts) + int((~result["image_valid"]).sum())

@@ -13,7 +13,10 @@ left of a big blue square", "from top to bottom: ..."), so
 * a caption with one attribute or the relation changed is false of the image;
 * the world has about 200,000 distinct scenes, the pre-training images are drawn without repeating a
   scene, and yet one-attribute-off neighbours are frequent (two-shape scenes come from 5,760), so GRIT
-  finds near-duplicates inside its search space (``neighbour_rate`` in synthetic.json).
+  finds near-duplicates inside its search space (``neighbour_rate`` in synthetic.json);
+* no val or test scene is a scene of a training split (pre-training, retrieval, NLVR2 and VQA train),
+  and val and test share none, so zero-shot retrieval, the probe and every downstream test score unseen
+  scenes (and, as a caption is true of one scene only, unseen captions).
 
 Like ALBEF's COCO and VG files, some pre-training images are listed under several entries, each with
 its own captions (the false negatives the pre-training guard is for). The vocabulary is tiny, and
@@ -31,7 +34,7 @@ so configs use ``image_root: data/synthetic``):
                                            pre-training corpus holds far more than the downstream
                                            train split; tiny pre-training reads both files)
     retrieval_train.json                   [{"image", "caption", "image_id": int}]     (train images)
-    retrieval_val.json, retrieval_test.json [{"image", "caption": [str, ...]}]  (n/6 and 5n/3 images)
+    retrieval_val.json, retrieval_test.json [{"image", "caption": [str, ...]}]  (n/2 and 5n/3 images)
     probe_test.json                        [{"image", "caption", "negatives": [{"kind", "caption"}]}]
                                            one per test image: its caption and the same caption with
                                            the colour, shape, size, count or relation changed
@@ -81,8 +84,11 @@ logger = logging.getLogger(__name__)
 
 # 2: pretrain_extra.json; 3: NLVR sentences (colour form, any-object negatives), 8n pairs;
 # 4: sizes, three-object rows/columns, fully specifying captions, split entries, probe_test.json,
-#    scenes.json, 5n/3 test images; 5: objects drawn at the cells of a 3 x 3 grid, 48 px images
-FORMAT_VERSION = 5
+#    scenes.json, 5n/3 test images; 5: objects drawn at the cells of a 3 x 3 grid, 48 px images;
+# 6: leak-free evaluation: no val or test scene (so no probe image, no NLVR2 dev/test or VQA test image) is
+#    a scene of any training split, val and test share no scene, n/2 val images (n/6 were at R@1 ~99 %,
+#    too easy to select a learning rate on)
+FORMAT_VERSION = 6
 MARKER = "synthetic.json"
 SPECIAL_TOKENS = ("[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]")
 
@@ -156,15 +162,15 @@ def _dump(path: str, obj) -> None:
 
 def split_sizes(n: int) -> dict[str, int]:
     """Number of images / pairs / questions per split for n pre-training images."""
-    n_val = max(4, n // 6)
-    return {"train_images": n, "val_images": n_val,
+    n_dev = max(4, n // 6)
+    return {"train_images": n, "val_images": max(4, n // 2),
             # 1,000 test images at the default n=600: R@1 then has a standard error of about 1.4 points
             # (text retrieval, 1,000 queries) and 0.6 (image retrieval, ~4,000 captions).
             "test_images": max(4, 5 * n // 3), "pretrain_extra_images": 3 * n,
             # NLVR pairs reuse the split's images: many pairs, as NLVR2 (86k train pairs) has, so the tiny
-            # model sees each sentence form often; dev/test hold 6 pairs per validation image, so that
-            # accuracy is known to about +-0.02.
-            "nlvr_train": 8 * n, "nlvr_dev": 6 * n_val, "nlvr_test": 6 * n_val,
+            # model sees each sentence form often; dev/test hold n pairs each, so that accuracy is known to
+            # about +-0.02.
+            "nlvr_train": 8 * n, "nlvr_dev": 6 * n_dev, "nlvr_test": 6 * n_dev,
             "vqa_train": 2 * n, "vqa_test": max(8, n // 3)}
 
 
@@ -207,10 +213,16 @@ def _build(out: str, n: int, seed: int, image_size: int = 48) -> dict:
     rng = np.random.default_rng(seed)
     pretrain_taken: set = set()  # pre-training images (train + extra) never repeat a scene
     pools: dict[str, list[tuple[str, Scene]]] = {}
-    for split in ("train", "val", "test"):
-        taken = pretrain_taken if split == "train" else set()  # eval splits: distinct within the split
-        pools[split] = _render_pool(out, split, sample_scenes(rng, sizes[f"{split}_images"], taken), rng,
-                                    image_size)
+    train = sample_scenes(rng, sizes["train_images"], pretrain_taken)
+    pools["train"] = _render_pool(out, "train", train, rng, image_size)
+    # Evaluation scenes are new to every training split, as COCO's test images are to ALBEF's corpus: they
+    # are drawn excluding the train scenes (and each other's), and the pre-training-only images below
+    # exclude them. One-object scenes (80 in the world) are then mostly training scenes.
+    eval_taken = set(pretrain_taken)
+    for split in ("val", "test"):
+        drawn = sample_scenes(rng, sizes[f"{split}_images"], eval_taken, strict=True)
+        pools[split] = _render_pool(out, split, drawn, rng, image_size)
+    eval_taken -= pretrain_taken
 
     captions = {split: [scene_captions(sc, rng) for _, sc in pools[split]] for split in pools}
     files: dict[str, list | dict] = {}
@@ -233,7 +245,8 @@ def _build(out: str, n: int, seed: int, image_size: int = 48) -> dict:
 
     # Pre-training-only images come from a separate random stream, so the other files do not depend on it.
     extra_rng = np.random.default_rng([seed, 1])
-    extra_scenes = sample_scenes(extra_rng, sizes["pretrain_extra_images"], pretrain_taken)
+    extra_scenes = sample_scenes(extra_rng, sizes["pretrain_extra_images"], pretrain_taken | eval_taken,
+                                 strict=True)
     pools["pretrain"] = _render_pool(out, "pretrain", extra_scenes, extra_rng, image_size)
     extra_caps = [(p, scene_captions(sc, extra_rng)) for p, sc in pools["pretrain"]]
     files["pretrain_extra.json"] = _pretrain_entries(extra_caps, extra_rng)

@@ -108,17 +108,26 @@ def _random_scene(rng: np.random.Generator) -> Scene:
     return Scene(tuple(objs), layout)
 
 
-def sample_scenes(rng: np.random.Generator, count: int, taken: set | None = None) -> list[Scene]:
-    """``count`` scenes, none equal to another or to one in ``taken`` (which is updated)."""
+def sample_scenes(rng: np.random.Generator, count: int, taken: set | None = None,
+                  strict: bool = False) -> list[Scene]:
+    """``count`` scenes, none equal to another or to one in ``taken`` (which is updated).
+
+    Once ~200,000 scenes are nearly used up (10,000 draws in a row all taken), scenes repeat, or, with
+    strict (the evaluation splits and what must stay apart from them), a ValueError is raised.
+    """
     taken = set() if taken is None else taken
     scenes: list[Scene] = []
     misses = 0
     while len(scenes) < count:
         sc = _random_scene(rng)
         key = sc.canonical()
-        if key in taken and misses < 10_000:  # repeats only once ~200,000 scenes are nearly used up
+        if key in taken and misses < 10_000:
             misses += 1
             continue
+        if key in taken:
+            if strict:
+                raise ValueError(f"the synthetic world has too few unused scenes for {count} more; "
+                                 "use a smaller n")
         misses = 0
         taken.add(key)
         scenes.append(sc)

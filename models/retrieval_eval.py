@@ -267,6 +267,7 @@ def compute_itr_scores(model: ALBEF_Retrieval, image_loader, texts: Sequence[str
 
     Returns CPU tensors i2t_idx, i2t_score (Ni',k) and t2i_idx, t2i_score (Nt',k) (candidate positions
     among the kept texts / images and score = ITM match logit + ITC cosine, as ALBEF; not sorted),
+    i2t_itc (Ni',k) and t2i_itc (Nt',k) (the candidates' ITC cosines, the ranking without ITM),
     image_ids (Ni',) and text_ids (Nt',) (split indices of the kept ones), txt2img (Nt',) into image_ids
     (None without txt2img), image_valid (Ni,) bool (agreed by all ranks), bad (this rank's reasons), and
     timing: itm_pairs (all ranks), encode_seconds, rerank_seconds. Each forward scores
@@ -315,9 +316,10 @@ def compute_itr_scores(model: ALBEF_Retrieval, image_loader, texts: Sequence[str
                                    image)
         return out[:, 1].float().view(-1, k)
 
+    itc = {"i2t_itc": i2t_sim.cpu(), "t2i_itc": t2i_sim.cpu()}  # ITC alone ranks by these (itc_* metrics)
     if not rerank:
         return {"i2t_idx": i2t_idx.cpu(), "i2t_score": i2t_sim.cpu(), "t2i_idx": t2i_idx.cpu(),
-                "t2i_score": t2i_sim.cpu(), **kept, "itm_pairs": 0, "encode_seconds": encode_seconds,
+                "t2i_score": t2i_sim.cpu(), **itc, **kept, "itm_pairs": 0, "encode_seconds": encode_seconds,
                 "rerank_seconds": 0.0}
     _sync(device)
     start = time.perf_counter()
@@ -331,7 +333,7 @@ def compute_itr_scores(model: ALBEF_Retrieval, image_loader, texts: Sequence[str
     rerank_seconds = time.perf_counter() - start
     return {
         "i2t_idx": i2t_idx.cpu(), "i2t_score": (i2t_itm + i2t_sim).cpu(),
-        "t2i_idx": t2i_idx.cpu(), "t2i_score": (t2i_itm + t2i_sim).cpu(), **kept,
+        "t2i_idx": t2i_idx.cpu(), "t2i_score": (t2i_itm + t2i_sim).cpu(), **itc, **kept,
         "itm_pairs": i2t_idx.numel() + t2i_idx.numel(),
         "encode_seconds": encode_seconds, "rerank_seconds": rerank_seconds,
     }

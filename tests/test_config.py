@@ -158,7 +158,7 @@ def test_defaults_are_filled_once_and_the_resolved_config_round_trips(tmp_path):
     for key in known_keys("pretrain"):  # every key written, each with its meaning
         assert f"{key.rsplit('.', 1)[-1]}:" in text
     assert "# MLM masking rate" in text
-    assert config_to_dict(config)["grit"]["search_space"] == 768
+    assert config_to_dict(config)["grit"]["search_space"] == 120
 
 
 def test_print_config_prints_every_key_with_its_meaning_and_exits_0(capsys):
@@ -290,8 +290,8 @@ def test_rules_between_keys_name_the_keys_and_where_they_came_from():
 
 @pytest.mark.parametrize("sets, text", [
     (["grit.search_space=4"], "grit.search_space (4) must be >= batch_size (8)"),
-    (["batch_size=1024"], "grit.search_space (768) must be >= batch_size (1024)"),
-    (["grit.queue_size=512"], "grit.queue_size (512) must be >= grit.search_space (768)"),
+    (["batch_size=1024"], "grit.search_space (120) must be >= batch_size (1024)"),
+    (["grit.queue_size=96"], "grit.queue_size (96) must be >= grit.search_space (120)"),
 ])
 def test_grit_sizes_are_checked_when_grit_is_on(sets, text):
     msg = message("pretrain", TINY["pretrain"], *sets)

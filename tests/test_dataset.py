@@ -133,7 +133,7 @@ def _check_pretrain_entries(entries: list[dict], n_images: int, prefix: str) -> 
 
 def test_generator_files_and_split_sizes(data_root):
     sizes = synthetic.split_sizes(N)
-    assert (sizes["val_images"], sizes["test_images"], sizes["pretrain_extra_images"]) == (4, 40, 72)
+    assert (sizes["val_images"], sizes["test_images"], sizes["pretrain_extra_images"]) == (12, 40, 72)
     for name in JSON_FILES + ["vocab.txt", synthetic.MARKER]:
         assert os.path.isfile(os.path.join(data_root, name)), name
     meta = _load(data_root, synthetic.MARKER)
@@ -212,6 +212,38 @@ def test_generation_of_default_size_is_fast(tmp_path):
     corpus.check_probe_negatives()
     corpus.check_pretraining_scenes()
     corpus.check_eval_splits()
+    _assert_leak_free(root)
+
+
+TRAINING_FILES = ("pretrain.json", "pretrain_extra.json", "retrieval_train.json", "nlvr_train.json",
+                  "vqa_train.json")
+EVAL_FILES = ("retrieval_val.json", "retrieval_test.json", "probe_test.json", "nlvr_dev.json",
+              "nlvr_test.json", "vqa_test.json")
+
+
+def _split_images(root: str, name: str) -> set[str]:
+    entries = _load(root, name)
+    return {p for e in entries for p in (e["images"] if "images" in e else [e["image"]])}
+
+
+def _assert_leak_free(root: str) -> None:
+    """Format 6: no image of an evaluation file shows a scene of a training file; val and test share no
+    scene; no evaluation caption occurs in a training file."""
+    scenes = _load(root, "scenes.json")
+    train_scenes = {scenes[p] for name in TRAINING_FILES for p in _split_images(root, name)}
+    for name in EVAL_FILES:
+        images = _split_images(root, name)
+        assert images and not {scenes[p] for p in images} & train_scenes, name
+    val = {scenes[p] for p in _split_images(root, "retrieval_val.json")}
+    assert not val & {scenes[p] for p in _split_images(root, "retrieval_test.json")}
+    train_captions = {c for name in ("pretrain.json", "pretrain_extra.json") for e in _load(root, name)
+                      for c in e["caption"]}
+    for name in ("retrieval_val.json", "retrieval_test.json"):
+        assert not {c for e in _load(root, name) for c in e["caption"]} & train_captions, name
+
+
+def test_evaluation_splits_are_leak_free(data_root):
+    _assert_leak_free(data_root)
 
 
 def test_vocab_tokenises_every_text_without_unk(data_root):

@@ -233,6 +233,10 @@ def test_rerank_batching_does_not_change_scores(data):
                            enc["image_embeds"][i:i + 1])[0, 1]
     cosine = enc["image_feat"][i] @ enc["text_feat"][t]
     torch.testing.assert_close(one["i2t_score"][3, 2], itm + cosine, rtol=0, atol=1e-5)
+    # The ITC-only ranking (Retrieval.py's itc_* metrics) scores the candidates by the cosine alone.
+    sim = enc["image_feat"] @ enc["text_feat"].t()
+    torch.testing.assert_close(one["i2t_itc"], sim.gather(1, one["i2t_idx"]), rtol=0, atol=1e-6)
+    torch.testing.assert_close(one["t2i_itc"], sim.t().gather(1, one["t2i_idx"]), rtol=0, atol=1e-6)
 
 
 # From random init the momentum copy is random too, and with momentum 0.995 it would lag hundreds
@@ -264,7 +268,8 @@ def test_finetuning_writes_outputs_and_keeps_the_best_epoch(finetuned):
     out, records = finetuned
     zero, epochs = records[0], records[1:]
     assert [r["epoch"] for r in epochs] == list(range(FT_EPOCHS))
-    for key in ("test_txt_r1", "test_txt_r5", "test_txt_r10", "test_img_r1", "test_img_r_mean", "val_r_mean"):
+    for key in ("test_txt_r1", "test_txt_r5", "test_txt_r10", "test_img_r1", "test_img_r_mean", "val_r_mean",
+                "test_itc_txt_r1", "test_itc_img_r1", "val_itc_r_mean"):
         assert key in zero and 0.0 <= zero[key] <= 100.0
     best = max(epochs, key=lambda r: r["val_r_mean"])
     assert epochs[-1]["best_epoch"] == best["epoch"]

@@ -1,21 +1,31 @@
-"""GRIT-VLP against random batches, per seed: tiny pre-training, zero-shot retrieval and the ITM probe.
+"""GRIT-VLP against random batches as a reviewer would run it: each arm's learning rate selected on val, the
+test split reported at that selection, per seed, re-ranked and ITC-only, with the ITM probe.
 
-    python -m tools.compare --seeds 1 2 3 [--output_dir output/compare] [--set key=value ...]
+    python -m tools.compare --seeds 1 2 3 --lrs 1.25e-4 2.5e-4 5e-4 1e-3 \
+        [--arms GRIT-VLP "GRIT-VLP M/N=96" "random batches"] [--output_dir output/compare] [--reuse] \
+        [--set key=value ...]
 
-For each seed it pre-trains configs/tiny/Pretrain.yaml twice (GRIT batches, and grit.enabled=false),
-evaluates both last checkpoints zero-shot with `python -m Retrieval --evaluate` (configs/tiny/Retrieval.yaml)
-and with tools.probe, and prints one row per seed and run (final loss_itm, grit_hardness, text/image/mean
-R@1, probe overall and per kind), then a JSON object with every number (also written to
-<output_dir>/compare.json). The two pre-trainings of a seed run side by side, one thread each
-(tools.launch.run_side_by_side); about 4 minutes per seed on a 2-core CPU. `make demo` runs one seed of
-this. The scripts run as children in the repository root (tools.launch), so the tool works from any
-working directory.
+Every arm (ARMS: GRIT-VLP at the paper's ratio of search space to batch, M/N = 120/8 = 15, which is the
+tiny config's; GRIT-VLP at the earlier tiny config's M/N = 768/8 = 96; random batches, grit.enabled=false)
+pre-trains configs/tiny/Pretrain.yaml once per learning rate and seed (the schedule's floor and warm-up
+start scaled with it) and is evaluated zero-shot with `python -m Retrieval --evaluate`
+(configs/tiny/Retrieval.yaml: val and test, ITM re-ranked and by the ITC cosine alone) and tools.probe.
+Each arm's learning rate is the one with the best mean val R@1 (re-ranked) over the seeds (select_lr: the
+test split is never read to select); the per-seed test rows at that rate, their mean and sample std, and
+the GRIT-minus-random gap per seed are printed, then a JSON object with every run (also
+<output_dir>/compare.json). Runs go two side by side, one thread each (tools.launch.run_side_by_side):
+about 2 minutes per run on a 2-core CPU. --reuse keeps a run whose result.json records the same command
+(the code is not compared: reuse within one checkout). `make demo` runs one seed of two arms at their
+selected rates (SELECTED_LR).
 """
 
 from __future__ import annotations
 
 import json
+import math
 import os
+import re
+import statistics
 from collections.abc import Sequence
 
 from files import read_json
@@ -24,15 +34,22 @@ from tools.launch import in_root, run_side_by_side
 from training.cli import Parser, run_main
 from training.config_resolve import known_keys, resolve_config
 
-__all__ = ["PRETRAIN_CONFIG", "RETRIEVAL_CONFIG", "RUNS", "build_parser", "compare_seed",
-           "evaluation_commands", "fresh", "last_checkpoint", "main", "overrides_for", "prepare_pretraining",
-           "pretrain_command", "read_evaluation", "read_log", "side_by_side", "summary_row"]
+__all__ = ["ARMS", "PRETRAIN_CONFIG", "RETRIEVAL_CONFIG", "SELECTED_LR", "build_parser",
+           "evaluation_commands", "fresh", "last_checkpoint", "lr_overrides", "main", "mean_std",
+           "overrides_for", "prepare_pretraining", "pretrain_command", "read_evaluation", "read_log",
+           "report", "run_dir", "run_pairs", "select_lr", "side_by_side", "summary_row"]
 
-RUNS = {'GRIT-VLP': [], 'random batches': ['--set', 'grit.enabled=false']}
 # Repository-relative, as the shipped configs' own paths: the tools and their children work in the root.
 PRETRAIN_CONFIG = 'configs/tiny/Pretrain.yaml'
 RETRIEVAL_CONFIG = 'configs/tiny/Retrieval.yaml'
-SUFFIX = {'GRIT-VLP': '', 'random batches': '_random_batches'}
+# The arms: name -> the overrides of the tiny pre-training config that make it.
+ARMS = {'GRIT-VLP': [],  # the tiny config: N = 8, M = 120, L = 1440 (M/N = 15, the paper's 1920/128)
+        # the tiny config before issue 26
+        'GRIT-VLP M/N=96': ['grit.search_space=768', 'grit.queue_size=1536'],
+        'random batches': ['grit.enabled=false']}
+# Each arm's learning rate as selected on val by `python -m tools.compare --seeds 1 2 3 --lrs 1.25e-4
+# 2.5e-4 5e-4 1e-3 --arms GRIT-VLP "random batches"` (README, 'Does GRIT help?'); the demo's.
+SELECTED_LR = {'GRIT-VLP': 5e-4, 'random batches': 2.5e-4}
 
 
 def fresh(output_dir: str) -> str:
@@ -63,6 +80,15 @@ def pretrain_command(output_dir: str, args: Sequence[str], config: str = PRETRAI
     return ['Pretrain', '--config', config, '--output_dir', fresh(output_dir), *args]
 
 
+def lr_overrides(lr: float, config: str = PRETRAIN_CONFIG) -> list[str]:
+    """KEY=VALUE overrides setting the peak learning rate to lr, the schedule's floor (min_lr) and warm-up
+    start (warmup_lr) scaled with it (the tiny config: lr/10 both)."""
+    schedule = resolve_config('pretrain', config, check_paths=False).schedular
+    scale = lr / schedule.lr
+    return [f'optimizer.lr={lr!r}', f'schedular.lr={lr!r}', f'schedular.min_lr={schedule.min_lr * scale!r}',
+            f'schedular.warmup_lr={schedule.warmup_lr * scale!r}']
+
+
 def overrides_for(task: str, overrides: Sequence[str]) -> list[str]:
     """The KEY=VALUE overrides whose key `task`'s config accepts (training.config), as --set arguments.
 
@@ -90,14 +116,32 @@ def evaluation_commands(checkpoint: str, out_dir: str, overrides: Sequence[str] 
 
 
 def read_evaluation(out_dir: str) -> tuple[dict, dict]:
-    """The retrieval record (with test_mean_r1 added) and the probe result written into out_dir."""
+    """The retrieval record (with {val,test}_{,itc_}mean_r1 added: text and image R@1 averaged) and the probe
+    result written into out_dir."""
     retrieval = read_log(os.path.join(out_dir, 'log.txt'))[-1]
-    retrieval['test_mean_r1'] = (retrieval['test_txt_r1'] + retrieval['test_img_r1']) / 2
+    for split in ('val', 'test'):
+        for scoring in ('', 'itc_'):
+            prefix = f'{split}_{scoring}'
+            retrieval[f'{prefix}mean_r1'] = (retrieval[f'{prefix}txt_r1'] + retrieval[f'{prefix}img_r1']) / 2
     return retrieval, read_json(os.path.join(out_dir, 'probe.json'), 'probe result')
 
 
+def summary_row(rows: list[dict], retrieval: dict, probe_result: dict) -> dict:
+    """The numbers of one run that the tables show: test (and val) R@1 re-ranked and ITC-only, the probe."""
+    out = {'loss_itm': rows[-1]['loss_itm'], 'grit_hardness': rows[-1]['grit_hardness'],
+           'train_seconds': sum(r['train_seconds'] for r in rows),
+           'txt_r1': retrieval['test_txt_r1'], 'img_r1': retrieval['test_img_r1'],
+           'mean_r1': retrieval['test_mean_r1'], 'r_mean': retrieval['test_r_mean'],
+           'itc_txt_r1': retrieval['test_itc_txt_r1'], 'itc_img_r1': retrieval['test_itc_img_r1'],
+           'itc_mean_r1': retrieval['test_itc_mean_r1'],
+           'val_mean_r1': retrieval['val_mean_r1'], 'val_itc_mean_r1': retrieval['val_itc_mean_r1'],
+           'probe': probe_result['overall']}
+    out.update({f'probe_{k}': v['accuracy'] for k, v in probe_result['per_kind'].items()})
+    return out
+
+
 def side_by_side(runs: dict[str, tuple[list[dict], dict, dict]]) -> str:
-    """GRIT-VLP and random batches side by side: hardness and ITM loss per epoch, zero-shot R@1, probe."""
+    """Runs side by side: hardness and ITM loss per epoch, zero-shot R@1 (re-ranked, ITC only), probe."""
     names = list(runs)
     head = f'{"":>22}' + ''.join(f'{n:>16}' for n in names)
     lines = ['grit_hardness = mean ITC similarity of the hardest in-batch ITM negative (epoch 0 is random'
@@ -105,89 +149,173 @@ def side_by_side(runs: dict[str, tuple[list[dict], dict, dict]]) -> str:
     for e, _ in enumerate(runs[names[0]][0]):
         for key in ('grit_hardness', 'loss_itm'):
             lines.append(f'{f"epoch {e} {key}":>22}' + ''.join(f'{runs[n][0][e][key]:>16.4f}' for n in names))
-    lines += ['', 'zero-shot retrieval, synthetic test split (1,000 images; chance R@1 0.1 %)', head]
+    lines += ['', 'zero-shot retrieval, synthetic test split (1,000 images of scenes no training split holds;'
+              ' chance R@1 0.1 %)', head]
     for key, label in (('test_txt_r1', 'text R@1'), ('test_img_r1', 'image R@1'),
-                       ('test_mean_r1', 'mean R@1'), ('test_r_mean', 'r_mean')):
+                       ('test_mean_r1', 'mean R@1'), ('test_itc_mean_r1', 'ITC-only mean R@1'),
+                       ('test_r_mean', 'r_mean')):
         lines.append(f'{label:>22}' + ''.join(f'{runs[n][1][key]:>16.2f}' for n in names))
     lines += ['', 'compositional ITM probe: true caption vs one thing changed (chance 0.5)', head]
-    kinds = list(runs[names[0]][2]['per_kind'])
-    for kind in kinds:
+    for kind in runs[names[0]][2]['per_kind']:
         accuracies = (runs[n][2]['per_kind'][kind]['accuracy'] for n in names)
         lines.append(f'{kind:>22}' + ''.join(f'{a:>16.4f}' for a in accuracies))
     lines.append(f'{"overall":>22}' + ''.join(f'{runs[n][2]["overall"]:>16.4f}' for n in names))
     return '\n'.join(lines)
 
 
-def compare_seed(output_dir: str, seed: int | None, overrides: Sequence[str],
-                 names: tuple[str, ...] = tuple(RUNS)) -> dict[str, tuple]:
-    """The named pre-trainings of one seed, then their evaluations: {run name: (log rows, retrieval, probe)}.
+def run_dir(output_dir: str, arm: str, seed: int | None, lr: float | None) -> str:
+    """The folder of one run: output_dir/seed<S>/<arm as a slug>[_lr<lr>] (pretrain/, zeroshot/ inside)."""
+    slug = re.sub(r'[^a-z0-9]+', '_', arm.lower()).strip('_')
+    return os.path.join(output_dir, f'seed{seed}' if seed is not None else 'config_seed',
+                        slug + (f'_lr{lr:g}' if lr is not None else ''))
 
-    Outputs: output_dir/pretrain (GRIT), pretrain_random_batches, zeroshot, zeroshot_random_batches,
-    each with the run's console output in stdout.txt. The runs of one stage go side by side. Call it in
-    the repository root (main does, tools.launch.in_root): the configs' relative paths are read there.
+
+def _finished(directory: str, command: list[str]) -> dict | None:
+    path = os.path.join(directory, 'result.json')
+    if os.path.isfile(path):
+        saved = read_json(path, 'run result')
+        if saved.get('command') == command:
+            return saved
+    return None
+
+
+def run_pairs(runs: dict[str, tuple[str, list[str], list[str]]], reuse: bool = False
+              ) -> dict[str, tuple[list[dict], dict, dict]]:
+    """Pre-train and evaluate runs {name: (folder, pre-training arguments, overrides)}, two side by side;
+    returns {name: (log rows, retrieval record, probe result)}; each folder gets result.json.
+
+    reuse: a run whose result.json records the same pre-training command is read, not run again. Call it
+    in the repository root (main does, tools.launch.in_root): the configs' relative paths are read there.
     """
-    overrides = list(overrides)
-    seed_args = ['--seed', str(seed)] if seed is not None else []
-    dirs, jobs = {}, []
-    for name, extra in RUNS.items():
-        if name not in names:
-            continue
-        set_args = extra[1:] + overrides
-        dirs[name] = os.path.join(output_dir, 'pretrain' + SUFFIX[name])
-        jobs.append((pretrain_command(dirs[name], seed_args + (['--set', *set_args] if set_args else [])),
-                     os.path.join(dirs[name], 'stdout.txt')))
-    run_side_by_side(jobs)
-    evals = {name: os.path.join(output_dir, 'zeroshot' + SUFFIX[name]) for name in dirs}
-    commands = {name: evaluation_commands(last_checkpoint(dirs[name]), evals[name], overrides)
-                for name in dirs}
-    for stage in range(2):  # retrieval of every run side by side, then the probes
-        run_side_by_side([(commands[name][stage], os.path.join(evals[name], f'stdout_{stage}.txt'))
-                          for name in dirs])
-    return {name: (read_log(os.path.join(dirs[name], 'log.txt')), *read_evaluation(evals[name]))
-            for name in dirs}
+    out: dict[str, tuple[list[dict], dict, dict]] = {}
+    todo = []
+    for name, (directory, args, overrides) in runs.items():
+        command = pretrain_command(os.path.join(directory, 'pretrain'), args)
+        saved = _finished(directory, command) if reuse else None
+        if saved:
+            out[name] = (saved['log'], saved['retrieval'], saved['probe'])
+        else:
+            todo.append((name, directory, command, overrides))
+    for start in range(0, len(todo), 2):
+        pair = todo[start:start + 2]
+        run_side_by_side([(command, os.path.join(d, 'pretrain', 'stdout.txt')) for _, d, command, _ in pair])
+        commands = [evaluation_commands(last_checkpoint(os.path.join(d, 'pretrain')),
+                                        os.path.join(d, 'zeroshot'), sets) for _, d, _, sets in pair]
+        for stage in range(2):  # retrieval of both runs side by side, then the probes
+            run_side_by_side([(c[stage], os.path.join(d, 'zeroshot', f'stdout_{stage}.txt'))
+                              for c, (_, d, _, _) in zip(commands, pair)])
+        for name, directory, command, _ in pair:
+            log = read_log(os.path.join(directory, 'pretrain', 'log.txt'))
+            retrieval, probe = read_evaluation(os.path.join(directory, 'zeroshot'))
+            with open(os.path.join(directory, 'result.json'), 'w', encoding='utf-8') as f:
+                json.dump({'command': command, 'log': log, 'retrieval': retrieval, 'probe': probe}, f)
+            out[name] = (log, retrieval, probe)
+    return out
 
 
-def summary_row(rows: list[dict], retrieval: dict, probe_result: dict) -> dict:
-    """The numbers of one run that the per-seed table shows."""
-    return {'loss_itm': rows[-1]['loss_itm'], 'grit_hardness': rows[-1]['grit_hardness'],
-            'txt_r1': retrieval['test_txt_r1'], 'img_r1': retrieval['test_img_r1'],
-            'mean_r1': retrieval['test_mean_r1'], 'r_mean': retrieval['test_r_mean'],
-            'probe': probe_result['overall'],
-            **{f'probe_{k}': v['accuracy'] for k, v in probe_result['per_kind'].items()}}
+def select_lr(val_scores: dict[float, list[float]]) -> float:
+    """The learning rate whose mean val score over the seeds is highest (the first of equal ones): the
+    selection sees val numbers only, so the test split cannot steer it."""
+    return max(val_scores, key=lambda lr: statistics.fmean(val_scores[lr]))
+
+
+def mean_std(values: Sequence[float]) -> tuple[float, float]:
+    """Mean and sample standard deviation (nan for one value)."""
+    return statistics.fmean(values), statistics.stdev(values) if len(values) > 1 else math.nan
+
+
+COLUMNS = ('loss_itm', 'grit_hardness', 'mean_r1', 'itc_mean_r1', 'txt_r1', 'img_r1', 'probe', 'val_mean_r1')
+
+
+def report(sweep: dict[str, dict[float, dict[int, dict]]], seeds: Sequence[int]) -> tuple[str, dict]:
+    """The printed tables and the JSON summary of a sweep {arm: {lr: {seed: summary_row}}}."""
+    lines = ['learning-rate sweep, mean over seeds (selection: best val mean R@1 re-ranked; test never used)',
+             f'{"arm":>18} {"lr":>9} {"val R@1":>9} {"val ITC":>9} {"test R@1":>9} {"test ITC":>9}']
+    selected = {}
+    for arm, by_lr in sweep.items():
+        selected[arm] = select_lr({lr: [by_lr[lr][s]['val_mean_r1'] for s in seeds] for lr in by_lr})
+        for lr, rows in by_lr.items():
+            means = [statistics.fmean(rows[s][k] for s in seeds)
+                     for k in ('val_mean_r1', 'val_itc_mean_r1', 'mean_r1', 'itc_mean_r1')]
+            mark = ' <' if lr == selected[arm] else ''
+            lines.append(f'{arm:>18} {lr:>9.3g}' + ''.join(f'{m:>10.2f}' for m in means) + mark)
+    lines += ['', 'test split at each arm\'s selected learning rate (mean R@1 = mean of text and image R@1; '
+              'ITC = ranked by the cosine alone)',
+              f'{"seed":>6} {"arm":>18} {"lr":>9}' + ''.join(f'{c:>14}' for c in COLUMNS)]
+    summary = {}
+    for arm, lr in selected.items():
+        rows = sweep[arm][lr]
+        for s in seeds:
+            lines.append(f'{s:>6} {arm:>18} {lr:>9.3g}' + ''.join(f'{rows[s][c]:>14.4f}' for c in COLUMNS))
+        stats = {c: mean_std([rows[s][c] for s in seeds]) for c in COLUMNS}
+        lines.append(f'{"mean":>6} {arm:>18} {lr:>9.3g}' + ''.join(f'{m:>14.4f}' for m, _ in stats.values()))
+        lines.append(f'{"std":>6} {arm:>18} {lr:>9.3g}' + ''.join(f'{sd:>14.4f}' for _, sd in stats.values()))
+        summary[arm] = {'lr': lr, **{c: {'mean': m, 'std': sd} for c, (m, sd) in stats.items()}}
+    gaps = {}
+    baseline = 'random batches'
+    if baseline in selected:
+        lines += ['', f'gap to {baseline} per seed (paired by seed): test mean R@1 re-ranked / ITC only / '
+                  'probe']
+        for arm in selected:
+            if arm == baseline:
+                continue
+            per_seed = {c: [sweep[arm][selected[arm]][s][c] - sweep[baseline][selected[baseline]][s][c]
+                            for s in seeds] for c in ('mean_r1', 'itc_mean_r1', 'probe')}
+            gaps[arm] = {c: {'per_seed': v, 'mean': mean_std(v)[0], 'std': mean_std(v)[1]}
+                         for c, v in per_seed.items()}
+            cells = [f'{mean_std(v)[0]:+.2f} ± {mean_std(v)[1]:.2f} ('
+                     + ', '.join(f'{x:+.2f}' for x in v) + ')' for v in per_seed.values()]
+            lines.append(f'{arm:>18}: ' + ' / '.join(cells))
+    return '\n'.join(lines), {'selected_lr': selected, 'summary': summary, 'gaps': gaps}
 
 
 def build_parser() -> Parser:
     """The command line."""
     p = tool_parser('tools.compare', __doc__.splitlines()[0])
-    p.add_argument('--seeds', type=int, nargs='+', required=True, help='one comparison per seed')
+    p.add_argument('--seeds', type=int, nargs='+', required=True,
+                   help='pre-training seeds (each arm, each rate)')
+    p.add_argument('--lrs', type=float, nargs='+', default=None,
+                   help='peak learning rates every arm is swept over (default: the config\'s, no sweep)')
+    p.add_argument('--arms', nargs='+', choices=list(ARMS), default=['GRIT-VLP', 'random batches'],
+                   help='the arms (default: GRIT-VLP and random batches)')
     p.add_argument('--output_dir', default='output/compare',
-                   help='folder of the runs (<output_dir>/seed<S>/...) and of compare.json, the printed '
-                        'record (default: output/compare)')
+                   help='folder of the runs (<output_dir>/seed<S>/<arm>_lr<lr>/...) and of compare.json, the '
+                        'printed record (default: output/compare)')
+    p.add_argument('--reuse', action='store_true',
+                   help='keep the runs whose result.json records the same pre-training command')
     p.add_argument('--set', dest='overrides', nargs='*', action='extend', default=[], metavar='KEY=VALUE',
-                   help='config overrides for both pre-trainings of every seed (the evaluations get those '
-                        'their config takes)')
+                   help='config overrides for every pre-training (the evaluations get those their config '
+                        'takes)')
     return p
 
 
 def main(argv: Sequence[str] | None = None) -> dict:
-    """Compare GRIT-VLP and random batches per seed; returns {seed: {run name: summary_row}}."""
+    """Sweep, select on val, report test; returns the JSON record (sweep, selected_lr, summary, gaps)."""
     args = build_parser().parse_args(argv)
     output_dir = os.path.abspath(args.output_dir)  # the user's path, from where the user is
-    result = {}
+    lrs = args.lrs or [None]
     with in_root():
         prepare_pretraining(args.overrides)
-        for seed in args.seeds:
-            runs = compare_seed(os.path.join(output_dir, f'seed{seed}'), seed, args.overrides)
-            result[seed] = {name: summary_row(*r) for name, r in runs.items()}
-    columns = ['loss_itm', 'grit_hardness', 'txt_r1', 'img_r1', 'mean_r1', 'r_mean', 'probe']
-    kinds = [k for k in next(iter(result[args.seeds[0]].values())) if k.startswith('probe_')]
-    columns += kinds
-    print(f'{"seed":>5} {"batches":>15}' + ''.join(f'{c:>15}' for c in columns))
-    for seed, runs in result.items():
-        for name, row in runs.items():
-            print(f'{seed:>5} {name:>15}' + ''.join(f'{row[c]:>15.4f}' for c in columns))
-    emit_record({'seeds': result, 'overrides': args.overrides}, output_dir, 'compare')
-    return result
+        base = resolve_config('pretrain', PRETRAIN_CONFIG, list(args.overrides), check_paths=False)
+        runs = {}
+        for seed in args.seeds:  # seed-major: a cut-short sweep has whole seeds
+            for lr in lrs:
+                for arm in args.arms:
+                    sets = ARMS[arm] + (lr_overrides(lr) if lr is not None else []) + list(args.overrides)
+                    runs[(arm, lr, seed)] = (run_dir(output_dir, arm, seed, lr),
+                                             ['--seed', str(seed), *(['--set', *sets] if sets else [])], sets)
+        results = run_pairs(runs, reuse=args.reuse)
+    sweep: dict[str, dict[float, dict[int, dict]]] = {}
+    for (arm, lr, seed), result in results.items():
+        key = lr if lr is not None else base.optimizer.lr
+        sweep.setdefault(arm, {}).setdefault(key, {})[seed] = summary_row(*result)
+    text, record = report(sweep, args.seeds)
+    print(text)
+    record = {'sweep': {arm: {f'{lr:g}': rows for lr, rows in by_lr.items()} for arm, by_lr in sweep.items()},
+              **record, 'seeds': args.seeds, 'overrides': args.overrides,
+              'protocol': 'each arm at the learning rate of best mean val R@1 (re-ranked); test reported'}
+    emit_record(record, output_dir, 'compare')
+    return record
 
 
 if __name__ == '__main__':
