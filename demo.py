@@ -1,6 +1,8 @@
-"""`make demo`: tiny GRIT-VLP pre-training on the built-in synthetic data and, side by side, the same run
-with random batches (CPU, under 5 minutes), then, for both, zero-shot retrieval and the compositional
-ITM probe, printed side by side with their per-epoch grit_hardness and ITM loss.
+"""`make demo`: tiny GRIT-VLP pre-training on the built-in synthetic data (the paper's M/N = 15) and, side
+by side, the same run with random batches (CPU, under 5 minutes), each at the learning rate tools.compare
+selected for it on val (tools.compare.SELECTED_LR), then, for both, zero-shot retrieval (ITM re-ranked and
+ITC only) and the compositional ITM probe, printed side by side with their per-epoch grit_hardness and ITM
+loss. One seed of the README's comparison (`python -m tools.compare`, 3 seeds, the rates swept).
 
     python demo.py [--output_dir output/demo] [--seed S] [--no_compare] [--downstream]
 
@@ -17,14 +19,17 @@ import time
 from collections.abc import Sequence
 
 from tools.compare import (
-    RUNS,
-    compare_seed,
+    ARMS,
+    SELECTED_LR,
     fresh,
     last_checkpoint,
+    lr_overrides,
     prepare_pretraining,
     pretrain_command,
     read_log,
+    run_pairs,
     side_by_side,
+    slug,
 )
 from tools.launch import in_root, run, run_side_by_side
 from training.cli import Parser, run_main
@@ -101,7 +106,8 @@ def build_parser() -> Parser:
     """The demo's command line."""
     parser = Parser(prog='python demo.py', description=' '.join(__doc__.split('\n\n')[0].split()))
     parser.add_argument('--output_dir', default='output/demo',
-                        help='folder of the runs: pretrain/, zeroshot/, ... (default: output/demo)')
+                        help='folder of the runs: grit_vlp/{pretrain,zeroshot}/, random_batches/..., '
+                             '(default: output/demo)')
     parser.add_argument('--seed', type=int, default=None,
                         help="the tiny config's seed for both runs (default: the config's)")
     parser.add_argument('--no_compare', dest='compare', action='store_false',
@@ -120,9 +126,15 @@ def main(argv: Sequence[str] | None = None) -> None:
     output_dir = os.path.abspath(args.output_dir)  # the user's path, from where the user is
     with in_root():
         prepare_pretraining()
-        names = tuple(RUNS) if args.compare else ('GRIT-VLP',)
-        runs = compare_seed(output_dir, args.seed, [], names)
-        checkpoint = last_checkpoint(os.path.join(output_dir, 'pretrain'))
+        names = tuple(SELECTED_LR) if args.compare else ('GRIT-VLP',)
+        seed_args = ['--seed', str(args.seed)] if args.seed is not None else []
+        spec = {}
+        for name in names:
+            sets = ARMS[name] + lr_overrides(SELECTED_LR[name])
+            spec[name] = (os.path.join(output_dir, slug(name)), [*seed_args, '--set', *sets], sets)
+        runs = run_pairs(spec)
+        grit_dir = os.path.join(output_dir, slug('GRIT-VLP'))
+        checkpoint = last_checkpoint(os.path.join(grit_dir, 'pretrain'))
 
         downstream = None
         if args.downstream:
@@ -131,15 +143,17 @@ def main(argv: Sequence[str] | None = None) -> None:
 
     print('\n=== GRIT-VLP tiny pre-training (synthetic data, CPU) ===')
     print(table(runs['GRIT-VLP'][0], COLUMNS))
-    print('\n' + side_by_side(runs))
+    print('\nlearning rates (selected on val, tools.compare.SELECTED_LR): '
+          + ', '.join(f'{name} {SELECTED_LR[name]:g}' for name in runs))
+    print(side_by_side(runs))
     if downstream:
         print(f'\n=== downstream, from the {DOWNSTREAM_PRETRAIN_CONFIG} checkpoint: '
               f'{os.path.relpath(long_checkpoint)} ===')
         print(downstream_summary(downstream))
-    pictures = os.path.join(output_dir, 'pretrain', 'batches')
+    pictures = os.path.join(grit_dir, 'pretrain', 'batches')
     last = runs['GRIT-VLP'][0][-1]['epoch']
-    print(f'\ncheckpoint: {os.path.relpath(checkpoint)}\nlogs:       {args.output_dir}/*/log.txt, '
-          f'{args.output_dir}/zeroshot*/probe.json')
+    print(f'\ncheckpoint: {os.path.relpath(checkpoint)}\nlogs:       {args.output_dir}/*/pretrain/log.txt, '
+          f'{args.output_dir}/*/zeroshot/log.txt, probe.json')
     print(f'batches:    a random batch {os.path.relpath(os.path.join(pictures, "epoch_00_random.png"))} '
           f'and a GRIT batch {os.path.relpath(os.path.join(pictures, f"epoch_{last:02d}_grit.png"))} '
           '(each image\'s hardest in-batch negative caption in red)')

@@ -135,8 +135,11 @@ def test_ablate_micro_end_to_end_and_reuse(micro_env, tmp_path, monkeypatch):
             "--output_dir", out]
     record = ablate.main(args)
     metrics = record["rows"]["itc_grit"]["1"]
-    for key in ("zs_tr_r1", "zs_ir_r1", "ft_tr_r1", "ft_ir_r1", "epoch_seconds"):
+    for key in ("zs_tr_r1", "zs_ir_r1", "zs_itc_tr_r1", "zs_itc_ir_r1", "ft_tr_r1", "ft_ir_r1",
+                "ft_itc_tr_r1", "ft_itc_ir_r1", "epoch_seconds"):
         assert isinstance(metrics[key], float) and metrics[key] >= 0, key
+    # An ITC-only row ranks by ITC alone: its re-ranked and ITC columns are one ranking.
+    assert (metrics["zs_tr_r1"], metrics["zs_ir_r1"]) == (metrics["zs_itc_tr_r1"], metrics["zs_itc_ir_r1"])
     assert metrics["loss_itm"] is None and "probe" not in metrics  # no ITM head to probe
     log_path = os.path.join(out, "micro", "itc_grit", "seed1", "pretrain", "log.txt")
     log = [json.loads(line) for line in open(log_path)]
@@ -147,6 +150,7 @@ def test_ablate_micro_end_to_end_and_reuse(micro_env, tmp_path, monkeypatch):
     assert saved.grit.enabled and not saved.itm  # the row ran GRIT without ITM
     table = open(os.path.join(out, "micro", "table5.md")).read()
     assert "| ITC |" in table and "| ITC + GRIT |" in table and "ITC_cons" not in table
+    assert "ZS TR R@1 ITC" in table and "FT IR R@1 ITC" in table
     report = open(os.path.join(out, "micro", "table5_report", "report.md")).read()
     assert "ITC + GRIT (seed 1)" in report and "grit_hardness" in report
 

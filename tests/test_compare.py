@@ -3,23 +3,43 @@
 from __future__ import annotations
 
 import dataclasses
+import json
 import os
+import statistics
 
-from tools.compare import side_by_side, summary_row
+from tools.compare import (
+    ARMS,
+    COLUMNS,
+    PRETRAIN_CONFIG,
+    lr_overrides,
+    read_evaluation,
+    report,
+    run_dir,
+    select_lr,
+    side_by_side,
+    summary_row,
+)
+from training.config_resolve import resolve_config
 
 
 def _run(itm: float, txt: float, img: float, colour: float) -> tuple[list[dict], dict, dict]:
-    rows = [{"epoch": e, "grit_hardness": 0.5 + 0.1 * e, "loss_itm": itm + 0.01 * (2 - e)} for e in range(3)]
-    retrieval = {"test_txt_r1": txt, "test_img_r1": img, "test_mean_r1": (txt + img) / 2, "test_r_mean": 40.0}
+    rows = [{"epoch": e, "grit_hardness": 0.5 + 0.1 * e, "loss_itm": itm + 0.01 * (2 - e),
+             "train_seconds": 10.0} for e in range(3)]
+    retrieval = {"test_txt_r1": txt, "test_img_r1": img, "test_mean_r1": (txt + img) / 2,
+                 "test_r_mean": 40.0, "test_itc_txt_r1": txt - 1, "test_itc_img_r1": img - 1,
+                 "test_itc_mean_r1": (txt + img) / 2 - 1,
+                 "val_mean_r1": txt + 10, "val_itc_mean_r1": txt + 9}
     kinds = {"colour": {"accuracy": colour, "pairs": 10}, "shape": {"accuracy": 0.5, "pairs": 10}}
     probe = {"overall": (colour + 0.5) / 2, "per_kind": kinds}
     return rows, retrieval, probe
 
 
-def test_summary_row_takes_the_last_epoch_and_every_probe_kind():
+def test_summary_row_takes_the_last_epoch_both_scorings_and_every_probe_kind():
     row = summary_row(*_run(0.4, 6.0, 4.0, 0.9))
-    assert row["loss_itm"] == 0.4 and row["grit_hardness"] == 0.7
+    assert row["loss_itm"] == 0.4 and row["grit_hardness"] == 0.7 and row["train_seconds"] == 30.0
     assert (row["txt_r1"], row["img_r1"], row["mean_r1"], row["r_mean"]) == (6.0, 4.0, 5.0, 40.0)
+    assert (row["itc_txt_r1"], row["itc_img_r1"], row["itc_mean_r1"]) == (5.0, 3.0, 4.0)
+    assert (row["val_mean_r1"], row["val_itc_mean_r1"]) == (16.0, 15.0)
     assert row["probe"] == 0.7 and row["probe_colour"] == 0.9 and row["probe_shape"] == 0.5
 
 
@@ -31,8 +51,58 @@ def test_side_by_side_shows_both_runs_per_epoch_recall_and_probe():
                for line in lines)
     mean = next(line for line in lines if line.strip().startswith("mean R@1"))
     assert mean.split()[2:] == ["5.00", "2.50"]
+    itc = next(line for line in lines if line.strip().startswith("ITC-only mean R@1"))
+    assert itc.split()[3:] == ["4.00", "1.50"]
     colour = next(line for line in lines if line.strip().startswith("colour"))
     assert colour.split()[1:] == ["0.9000", "0.7000"]
+
+
+def test_read_evaluation_averages_text_and_image_recall_per_split_and_scoring(tmp_path):
+    record = {f"{split}_{scoring}{kind}_r1": value for split, base in (("val", 50.0), ("test", 20.0))
+              for scoring, shift in (("", 0.0), ("itc_", -5.0)) for kind, value in
+              (("txt", base + shift), ("img", base + shift + 2))}
+    (tmp_path / "log.txt").write_text(json.dumps(record) + "\n")
+    (tmp_path / "probe.json").write_text(json.dumps({"overall": 0.5, "per_kind": {}}))
+    retrieval, probe = read_evaluation(str(tmp_path))
+    assert (retrieval["val_mean_r1"], retrieval["val_itc_mean_r1"]) == (51.0, 46.0)
+    assert (retrieval["test_mean_r1"], retrieval["test_itc_mean_r1"]) == (21.0, 16.0)
+    assert probe["overall"] == 0.5
+
+
+def test_the_learning_rate_is_selected_on_val_never_on_test():
+    # Stub runs where val and test disagree: lr 1e-3 is best on val (mean over seeds), 2e-4 on test.
+    def row(val: float, test: float) -> dict:
+        return {c: 0.5 for c in COLUMNS} | {"val_mean_r1": val, "mean_r1": test, "itc_mean_r1": test,
+                                            "val_itc_mean_r1": val, "probe": 0.5}
+
+    sweep = {"GRIT-VLP": {2e-4: {1: row(40.0, 70.0), 2: row(42.0, 72.0)},
+                          1e-3: {1: row(45.0, 30.0), 2: row(44.0, 31.0)}},
+             "random batches": {2e-4: {1: row(30.0, 10.0), 2: row(10.0, 12.0)},
+                                1e-3: {1: row(21.0, 60.0), 2: row(20.0, 61.0)}}}
+    text, record = report(sweep, [1, 2])
+    # random batches: 2e-4 has the best single val seed (30) but not the best mean (20 against 20.5).
+    assert record["selected_lr"] == {"GRIT-VLP": 1e-3, "random batches": 1e-3}
+    assert record["summary"]["GRIT-VLP"]["mean_r1"]["mean"] == 30.5
+    assert record["gaps"]["GRIT-VLP"]["mean_r1"]["per_seed"] == [-30.0, -30.0]
+    assert select_lr({2e-4: [1.0, 3.0], 5e-4: [2.0, 2.5]}) == 5e-4
+    assert select_lr({2e-4: [2.0], 5e-4: [2.0]}) == 2e-4  # the first of equal ones
+    std = record["summary"]["random batches"]["val_mean_r1"]["std"]
+    assert abs(std - statistics.stdev([21.0, 20.0])) < 1e-12  # the sample std, as the README reports
+    assert "GRIT-VLP" in text and "<" in text
+
+
+def test_each_arm_sweeps_the_rate_with_the_schedule_scaled(monkeypatch):
+    monkeypatch.chdir(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    assert lr_overrides(1e-3) == ["optimizer.lr=0.001", "schedular.lr=0.001", "schedular.min_lr=0.0001",
+                                  "schedular.warmup_lr=0.0001"]
+    assert run_dir("/o", "GRIT-VLP M/N=96", 2, 2.5e-4) == "/o/seed2/grit_vlp_m_n_96_lr0.00025"
+    assert ARMS["random batches"] == ["grit.enabled=false"]
+    # The tiny config is the paper's ratio M/N = 15; the earlier ratio is an arm of its own.
+    tiny = resolve_config("pretrain", PRETRAIN_CONFIG, check_paths=False)
+    assert tiny.grit.search_space / tiny.batch_size == 15
+    assert tiny.grit.queue_size % tiny.grit.search_space == 0
+    wide = resolve_config("pretrain", PRETRAIN_CONFIG, ARMS["GRIT-VLP M/N=96"], check_paths=False)
+    assert wide.grit.search_space / wide.batch_size == 96
 
 
 def test_evaluations_get_the_overrides_their_config_accepts():

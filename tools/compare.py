@@ -4,6 +4,7 @@ test split reported at that selection, per seed, re-ranked and ITC-only, with th
     python -m tools.compare --seeds 1 2 3 --lrs 1.25e-4 2.5e-4 5e-4 1e-3 \
         [--arms GRIT-VLP "GRIT-VLP M/N=96" "random batches"] [--output_dir output/compare] [--reuse] \
         [--set key=value ...]
+    python -m tools.compare --seeds 11 12 13 --selected     # each arm at its selected rate only
 
 Every arm (ARMS: GRIT-VLP at the paper's ratio of search space to batch, M/N = 120/8 = 15, which is the
 tiny config's; GRIT-VLP at the earlier tiny config's M/N = 768/8 = 96; random batches, grit.enabled=false)
@@ -37,7 +38,7 @@ from training.config_resolve import known_keys, resolve_config
 __all__ = ["ARMS", "PRETRAIN_CONFIG", "RETRIEVAL_CONFIG", "SELECTED_LR", "build_parser",
            "evaluation_commands", "fresh", "last_checkpoint", "lr_overrides", "main", "mean_std",
            "overrides_for", "prepare_pretraining", "pretrain_command", "read_evaluation", "read_log",
-           "report", "run_dir", "run_pairs", "select_lr", "side_by_side", "summary_row"]
+           "report", "run_dir", "run_pairs", "select_lr", "side_by_side", "slug", "summary_row"]
 
 # Repository-relative, as the shipped configs' own paths: the tools and their children work in the root.
 PRETRAIN_CONFIG = 'configs/tiny/Pretrain.yaml'
@@ -163,11 +164,15 @@ def side_by_side(runs: dict[str, tuple[list[dict], dict, dict]]) -> str:
     return '\n'.join(lines)
 
 
+def slug(arm: str) -> str:
+    """An arm's name as a folder name: 'GRIT-VLP M/N=96' -> 'grit_vlp_m_n_96'."""
+    return re.sub(r'[^a-z0-9]+', '_', arm.lower()).strip('_')
+
+
 def run_dir(output_dir: str, arm: str, seed: int | None, lr: float | None) -> str:
-    """The folder of one run: output_dir/seed<S>/<arm as a slug>[_lr<lr>] (pretrain/, zeroshot/ inside)."""
-    slug = re.sub(r'[^a-z0-9]+', '_', arm.lower()).strip('_')
+    """The folder of one run: output_dir/seed<S>/<slug(arm)>[_lr<lr>] (pretrain/, zeroshot/ inside)."""
     return os.path.join(output_dir, f'seed{seed}' if seed is not None else 'config_seed',
-                        slug + (f'_lr{lr:g}' if lr is not None else ''))
+                        slug(arm) + (f'_lr{lr:g}' if lr is not None else ''))
 
 
 def _finished(directory: str, command: list[str]) -> dict | None:
@@ -276,6 +281,8 @@ def build_parser() -> Parser:
                    help='pre-training seeds (each arm, each rate)')
     p.add_argument('--lrs', type=float, nargs='+', default=None,
                    help='peak learning rates every arm is swept over (default: the config\'s, no sweep)')
+    p.add_argument('--selected', action='store_true',
+                   help='each arm at its rate in SELECTED_LR only (the README\'s selection; no sweep)')
     p.add_argument('--arms', nargs='+', choices=list(ARMS), default=['GRIT-VLP', 'random batches'],
                    help='the arms (default: GRIT-VLP and random batches)')
     p.add_argument('--output_dir', default='output/compare',
@@ -291,16 +298,21 @@ def build_parser() -> Parser:
 
 def main(argv: Sequence[str] | None = None) -> dict:
     """Sweep, select on val, report test; returns the JSON record (sweep, selected_lr, summary, gaps)."""
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args = parser.parse_args(argv)
     output_dir = os.path.abspath(args.output_dir)  # the user's path, from where the user is
-    lrs = args.lrs or [None]
+    if args.selected and args.lrs:
+        parser.error('--selected and --lrs exclude each other: the selected rates, or a sweep')
+    if args.selected and (missing := [a for a in args.arms if a not in SELECTED_LR]):
+        parser.error(f'--selected: no selected learning rate for {missing} (tools.compare.SELECTED_LR)')
+    arm_lrs = {arm: [SELECTED_LR[arm]] if args.selected else args.lrs or [None] for arm in args.arms}
     with in_root():
         prepare_pretraining(args.overrides)
         base = resolve_config('pretrain', PRETRAIN_CONFIG, list(args.overrides), check_paths=False)
         runs = {}
         for seed in args.seeds:  # seed-major: a cut-short sweep has whole seeds
-            for lr in lrs:
-                for arm in args.arms:
+            for lr in sorted({lr for lrs in arm_lrs.values() for lr in lrs}, key=lambda x: x or 0):
+                for arm in [a for a in args.arms if lr in arm_lrs[a]]:
                     sets = ARMS[arm] + (lr_overrides(lr) if lr is not None else []) + list(args.overrides)
                     runs[(arm, lr, seed)] = (run_dir(output_dir, arm, seed, lr),
                                              ['--seed', str(seed), *(['--set', *sets] if sets else [])], sets)
