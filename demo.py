@@ -131,7 +131,7 @@ def main(argv: Sequence[str] | None = None) -> None:
         spec = {}
         for name in names:
             sets = ARMS[name] + lr_overrides(SELECTED_LR[name])
-            spec[name] = (os.path.join(output_dir, slug(name)), [*seed_args, '--set', *sets], sets)
+            spec[name] = (os.path.join(output_dir, slug(name)), [*seed_args, '--set', *sets], [])
         runs = run_pairs(spec)
         grit_dir = os.path.join(output_dir, slug('GRIT-VLP'))
         checkpoint = last_checkpoint(os.path.join(grit_dir, 'pretrain'))

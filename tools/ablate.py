@@ -74,7 +74,8 @@ class Preset:
     synthetic: bool = True
 
 
-_MICRO_DATA = "data/synthetic/retrieval_val.json"
+_MICRO_SOURCE = "data/synthetic/retrieval_val.json"
+_MICRO_DATA = "data/synthetic/micro_val100.json"  # its first 100 images (ensure_micro_data)
 PRESETS = {
     "paper": Preset("configs/ablation", "configs/Retrieval_coco.yaml", synthetic=False),
     "tiny": Preset("configs/ablation/tiny", "configs/tiny/Retrieval.yaml"),
@@ -87,6 +88,18 @@ PRESETS = {
         retrieval_set=(f"test_file={_MICRO_DATA}", f"val_file={_MICRO_DATA}"),
         finetune_set=("max_epoch=1", "schedular.epochs=1"), limit=40, finetune_subset=96),
 }
+
+
+def ensure_micro_data() -> str:
+    """Write the micro preset's data, the first 100 val images, unless there (call it in the repository
+    root after the synthetic world exists); returns its path."""
+    if not os.path.isfile(_MICRO_DATA):
+        entries = read_json(_MICRO_SOURCE, "synthetic val split")[:100]
+        tmp = f"{_MICRO_DATA}.{os.getpid()}.tmp"
+        with open(tmp, "w", encoding="utf-8") as f:
+            json.dump(entries, f)
+        os.replace(tmp, _MICRO_DATA)  # atomic: runs started side by side may both write it
+    return _MICRO_DATA
 
 
 @dataclass
@@ -286,6 +299,8 @@ def main(argv: Sequence[str] | None = None) -> dict:
             from dataset import ensure_synthetic
 
             ensure_synthetic("data/synthetic")
+            if args.preset == "micro":
+                ensure_micro_data()
         results: dict[str, dict[int, RowResult]] = {}
         for row in rows:
             results[row] = {}

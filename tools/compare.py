@@ -27,7 +27,7 @@ import math
 import os
 import re
 import statistics
-from collections.abc import Sequence
+from collections.abc import Hashable, Sequence
 
 from files import read_json
 from tools.cli import emit_record, tool_parser
@@ -47,7 +47,10 @@ RETRIEVAL_CONFIG = 'configs/tiny/Retrieval.yaml'
 ARMS = {'GRIT-VLP': [],  # the tiny config: N = 8, M = 120, L = 1440 (M/N = 15, the paper's 1920/128)
         # the tiny config before issue 26
         'GRIT-VLP M/N=96': ['grit.search_space=768', 'grit.queue_size=1536'],
-        'random batches': ['grit.enabled=false']}
+        'random batches': ['grit.enabled=false'],
+        # Tables 2 and 4's baselines (configs/ablation/tiny/albef_base*.yaml), for tools.efficiency
+        'ALBEF_Base': ['grit.enabled=false', 'lambda_cons=0.0', 'mlm_probability=0.15'],
+        'ALBEF_Base50': ['grit.enabled=false', 'lambda_cons=0.0']}
 # Each arm's learning rate as selected on val by `python -m tools.compare --seeds 1 2 3 --lrs 1.25e-4
 # 2.5e-4 5e-4 1e-3 --arms GRIT-VLP "random batches"` (README, 'Does GRIT help?'); the demo's.
 SELECTED_LR = {'GRIT-VLP': 5e-4, 'random batches': 2.5e-4}
@@ -107,11 +110,12 @@ def last_checkpoint(pre_dir: str) -> str:
     return os.path.join(pre_dir, f'checkpoint_{rows[-1]["epoch"]:02d}.pth')
 
 
-def evaluation_commands(checkpoint: str, out_dir: str, overrides: Sequence[str] = ()) -> list[list[str]]:
+def evaluation_commands(checkpoint: str, out_dir: str, overrides: Sequence[str] = (),
+                        eval_overrides: Sequence[str] = ()) -> list[list[str]]:
     """Zero-shot `Retrieval --evaluate` into out_dir, then tools.probe into out_dir/probe.json (the
-    pre-training's overrides that shape the model go to both)."""
+    pre-training's overrides that shape the model go to both; eval_overrides to the retrieval only)."""
     return [['Retrieval', '--config', RETRIEVAL_CONFIG, '--checkpoint', checkpoint, '--evaluate',
-             '--output_dir', fresh(out_dir), *overrides_for('retrieval', overrides)],
+             '--output_dir', fresh(out_dir), *overrides_for('retrieval', [*overrides, *eval_overrides])],
             ['tools.probe', '--config', PRETRAIN_CONFIG, '--checkpoint', checkpoint, '--output_dir', out_dir,
              *overrides_for('pretrain', overrides)]]
 
@@ -184,10 +188,14 @@ def _finished(directory: str, command: list[str]) -> dict | None:
     return None
 
 
-def run_pairs(runs: dict[str, tuple[str, list[str], list[str]]], reuse: bool = False
-              ) -> dict[str, tuple[list[dict], dict, dict]]:
-    """Pre-train and evaluate runs {name: (folder, pre-training arguments, overrides)}, two side by side;
+def run_pairs(runs: dict[Hashable, tuple[str, list[str], list[str]]], reuse: bool = False,
+              eval_overrides: Sequence[str] = (), probe_args: Sequence[str] = ()
+              ) -> dict[Hashable, tuple[list[dict], dict, dict]]:
+    """Pre-train and evaluate runs {name: (folder, pre-training arguments, the evaluations' overrides)}, two
+    side by side;
     returns {name: (log rows, retrieval record, probe result)}; each folder gets result.json.
+    eval_overrides (KEY=VALUE) go to the zero-shot retrieval only (e.g. another test_file), probe_args to
+    tools.probe (e.g. --limit 40).
 
     reuse: a run whose result.json records the same pre-training command is read, not run again. Call it
     in the repository root (main does, tools.launch.in_root): the configs' relative paths are read there.
@@ -205,7 +213,10 @@ def run_pairs(runs: dict[str, tuple[str, list[str], list[str]]], reuse: bool = F
         pair = todo[start:start + 2]
         run_side_by_side([(command, os.path.join(d, 'pretrain', 'stdout.txt')) for _, d, command, _ in pair])
         commands = [evaluation_commands(last_checkpoint(os.path.join(d, 'pretrain')),
-                                        os.path.join(d, 'zeroshot'), sets) for _, d, _, sets in pair]
+                                        os.path.join(d, 'zeroshot'), sets, eval_overrides)
+                    for _, d, _, sets in pair]
+        for c in commands:
+            c[1] += list(probe_args)
         for stage in range(2):  # retrieval of both runs side by side, then the probes
             run_side_by_side([(c[stage], os.path.join(d, 'zeroshot', f'stdout_{stage}.txt'))
                               for c, (_, d, _, _) in zip(commands, pair)])
@@ -314,8 +325,10 @@ def main(argv: Sequence[str] | None = None) -> dict:
             for lr in sorted({lr for lrs in arm_lrs.values() for lr in lrs}, key=lambda x: x or 0):
                 for arm in [a for a in args.arms if lr in arm_lrs[a]]:
                     sets = ARMS[arm] + (lr_overrides(lr) if lr is not None else []) + list(args.overrides)
+                    # The evaluations get the user's overrides (those shaping the model), not the arm's.
                     runs[(arm, lr, seed)] = (run_dir(output_dir, arm, seed, lr),
-                                             ['--seed', str(seed), *(['--set', *sets] if sets else [])], sets)
+                                             ['--seed', str(seed), *(['--set', *sets] if sets else [])],
+                                             list(args.overrides))
         results = run_pairs(runs, reuse=args.reuse)
     sweep: dict[str, dict[float, dict[int, dict]]] = {}
     for (arm, lr, seed), result in results.items():

@@ -1,0 +1,50 @@
+"""tools.efficiency: the reach table on hand-made curves, and the whole command on the micro preset."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+
+from tools import efficiency
+
+
+def _curve(scores: list[float], seconds_per_epoch: float) -> list[dict]:
+    return [{"epoch": i + 1, "seconds": seconds_per_epoch * (i + 1), "mean_r1": s, "itc_mean_r1": s / 2}
+            for i, s in enumerate(scores)]
+
+
+def test_grit_reaches_albef_bases_final_recall_at_the_first_epoch_at_or_above_it():
+    curves = {"ALBEF_Base": {1: _curve([10, 20, 30], 10.0), 2: _curve([12, 22, 40], 10.0)},
+              "GRIT-VLP": {1: _curve([15, 30, 35], 8.0), 2: _curve([20, 30, 39], 8.0)}}
+    text, reach = efficiency.curves_table(curves, [1, 2])
+    assert reach["mean_r1"][1] == {"target": 30, "target_epoch": 3, "target_seconds": 30.0, "epoch": 2,
+                                   "seconds": 16.0}
+    assert reach["mean_r1"][2]["epoch"] is None  # 39 < 40: never reached, said so
+    assert reach["itc_mean_r1"][1]["epoch"] == 2  # the ITC-only curve against ALBEF_Base's ITC-only final
+    assert "not reached" in text
+    assert "| 2 | 21.00 ± 1.41 | 20 | 30.00 ± 0.00 | 16 |" in text  # mean ± sample std, mean seconds
+    assert efficiency.epochs_to_reach(_curve([1, 5, 5], 1.0), 5)["epoch"] == 2
+
+
+def test_efficiency_micro_writes_table_figure_and_json(in_repo, tmp_path, monkeypatch):
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")
+    out = str(tmp_path / "eff")
+    record = efficiency.main(["--seeds", "1", "--micro", "--output_dir", out])
+    assert set(record["curves"]) == {"ALBEF_Base", "ALBEF_Base50", "GRIT-VLP"}
+    for arm, per_seed in record["curves"].items():
+        points = per_seed["1"]
+        assert [p["epoch"] for p in points] == [1, 2], arm
+        assert 0 < points[0]["seconds"] < points[1]["seconds"]
+        assert all(0 <= p["mean_r1"] <= 100 and 0 <= p["itc_mean_r1"] <= 100 for p in points)
+    # The last epoch's point is tools.compare's zero-shot evaluation of that run, read back.
+    grit_dir = os.path.join(out, "seed1", "grit_vlp_lr" + f'{efficiency.ARM_LR["GRIT-VLP"]:g}')
+    with open(os.path.join(grit_dir, "zeroshot", "log.txt")) as f:
+        last = json.loads(f.readlines()[-1])
+    assert record["curves"]["GRIT-VLP"]["1"][1]["mean_r1"] == pytest.approx(
+        (last["test_txt_r1"] + last["test_img_r1"]) / 2)
+    with open(os.path.join(out, "efficiency.png"), "rb") as f:
+        assert f.read(8) == b"\x89PNG\r\n\x1a\n"
+    assert "GRIT-VLP against ALBEF_Base" in open(os.path.join(out, "efficiency.md")).read()
+    assert set(record["reach_albef_base_final"]) == {"mean_r1", "itc_mean_r1"}

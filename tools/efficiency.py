@@ -1,0 +1,222 @@
+"""The paper's efficiency claim in miniature: zero-shot R@1 against epochs and against wall-clock seconds for
+ALBEF_Base, ALBEF_Base50 and GRIT-VLP, per seed, and after how many epochs GRIT-VLP reaches ALBEF_Base's
+final recall.
+
+    python -m tools.efficiency --seeds 1 2 3 [--output_dir output/compare] [--epochs 1 2 4 ...] [--micro]
+
+The arms are tools.compare's (ARMS): ALBEF_Base (random batches, 15 % masking, no consistency loss),
+ALBEF_Base50 (the same with 50 % masking) and GRIT-VLP (the tiny config: 50 % masking, GRIT at M/N = 15,
+consistency loss 0.2), each pre-trained with configs/tiny/Pretrain.yaml for its 12 epochs. GRIT-VLP runs
+at its learning rate selected on val (tools.compare.SELECTED_LR); the two ALBEF arms, random-batch arms
+like tools.compare's, at the random-batch arm's (a choice: they were not swept separately). The runs are
+tools.compare's, in its folders, so with the same --output_dir a finished compare run is reused. Every
+epoch's checkpoint (or those --epochs names, 1-based) is evaluated zero-shot on the test split (ITM
+re-ranked and ITC only); wall-clock is the sum of the log's epoch_seconds (GRIT's work included) up to
+that epoch, with the runs two side by side on one thread each.
+
+Written into --output_dir: efficiency.json (every point), efficiency.md (mean ± sample std per epoch,
+and the epochs and seconds to reach ALBEF_Base's final R@1 per seed), efficiency.png (2 x 2: re-ranked
+and ITC-only R@1 against epochs and against seconds; mean over seeds with a band of ± one std).
+--micro runs the pipeline in about two minutes (tools.ablate's micro preset: 100 images, 2 epochs).
+"""
+
+from __future__ import annotations
+
+import os
+import statistics
+from collections.abc import Sequence
+
+from tools.ablate import PRESETS, ensure_micro_data
+from tools.cli import emit_record, tool_parser
+from tools.compare import (
+    ARMS,
+    PRETRAIN_CONFIG,
+    RETRIEVAL_CONFIG,
+    SELECTED_LR,
+    fresh,
+    lr_overrides,
+    mean_std,
+    overrides_for,
+    prepare_pretraining,
+    read_log,
+    run_dir,
+    run_pairs,
+)
+from tools.launch import in_root, run_side_by_side
+from training.cli import Parser, run_main
+from training.config_resolve import resolve_config
+
+__all__ = ["ARM_LR", "EFFICIENCY_ARMS", "build_parser", "curves_table", "epochs_to_reach", "evaluate_epochs",
+           "main", "plot", "point", "zeroshot_dir"]
+
+EFFICIENCY_ARMS = ('ALBEF_Base', 'ALBEF_Base50', 'GRIT-VLP')
+# Each arm's learning rate: GRIT-VLP's own selection, the random-batch arms' for ALBEF_Base(50).
+ARM_LR = {'ALBEF_Base': SELECTED_LR['random batches'], 'ALBEF_Base50': SELECTED_LR['random batches'],
+          'GRIT-VLP': SELECTED_LR['GRIT-VLP']}
+SCORES = {'mean_r1': 'zero-shot mean R@1, ITM re-ranked', 'itc_mean_r1': 'zero-shot mean R@1, ITC only'}
+
+
+def zeroshot_dir(directory: str, e: int, last: int) -> str:
+    """Where a run's epoch e (0-based) is evaluated: zeroshot/ for its last epoch (tools.compare's),
+    zeroshot_eEE/ for the others."""
+    return os.path.join(directory, 'zeroshot' if e == last else f'zeroshot_e{e:02d}')
+
+
+def evaluate_epochs(directory: str, epochs: Sequence[int], last: int, sets: Sequence[str],
+                    eval_sets: Sequence[str]) -> list[list[str]]:
+    """The `Retrieval --evaluate` commands of a run's epochs (0-based) not yet evaluated."""
+    commands = []
+    for e in epochs:
+        out = zeroshot_dir(directory, e, last)
+        log = os.path.join(out, 'log.txt')
+        if os.path.isfile(log) and any('test_txt_r1' in r for r in read_log(log)):
+            continue
+        checkpoint = os.path.join(directory, 'pretrain', f'checkpoint_{e:02d}.pth')
+        commands.append(['Retrieval', '--config', RETRIEVAL_CONFIG, '--checkpoint', checkpoint, '--evaluate',
+                         '--output_dir', fresh(out), *overrides_for('retrieval', [*sets, *eval_sets])])
+    return commands
+
+
+def point(directory: str, e: int, log: list[dict]) -> dict:
+    """One curve point: epoch (1-based), cumulative seconds, test R@1 re-ranked and ITC only."""
+    record = read_log(os.path.join(zeroshot_dir(directory, e, log[-1]['epoch']), 'log.txt'))[-1]
+    return {'epoch': e + 1, 'seconds': sum(r['epoch_seconds'] for r in log[:e + 1]),
+            'mean_r1': (record['test_txt_r1'] + record['test_img_r1']) / 2,
+            'itc_mean_r1': (record['test_itc_txt_r1'] + record['test_itc_img_r1']) / 2}
+
+
+def epochs_to_reach(curve: list[dict], target: float, score: str = 'mean_r1') -> dict | None:
+    """The first point of a curve whose score is at least target (None: never)."""
+    return next((p for p in curve if p[score] >= target), None)
+
+
+def curves_table(curves: dict[str, dict[int, list[dict]]], seeds: Sequence[int]) -> tuple[str, dict]:
+    """Markdown: mean ± std per arm and epoch for both scorings; GRIT-VLP's epochs and seconds to reach
+    ALBEF_Base's final R@1 per seed (the same seed's ALBEF_Base run). Returns (text, the reach record)."""
+    arms = list(curves)
+    lines = [f'Zero-shot test mean R@1 per epoch (seeds {", ".join(map(str, seeds))}; mean ± sample std; '
+             'seconds: cumulative epoch_seconds)', '']
+    for score, label in SCORES.items():
+        lines += [f'{label}:', '', '| epoch | ' + ' | '.join(f'{a} | {a} s' for a in arms) + ' |',
+                  '|---|' + '---|---|' * len(arms)]
+        for i, p in enumerate(curves[arms[0]][seeds[0]]):
+            cells = []
+            for a in arms:
+                m, sd = mean_std([curves[a][s][i][score] for s in seeds])
+                t = statistics.fmean(curves[a][s][i]['seconds'] for s in seeds)
+                cells.append((f'{m:.2f} ± {sd:.2f}' if len(seeds) > 1 else f'{m:.2f}') + f' | {t:.0f}')
+            lines.append(f'| {p["epoch"]} | ' + ' | '.join(cells) + ' |')
+        lines.append('')
+    reach: dict = {}
+    if 'ALBEF_Base' in curves and 'GRIT-VLP' in curves:
+        lines += ['GRIT-VLP against ALBEF_Base\'s final R@1 (same seed): the first evaluated epoch at or '
+                  'above it', '',
+                  '| seed | scoring | ALBEF_Base final | its seconds | GRIT-VLP epoch | GRIT-VLP seconds |',
+                  '|---|---|---|---|---|---|']
+        for score in SCORES:
+            reach[score] = {}
+            for s in seeds:
+                base = curves['ALBEF_Base'][s][-1]
+                hit = epochs_to_reach(curves['GRIT-VLP'][s], base[score], score)
+                reach[score][s] = {'target': base[score], 'target_epoch': base['epoch'],
+                                   'target_seconds': base['seconds'],
+                                   'epoch': hit['epoch'] if hit else None,
+                                   'seconds': hit['seconds'] if hit else None}
+                got = f'{hit["epoch"]} | {hit["seconds"]:.0f}' if hit else 'not reached | –'
+                lines.append(f'| {s} | {score} | {base[score]:.2f} (epoch {base["epoch"]}) | '
+                             f'{base["seconds"]:.0f} | {got} |')
+    return '\n'.join(lines) + '\n', reach
+
+
+def plot(curves: dict[str, dict[int, list[dict]]], seeds: Sequence[int], path: str) -> str:
+    """efficiency.png: R@1 (re-ranked, ITC only) against epochs and against seconds, mean ± std band."""
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+
+    fig = Figure(figsize=(10, 8))
+    FigureCanvasAgg(fig)
+    axes = fig.subplots(2, 2)
+    for row, (score, label) in enumerate(SCORES.items()):
+        for col, x in enumerate(('epoch', 'seconds')):
+            ax = axes[row][col]
+            for arm, per_seed in curves.items():
+                n = len(per_seed[seeds[0]])
+                xs = [statistics.fmean(per_seed[s][i][x] for s in seeds) for i in range(n)]
+                stats = [mean_std([per_seed[s][i][score] for s in seeds]) for i in range(n)]
+                means = [m for m, _ in stats]
+                ax.plot(xs, means, marker='o', markersize=3, label=arm)
+                if len(seeds) > 1:
+                    ax.fill_between(xs, [m - sd for m, sd in stats], [m + sd for m, sd in stats], alpha=0.2)
+            ax.set_xlabel('epoch' if x == 'epoch' else 'wall-clock seconds (sum of epoch_seconds)')
+            ax.set_ylabel(label)
+            ax.grid(alpha=0.3)
+            ax.legend(fontsize=8)
+    fig.suptitle(f'Tiny pre-training on the synthetic world, seeds {", ".join(map(str, seeds))} '
+                 '(tools.efficiency)')
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    return path
+
+
+def build_parser() -> Parser:
+    """The command line."""
+    p = tool_parser('tools.efficiency', __doc__.splitlines()[0])
+    p.add_argument('--seeds', type=int, nargs='+', required=True, help='pre-training seeds of every arm')
+    p.add_argument('--epochs', type=int, nargs='+', default=None,
+                   help='the epochs (1-based) to evaluate (default: every epoch)')
+    p.add_argument('--output_dir', default='output/compare',
+                   help='folder of the runs (tools.compare\'s layout: a compare run there is reused) and of '
+                        'efficiency.{json,md,png} (default: output/compare)')
+    p.add_argument('--micro', action='store_true',
+                   help='tools.ablate\'s micro preset: 100 images, 2 epochs, evaluated on the same 100')
+    return p
+
+
+def main(argv: Sequence[str] | None = None) -> dict:
+    """Pre-train (or reuse) each arm and seed, evaluate its epochs, write the table and the figure."""
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    output_dir = os.path.abspath(args.output_dir)
+    micro = PRESETS['micro']
+    base_sets = list(micro.pretrain_set) if args.micro else []
+    eval_sets = list(micro.retrieval_set) if args.micro else []
+    with in_root():
+        prepare_pretraining(base_sets)
+        if args.micro:
+            ensure_micro_data()
+        max_epoch = resolve_config('pretrain', PRETRAIN_CONFIG, base_sets, check_paths=False).max_epoch
+        epochs = sorted({e - 1 for e in args.epochs}) if args.epochs else list(range(max_epoch))
+        if epochs[0] < 0 or epochs[-1] >= max_epoch:
+            parser.error(f'--epochs must lie in 1..{max_epoch} (the pre-training\'s max_epoch)')
+        spec = {}
+        for seed in args.seeds:
+            for arm in EFFICIENCY_ARMS:
+                sets = ARMS[arm] + lr_overrides(ARM_LR[arm]) + base_sets
+                spec[(arm, seed)] = (run_dir(output_dir, arm, seed, ARM_LR[arm]),
+                                     ['--seed', str(seed), '--set', *sets], [])
+        probe_args = ['--limit', str(micro.limit)] if args.micro else []
+        run_pairs(spec, reuse=True, eval_overrides=eval_sets, probe_args=probe_args)
+        commands = [(c, os.path.join(c[c.index('--output_dir') + 1], 'stdout.txt'))
+                    for d, _, sets in spec.values()
+                    for c in evaluate_epochs(d, epochs, max_epoch - 1, sets, eval_sets)]
+        for start in range(0, len(commands), 2):
+            run_side_by_side(commands[start:start + 2])
+    curves: dict[str, dict[int, list[dict]]] = {}
+    for (arm, seed), (directory, _, _) in spec.items():
+        log = read_log(os.path.join(directory, 'pretrain', 'log.txt'))
+        curves.setdefault(arm, {})[seed] = [point(directory, e, log) for e in epochs]
+    text, reach = curves_table(curves, args.seeds)
+    os.makedirs(output_dir, exist_ok=True)
+    with open(os.path.join(output_dir, 'efficiency.md'), 'w', encoding='utf-8') as f:
+        f.write(text)
+    figure = plot(curves, args.seeds, os.path.join(output_dir, 'efficiency.png'))
+    print(text)
+    print(f'written: {output_dir}/efficiency.md, {figure}, {output_dir}/efficiency.json')
+    record = {'seeds': args.seeds, 'learning_rates': ARM_LR, 'micro': args.micro,
+              'curves': {arm: {str(s): c for s, c in per.items()} for arm, per in curves.items()},
+              'reach_albef_base_final': {k: {str(s): v for s, v in r.items()} for k, r in reach.items()}}
+    return emit_record(record, output_dir, 'efficiency')
+
+
+if __name__ == '__main__':
+    run_main(main)
