@@ -2,7 +2,7 @@
 PY := .venv/bin/python
 STAMP := .venv/.installed
 
-.PHONY: demo test test-slow lint venv clean
+.PHONY: demo test test-slow gpu-check lint venv clean
 
 venv: $(STAMP)
 
@@ -25,6 +25,11 @@ test: $(STAMP)
 # downstream chain (issue 11; test_grit_helps alone took 56 min next to other runs).
 test-slow: $(STAMP)
 	$(PY) -m pytest -m slow
+
+# Everything CUDA-specific (tools/gpu_check.py): the GPU-marked tests, the step benchmark at the paper's
+# sizes, GRIT's grouping cost, a tiny pre-training on the GPU; one JSON report. Without CUDA: skips, exit 0.
+gpu-check: $(STAMP)
+	$(PY) -m tools.gpu_check
 
 lint: $(STAMP)
 	$(PY) -m ruff check .

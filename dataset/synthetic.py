@@ -217,7 +217,8 @@ def _build(out: str, n: int, seed: int, image_size: int = 48) -> dict:
     pools["train"] = _render_pool(out, "train", train, rng, image_size)
     # Evaluation scenes are new to every training split, as COCO's test images are to ALBEF's corpus: they
     # are drawn excluding the train scenes (and each other's), and the pre-training-only images below
-    # exclude them. One-object scenes (80 in the world) are then mostly training scenes.
+    # exclude them. The 60 one-object scenes are then mostly training scenes (at n=600, 18 of the 1,000
+    # test images have one object).
     eval_taken = set(pretrain_taken)
     for split in ("val", "test"):
         drawn = sample_scenes(rng, sizes[f"{split}_images"], eval_taken, strict=True)

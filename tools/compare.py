@@ -334,6 +334,7 @@ def main(argv: Sequence[str] | None = None) -> dict:
     for (arm, lr, seed), result in results.items():
         key = lr if lr is not None else base.optimizer.lr
         sweep.setdefault(arm, {}).setdefault(key, {})[seed] = summary_row(*result)
+    sweep = {arm: sweep[arm] for arm in args.arms}  # the arms in the order asked for
     text, record = report(sweep, args.seeds)
     print(text)
     record = {'sweep': {arm: {f'{lr:g}': rows for lr, rows in by_lr.items()} for arm, by_lr in sweep.items()},

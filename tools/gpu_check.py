@@ -1,0 +1,192 @@
+"""Check the whole GPU path in one command (`make gpu-check`): the GPU-marked tests, the step benchmark at
+the paper's sizes, GRIT's grouping cost and a tiny pre-training with zero-shot retrieval on the GPU, into
+one JSON report.
+
+    python -m tools.gpu_check [--output_dir output/gpu_check] [--device cuda]
+
+On a CUDA machine, in order (each part's output in <output_dir>/<part>.txt, a failed part recorded and the
+others still run; about 10 minutes on one GPU):
+  tests          pytest -m gpu tests/test_gpu.py: bf16 and fp16 autocast with the scaler, fused AdamW,
+                 torch.compile, gradient checkpointing, an NCCL group of one, the GRIT collector and
+                 grouping against the CPU's, bad-sample masks on the device, save and exact resume
+  step_bench     tools.step_bench, configs/Pretrain.yaml (ViT-B/16 at 256 px, BERT-base: 6 text + 6 fusion
+                 layers), bf16, with and without gradient checkpointing, at batch 64 and 128: samples/s,
+                 MFU, peak memory
+  grit_bench     tools.grit_bench on the device at the paper's sizes (L = 48,000, M = 1,920, N = 128, d =
+                 256): one queue fill's grouping, as a share of the steps that fill it (L / N steps)
+  tiny_pretrain  the tiny pre-training (configs/tiny/Pretrain.yaml) on the GPU, then its zero-shot
+                 retrieval (configs/tiny/Retrieval.yaml): R@1 and seconds
+and the issue-27 targets judged: bf16 MFU >= 0.45, batch 128 with gradient checkpointing under 24 GB,
+GRIT collection + grouping <= 1 % of step time. The report (<output_dir>/gpu_check.json) names the device.
+
+Without CUDA it runs the GPU-marked tests anyway, which skip with their reason, prints why nothing else
+ran, writes the report with status "skipped" and exits 0; a failed part makes the exit status 1.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import sys
+import time
+from collections.abc import Sequence
+
+import torch
+
+from tools.cli import emit_record, tool_parser
+from training.cli import Parser, run_main
+
+__all__ = ["GB", "TARGETS", "build_parser", "judge", "main", "pytest_summary"]
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+GB = 1024 ** 3
+TINY_PRETRAIN, TINY_RETRIEVAL = 'configs/tiny/Pretrain.yaml', 'configs/tiny/Retrieval.yaml'
+TARGETS = {'bf16_mfu_min': 0.45, 'batch128_checkpointed_memory_max_bytes': 24 * GB, 'grit_share_max': 0.01}
+# The paper's GRIT sizes (S.M.): queue L, search space M, batch N per GPU, ITC feature width.
+GRIT_SIZES = {'queue_size': 48000, 'search_space': 1920, 'batch_size': 128, 'dim': 256}
+
+
+def _run(name: str, args: list[str], out_dir: str, timeout: int, env: dict | None = None) -> dict:
+    """Run `python <args>` in the repository root, its output into out_dir/<name>.txt; status and seconds."""
+    log = os.path.join(out_dir, f'{name}.txt')
+    start = time.time()
+    with open(log, 'w', encoding='utf-8') as f:
+        try:
+            code = subprocess.run([sys.executable, *args], cwd=ROOT, stdout=f, stderr=subprocess.STDOUT,
+                                  timeout=timeout, env={**os.environ, **(env or {})}).returncode
+        except subprocess.TimeoutExpired:
+            code = 'timeout'
+    return {'status': 'passed' if code == 0 else 'failed', 'exit': code,
+            'seconds': round(time.time() - start, 1), 'log': log}
+
+
+def pytest_summary(text: str) -> dict:
+    """Counts from pytest's summary line ('3 passed, 2 skipped in 1.2s') and the -rs skip reasons."""
+    counts = {k: int(n) for n, k in re.findall(r'(\d+) (passed|failed|skipped|errors?|xfailed)', text)}
+    reasons = sorted(set(re.findall(r'^SKIPPED \[\d+\] [^:]+:\d+: (.*)$', text, flags=re.M)))
+    return {**counts, 'skip_reasons': reasons}
+
+
+def _read_json(path: str) -> dict | None:
+    if not os.path.isfile(path):
+        return None
+    with open(path, encoding='utf-8') as f:
+        return json.load(f)
+
+
+def judge(step: dict[str, dict], grit: dict | None) -> dict:
+    """The targets against the measurements: each {'value', 'target', 'met'} (None where not measured)."""
+    out: dict[str, dict | None] = {}
+    bf16 = [v.get('mfu') for k, v in step.items() if not k.endswith('_checkpointed') and v and 'mfu' in v]
+    out['bf16_mfu'] = ({'value': max(bf16), 'target': f">= {TARGETS['bf16_mfu_min']}",
+                        'met': max(bf16) >= TARGETS['bf16_mfu_min']} if bf16 else None)
+    ckpt = step.get('batch128_checkpointed') or {}
+    memory = ckpt.get('peak_memory_bytes')
+    out['batch128_checkpointed_memory'] = (
+        {'value_gb': round(memory / GB, 2), 'target': '< 24 GB',
+         'met': memory < TARGETS['batch128_checkpointed_memory_max_bytes']} if memory else None)
+    plain = step.get('batch128') or {}
+    if grit and 'collector_fill_s' in grit and plain.get('step_seconds'):
+        steps_per_fill = GRIT_SIZES['queue_size'] / GRIT_SIZES['batch_size']
+        share = grit['collector_fill_s'] / (steps_per_fill * plain['step_seconds'])
+        out['grit_share_of_step_time'] = {'value': round(share, 5), 'target': '<= 0.01',
+                                          'met': share <= TARGETS['grit_share_max']}
+    else:
+        out['grit_share_of_step_time'] = None
+    return out
+
+
+def build_parser() -> Parser:
+    """The command line."""
+    p = tool_parser('tools.gpu_check', __doc__.splitlines()[0])
+    p.add_argument('--output_dir', default='output/gpu_check',
+                   help='folder of the report gpu_check.json and of each part\'s output (default: '
+                        'output/gpu_check)')
+    p.add_argument('--device', default='cuda', help='the CUDA device to check (default: cuda)')
+    return p
+
+
+def main(argv: Sequence[str] | None = None) -> dict:
+    """Run the GPU check (or say why not) and write the report; returns it."""
+    args = build_parser().parse_args(argv)
+    out_dir = os.path.abspath(args.output_dir)
+    os.makedirs(out_dir, exist_ok=True)
+    report: dict = {'torch': torch.__version__, 'cuda': torch.version.cuda,
+                    'date': time.strftime('%Y-%m-%d %H:%M:%S')}
+    tests = _run('tests', ['-m', 'pytest', '-m', 'gpu', '-rs', '-p', 'no:cacheprovider', 'tests/test_gpu.py'],
+                 out_dir, timeout=600)
+    with open(tests['log'], encoding='utf-8') as f:
+        tests.update(pytest_summary(f.read()))
+    report['tests'] = tests
+    if not torch.cuda.is_available():
+        reason = 'no CUDA device: torch.cuda.is_available() is False'
+        report.update(status='skipped', reason=reason, device=None)
+        print(f'gpu-check skipped: {reason}; the GPU tests skipped with their reasons '
+              f'({"; ".join(tests["skip_reasons"]) or "none given"}), no benchmark ran. Report: '
+              f'{out_dir}/gpu_check.json')
+        if tests['status'] == 'failed' and tests.get('failed'):
+            report['status'] = 'failed'
+        emit_record(report, out_dir, 'gpu_check')
+        if report['status'] == 'failed':
+            sys.exit(1)
+        return report
+
+    device = torch.device(args.device)
+    report['device'] = torch.cuda.get_device_name(device)
+    parts = {'tests': tests}
+    step: dict[str, dict] = {}
+    for batch in (64, 128):
+        for checkpointed in (False, True):
+            name = f'batch{batch}' + ('_checkpointed' if checkpointed else '')
+            folder = os.path.join(out_dir, f'step_bench_{name}')
+            parts[f'step_bench_{name}'] = _run(
+                f'step_bench_{name}',
+                ['-m', 'tools.step_bench', '--config', 'configs/Pretrain.yaml', '--batch_size', str(batch),
+                 '--steps', '10', '--warmup', '3', '--device', args.device, '--variants', 'bf16',
+                 '--output_dir', folder, *(['--set', 'grad_checkpointing=true'] if checkpointed else [])],
+                out_dir, timeout=600)
+            result = _read_json(os.path.join(folder, 'step_bench.json')) or {}
+            step[name] = (result.get('variants') or {}).get('bf16') or {}
+    grit_dir = os.path.join(out_dir, 'grit_bench')
+    parts['grit_bench'] = _run('grit_bench', ['-m', 'tools.grit_bench', '--device', args.device,
+                                              *[f'--{k}={v}' for k, v in GRIT_SIZES.items()],
+                                              '--output_dir', grit_dir], out_dir, timeout=600)
+    grit = _read_json(os.path.join(grit_dir, 'grit_bench.json'))
+    tiny = os.path.join(out_dir, 'tiny_pretrain')
+    parts['tiny_pretrain'] = _run('tiny_pretrain', ['-m', 'Pretrain', '--config', TINY_PRETRAIN, '--device',
+                                                    args.device, '--output_dir', tiny], out_dir, timeout=900)
+    zeroshot = None
+    log = os.path.join(tiny, 'log.txt')
+    if parts['tiny_pretrain']['status'] == 'passed' and os.path.isfile(log):
+        with open(log, encoding='utf-8') as f:
+            rows = [json.loads(line) for line in f if line.strip()]
+        checkpoint = os.path.join(tiny, f'checkpoint_{rows[-1]["epoch"]:02d}.pth')
+        parts['tiny_zeroshot'] = _run('tiny_zeroshot', ['-m', 'Retrieval', '--config', TINY_RETRIEVAL,
+                                                        '--checkpoint', checkpoint, '--evaluate', '--device',
+                                                        args.device, '--output_dir', tiny + '_zeroshot'],
+                                      out_dir, timeout=600)
+        zs_log = os.path.join(tiny + '_zeroshot', 'log.txt')
+        if os.path.isfile(zs_log):
+            with open(zs_log, encoding='utf-8') as f:
+                record = json.loads(f.readlines()[-1])
+            zeroshot = {'pretrain_seconds': round(sum(r['epoch_seconds'] for r in rows), 1),
+                        'final_loss_itm': rows[-1]['loss_itm'],
+                        'test_mean_r1': (record['test_txt_r1'] + record['test_img_r1']) / 2,
+                        'test_itc_mean_r1': (record['test_itc_txt_r1'] + record['test_itc_img_r1']) / 2}
+    report.update(parts=parts, step_bench=step, grit_bench=grit, tiny=zeroshot, targets=judge(step, grit))
+    failed = [name for name, part in parts.items() if part['status'] != 'passed'] + (
+        ['tests'] if tests.get('failed') else [])
+    report['status'] = 'failed' if failed else 'passed'
+    report['failed_parts'] = sorted(set(failed))
+    emit_record(report, out_dir, 'gpu_check')
+    if failed:
+        print(f'gpu-check: failed parts {sorted(set(failed))}; their output is in {out_dir}/<part>.txt',
+              file=sys.stderr)
+        sys.exit(1)
+    return report
+
+
+if __name__ == '__main__':
+    run_main(main)
