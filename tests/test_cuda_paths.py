@@ -5,6 +5,7 @@ memory and non-blocking copies. tests/test_gpu.py runs the same paths on a GPU (
 from __future__ import annotations
 
 import datetime
+import os
 import types
 
 import pytest
@@ -150,3 +151,18 @@ def test_the_valid_mask_goes_to_the_device_only_when_a_sample_is_bad():
     assert batch.valid_on("cpu").tolist() == [True, False]
     assert ImageTextBatch(image=batch.image, text=batch.text, ids=batch.ids,
                           valid=torch.ones(2, dtype=torch.bool)).valid_on("cpu") is None  # nothing to mask
+
+
+def test_deterministic_runs_fix_cublas_s_workspace_and_keep_a_user_s_setting(monkeypatch):
+    from training.reproducibility import use_deterministic_kernels
+
+    monkeypatch.delenv("CUBLAS_WORKSPACE_CONFIG", raising=False)
+    try:
+        use_deterministic_kernels(True)
+        assert os.environ["CUBLAS_WORKSPACE_CONFIG"] == ":4096:8"  # else cuBLAS only warns, and varies
+        monkeypatch.setenv("CUBLAS_WORKSPACE_CONFIG", ":16:8")
+        use_deterministic_kernels(True)
+        assert os.environ["CUBLAS_WORKSPACE_CONFIG"] == ":16:8"
+    finally:
+        use_deterministic_kernels(False)
+    assert not torch.are_deterministic_algorithms_enabled()

@@ -4,6 +4,7 @@
 
 from __future__ import annotations
 
+import os
 import random
 from collections.abc import Mapping
 from typing import Any
@@ -31,6 +32,11 @@ def use_deterministic_kernels(enabled: bool) -> None:
     """
     # Set both ways: the flag is process-wide, and one process may run several configs (tests).
     torch.use_deterministic_algorithms(bool(enabled), warn_only=True)
+    if enabled:
+        # cuBLAS repeats its results only with a fixed workspace, read when CUDA's handle is first made;
+        # without it torch only warns under warn_only (a user's own setting is kept).
+        os.environ.setdefault('CUBLAS_WORKSPACE_CONFIG', ':4096:8')
+        torch.backends.cudnn.benchmark = False
 
 
 def build_on_every_rank(build: Any, seed: int, rank: int) -> Any:
