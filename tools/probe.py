@@ -1,8 +1,9 @@
 """Compositional ITM probe: does the ITM head prefer an image's caption to captions with one thing changed?
 
     python -m tools.probe --config configs/tiny/Pretrain.yaml \
-        --checkpoint output/demo/pretrain/checkpoint_11.pth [--probe_file data/synthetic/probe_test.json] \
-        [--output_dir DIR] [--device cpu] [--batch_size 256] [--limit N] [--set key=value ...]
+        --checkpoint output/demo/grit_vlp/pretrain/checkpoint_11.pth \
+        [--probe_file data/synthetic/probe_test.json] [--output_dir DIR] [--device cpu] [--batch_size 256] \
+        [--limit N] [--set key=value ...]
 
 The synthetic counterpart of ARO / Winoground. A probe file is a json list of
 

@@ -1,7 +1,7 @@
 """Usage of Vision (UoV, paper §5.6): MLM accuracy of ALBEF_Base with the image minus without it.
 
     python -m tools.uov --config configs/tiny/Pretrain.yaml \
-        --checkpoint output/demo/pretrain/checkpoint_11.pth --probs 0.15 0.35 0.5 0.75 \
+        --checkpoint output/demo/grit_vlp/pretrain/checkpoint_11.pth --probs 0.15 0.35 0.5 0.75 \
         [--captions data/synthetic/retrieval_test.json] [--output_dir DIR] [--device cpu] \
         [--batch_size 256] [--limit N] [--seed 0] [--set key=value ...]
 
