@@ -26,8 +26,11 @@ def test_bf16_step_close_to_fp32_and_grit_features_fp32(one_thread):
     from training.inputs import prepare_inputs
 
     data = os.path.join(ROOT, 'data/synthetic')
-    config = tiny_config('pretrain', synthetic_root=data, vocab_file=os.path.join(data, 'vocab.txt'))
-    prepare_inputs(config)  # the synthetic data and the synthetic ViT (vision_init), as the scripts do
+    # A random ViT: with the synthetic ViT, whose weights follow the world's format, the hard negatives
+    # ITM picks by argmax can flip between the two precisions (format 6: loss_itm 0.627 against 0.580).
+    config = tiny_config('pretrain', synthetic_root=data, vocab_file=os.path.join(data, 'vocab.txt'),
+                         vision_init=None)
+    prepare_inputs(config)  # the synthetic data, as the scripts do
     tokenizer = build_tokenizer(config)
     torch.manual_seed(0)
     model = ALBEF_Base(config, tokenizer)
