@@ -79,9 +79,11 @@ def prepare_pretraining(overrides: Sequence[str] = ()) -> None:
     prepare_inputs(resolve_config('pretrain', PRETRAIN_CONFIG, list(overrides), check_paths=False))
 
 
-def pretrain_command(output_dir: str, args: Sequence[str], config: str = PRETRAIN_CONFIG) -> list[str]:
-    """The command (tools.launch) of a tiny pre-training into a fresh output_dir with extra arguments."""
-    return ['Pretrain', '--config', config, '--output_dir', fresh(output_dir), *args]
+def pretrain_command(output_dir: str, args: Sequence[str], config: str = PRETRAIN_CONFIG,
+                     clear: bool = True) -> list[str]:
+    """The command (tools.launch) of a tiny pre-training into output_dir with extra arguments; clear: drop
+    an earlier run's log there first (fresh), so that the command starts a new run."""
+    return ['Pretrain', '--config', config, '--output_dir', fresh(output_dir) if clear else output_dir, *args]
 
 
 def lr_overrides(lr: float, config: str = PRETRAIN_CONFIG) -> list[str]:
@@ -203,11 +205,13 @@ def run_pairs(runs: dict[Hashable, tuple[str, list[str], list[str]]], reuse: boo
     out: dict[str, tuple[list[dict], dict, dict]] = {}
     todo = []
     for name, (directory, args, overrides) in runs.items():
-        command = pretrain_command(os.path.join(directory, 'pretrain'), args)
+        # Built without clearing: a reused run keeps its log.txt (tools.efficiency reads its epochs).
+        command = pretrain_command(os.path.join(directory, 'pretrain'), args, clear=False)
         saved = _finished(directory, command) if reuse else None
         if saved:
             out[name] = (saved['log'], saved['retrieval'], saved['probe'])
         else:
+            fresh(os.path.join(directory, 'pretrain'))
             todo.append((name, directory, command, overrides))
     for start in range(0, len(todo), 2):
         pair = todo[start:start + 2]
