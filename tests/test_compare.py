@@ -144,3 +144,25 @@ def test_demo_reads_the_trainers_log_keys():
              "grit_hardness": 0.4, "train_seconds": 12.5}]
     assert demo.table(rows, demo.COLUMNS).splitlines()[1].split() == [
         "0", "1.0000", "0.0000", "0.6000", "3.0000", "0.4000", "12.5000"]
+
+
+def test_a_reused_run_is_read_back_and_keeps_its_log(tmp_path, monkeypatch):
+    import tools.compare as compare
+
+    directory = str(tmp_path / "seed1" / "grit_vlp_lr0.0005")
+    os.makedirs(os.path.join(directory, "pretrain"))
+    log = os.path.join(directory, "pretrain", "log.txt")
+    with open(log, "w") as f:
+        f.write('{"epoch": 0}\n')
+    args = ["--seed", "1"]
+    command = compare.pretrain_command(os.path.join(directory, "pretrain"), args, clear=False)
+    with open(os.path.join(directory, "result.json"), "w") as f:
+        json.dump({"command": command, "log": [{"epoch": 0}], "retrieval": {"r": 1}, "probe": {"p": 2}}, f)
+
+    def no_run(jobs):
+        raise AssertionError(f"a reused run must not start: {jobs}")
+
+    monkeypatch.setattr(compare, "run_side_by_side", no_run)
+    out = compare.run_pairs({"GRIT-VLP": (directory, args, [])}, reuse=True)
+    assert out == {"GRIT-VLP": ([{"epoch": 0}], {"r": 1}, {"p": 2})}
+    assert os.path.isfile(log)  # tools.efficiency reads the epochs of a reused run from it
