@@ -38,7 +38,8 @@ from training.config_resolve import known_keys, resolve_config
 __all__ = ["ARMS", "PRETRAIN_CONFIG", "RETRIEVAL_CONFIG", "SELECTED_LR", "build_parser",
            "evaluation_commands", "fresh", "last_checkpoint", "lr_overrides", "main", "mean_std",
            "overrides_for", "prepare_pretraining", "pretrain_command", "read_evaluation", "read_log",
-           "report", "run_dir", "run_pairs", "select_lr", "side_by_side", "slug", "summary_row"]
+           "read_retrieval", "report", "run_dir", "run_pairs", "select_lr", "side_by_side", "slug",
+           "summary_row"]
 
 # Repository-relative, as the shipped configs' own paths: the tools and their children work in the root.
 PRETRAIN_CONFIG = 'configs/tiny/Pretrain.yaml'
@@ -122,15 +123,20 @@ def evaluation_commands(checkpoint: str, out_dir: str, overrides: Sequence[str] 
              *overrides_for('pretrain', overrides)]]
 
 
-def read_evaluation(out_dir: str) -> tuple[dict, dict]:
-    """The retrieval record (with {val,test}_{,itc_}mean_r1 added: text and image R@1 averaged) and the probe
-    result written into out_dir."""
+def read_retrieval(out_dir: str) -> dict:
+    """The last retrieval record in out_dir/log.txt, with {val,test}_{,itc_}mean_r1 added (text and image
+    R@1 averaged)."""
     retrieval = read_log(os.path.join(out_dir, 'log.txt'))[-1]
     for split in ('val', 'test'):
         for scoring in ('', 'itc_'):
             prefix = f'{split}_{scoring}'
             retrieval[f'{prefix}mean_r1'] = (retrieval[f'{prefix}txt_r1'] + retrieval[f'{prefix}img_r1']) / 2
-    return retrieval, read_json(os.path.join(out_dir, 'probe.json'), 'probe result')
+    return retrieval
+
+
+def read_evaluation(out_dir: str) -> tuple[dict, dict]:
+    """The retrieval record (read_retrieval) and the probe result written into out_dir."""
+    return read_retrieval(out_dir), read_json(os.path.join(out_dir, 'probe.json'), 'probe result')
 
 
 def summary_row(rows: list[dict], retrieval: dict, probe_result: dict) -> dict:
@@ -175,10 +181,9 @@ def slug(arm: str) -> str:
     return re.sub(r'[^a-z0-9]+', '_', arm.lower()).strip('_')
 
 
-def run_dir(output_dir: str, arm: str, seed: int | None, lr: float | None) -> str:
+def run_dir(output_dir: str, arm: str, seed: int, lr: float | None) -> str:
     """The folder of one run: output_dir/seed<S>/<slug(arm)>[_lr<lr>] (pretrain/, zeroshot/ inside)."""
-    return os.path.join(output_dir, f'seed{seed}' if seed is not None else 'config_seed',
-                        slug(arm) + (f'_lr{lr:g}' if lr is not None else ''))
+    return os.path.join(output_dir, f'seed{seed}', slug(arm) + (f'_lr{lr:g}' if lr is not None else ''))
 
 
 def _finished(directory: str, command: list[str]) -> dict | None:

@@ -31,14 +31,13 @@ from tools.cli import emit_record, tool_parser
 from tools.compare import (
     ARMS,
     PRETRAIN_CONFIG,
-    RETRIEVAL_CONFIG,
     SELECTED_LR,
-    fresh,
+    evaluation_commands,
     lr_overrides,
     mean_std,
-    overrides_for,
     prepare_pretraining,
     read_log,
+    read_retrieval,
     run_dir,
     run_pairs,
 )
@@ -72,17 +71,15 @@ def evaluate_epochs(directory: str, epochs: Sequence[int], last: int, sets: Sequ
         if os.path.isfile(log) and any('test_txt_r1' in r for r in read_log(log)):
             continue
         checkpoint = os.path.join(directory, 'pretrain', f'checkpoint_{e:02d}.pth')
-        commands.append(['Retrieval', '--config', RETRIEVAL_CONFIG, '--checkpoint', checkpoint, '--evaluate',
-                         '--output_dir', fresh(out), *overrides_for('retrieval', [*sets, *eval_sets])])
+        commands.append(evaluation_commands(checkpoint, out, sets, eval_sets)[0])  # the retrieval, no probe
     return commands
 
 
 def point(directory: str, e: int, log: list[dict]) -> dict:
     """One curve point: epoch (1-based), cumulative seconds, test R@1 re-ranked and ITC only."""
-    record = read_log(os.path.join(zeroshot_dir(directory, e, log[-1]['epoch']), 'log.txt'))[-1]
+    record = read_retrieval(zeroshot_dir(directory, e, log[-1]['epoch']))
     return {'epoch': e + 1, 'seconds': sum(r['epoch_seconds'] for r in log[:e + 1]),
-            'mean_r1': (record['test_txt_r1'] + record['test_img_r1']) / 2,
-            'itc_mean_r1': (record['test_itc_txt_r1'] + record['test_itc_img_r1']) / 2}
+            'mean_r1': record['test_mean_r1'], 'itc_mean_r1': record['test_itc_mean_r1']}
 
 
 def epochs_to_reach(curve: list[dict], target: float, score: str = 'mean_r1') -> dict | None:

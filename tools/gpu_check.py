@@ -36,6 +36,7 @@ from collections.abc import Sequence
 import torch
 
 from tools.cli import emit_record, tool_parser
+from tools.compare import last_checkpoint, read_log, read_retrieval
 from training.cli import Parser, run_main
 
 __all__ = ["GB", "TARGETS", "build_parser", "judge", "main", "pytest_summary"]
@@ -158,23 +159,16 @@ def main(argv: Sequence[str] | None = None) -> dict:
     parts['tiny_pretrain'] = _run('tiny_pretrain', ['-m', 'Pretrain', '--config', TINY_PRETRAIN, '--device',
                                                     args.device, '--output_dir', tiny], out_dir, timeout=900)
     zeroshot = None
-    log = os.path.join(tiny, 'log.txt')
-    if parts['tiny_pretrain']['status'] == 'passed' and os.path.isfile(log):
-        with open(log, encoding='utf-8') as f:
-            rows = [json.loads(line) for line in f if line.strip()]
-        checkpoint = os.path.join(tiny, f'checkpoint_{rows[-1]["epoch"]:02d}.pth')
+    if parts['tiny_pretrain']['status'] == 'passed' and os.path.isfile(os.path.join(tiny, 'log.txt')):
         parts['tiny_zeroshot'] = _run('tiny_zeroshot', ['-m', 'Retrieval', '--config', TINY_RETRIEVAL,
-                                                        '--checkpoint', checkpoint, '--evaluate', '--device',
-                                                        args.device, '--output_dir', tiny + '_zeroshot'],
-                                      out_dir, timeout=600)
-        zs_log = os.path.join(tiny + '_zeroshot', 'log.txt')
-        if os.path.isfile(zs_log):
-            with open(zs_log, encoding='utf-8') as f:
-                record = json.loads(f.readlines()[-1])
+                                                        '--checkpoint', last_checkpoint(tiny), '--evaluate',
+                                                        '--device', args.device, '--output_dir',
+                                                        tiny + '_zeroshot'], out_dir, timeout=600)
+        if os.path.isfile(os.path.join(tiny + '_zeroshot', 'log.txt')):
+            rows, record = read_log(os.path.join(tiny, 'log.txt')), read_retrieval(tiny + '_zeroshot')
             zeroshot = {'pretrain_seconds': round(sum(r['epoch_seconds'] for r in rows), 1),
-                        'final_loss_itm': rows[-1]['loss_itm'],
-                        'test_mean_r1': (record['test_txt_r1'] + record['test_img_r1']) / 2,
-                        'test_itc_mean_r1': (record['test_itc_txt_r1'] + record['test_itc_img_r1']) / 2}
+                        'final_loss_itm': rows[-1]['loss_itm'], 'test_mean_r1': record['test_mean_r1'],
+                        'test_itc_mean_r1': record['test_itc_mean_r1']}
     report.update(parts=parts, step_bench=step, grit_bench=grit, tiny=zeroshot, targets=judge(step, grit))
     failed = [name for name, part in parts.items() if part['status'] != 'passed'] + (
         ['tests'] if tests.get('failed') else [])
