@@ -13,6 +13,11 @@ from torch import Tensor
 __all__ = ["caption_keys", "false_negative_mask"]
 
 
+# Run eagerly under torch.compile (one graph break): inductor folds `arange * constant` into a Triton index
+# expression in int32 and fails on the 64-bit constant ("Scalar -7046029254386353131 is out of range for
+# type int32", seen with torch 2.11 on an H200 by `make gpu-check`); the table is (L,) integers, so the
+# break costs nothing that matters.
+@torch.compiler.disable
 def _odd_constants(length: int, device: torch.device) -> Tensor:
     """(length,) fixed pseudo-random odd int64 constants, one per token position (splitmix64 of it).
 

@@ -35,6 +35,7 @@ from grit import GritSampler
 from models.bert_layers import BertLayer
 from models.objectives import mask_tokens
 from models.pretrain import ALBEF_Base
+from tools.launch import child_env
 from training.distributed import DistInfo, all_reduce_mean, reduce_sum, unwrap, wrap_ddp
 from training.optimizer import autocast_dtype, build_optimizer, build_scaler
 from training.trainer import Trainer
@@ -404,7 +405,8 @@ def pretrain(data: str, out: str, epochs: int, *flags: str) -> subprocess.Comple
                                         "print_freq": 1000, "deterministic": "true"})
     # cuBLAS repeats its results only with this workspace setting (torch's reproducibility notes);
     # `deterministic: true` alone only warns about it.
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": ROOT, "CUBLAS_WORKSPACE_CONFIG": ":4096:8"}
+    # child_env keeps a PYTHONPATH the machine already has (a GPU image's packages may come through it).
+    env = {**child_env(threads=1), "CUBLAS_WORKSPACE_CONFIG": ":4096:8"}
     env.pop("WORLD_SIZE", None)
     proc = subprocess.run([sys.executable, "Pretrain.py", "--config", "configs/tiny/Pretrain.yaml",
                            "--output_dir", out, "--device", DEVICE, *flags, "--set", *sets],

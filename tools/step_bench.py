@@ -1,7 +1,7 @@
 """Time full pre-training steps of ALBEF_Base (forward, backward, AdamW) and print one JSON object.
 
     python -m tools.step_bench --config configs/Pretrain.yaml --batch_size 64 --steps 10 --warmup 3 \
-        --device cuda --variants default,bf16,grad_checkpointing,compile [--output_dir DIR] \
+        --device cuda --variants default,bf16,grad_checkpointing,compile,bf16_compile [--output_dir DIR] \
         [--set key=value ...]
 
 A step is Pretrain.py's: forward of ALBEF_Base on (image, text, image_key), loss = the sum of the four
@@ -16,6 +16,7 @@ the peak RSS (ru_maxrss, which never resets) is that variant's own:
   bf16                torch.autocast(device, bfloat16) around the forward and the loss
   grad_checkpointing  config key grad_checkpointing: true (the JSON says whether the model acted on it)
   compile             torch.compile(model); the first step (compilation) is timed apart as compile_seconds
+  bf16_compile        both (config keys amp: true and compile: true together); not in the default list
 FLOPs are counted with torch.utils.flop_counter.FlopCounterMode over one step's forward + backward (as the
 variant runs it: a checkpointed model's recomputed forward is included). matmul_peak_flops is the best
 FLOP/s of large square products (torch.mm and F.linear, the op nn.Linear runs) in the same process,
@@ -43,7 +44,7 @@ from training.cli import Parser, run_main
 from training.config import PretrainConfig
 from training.reporting import peak_memory_bytes
 
-VARIANTS = ('default', 'bf16', 'grad_checkpointing', 'compile')
+VARIANTS = ('default', 'bf16', 'grad_checkpointing', 'compile', 'bf16_compile')
 LOSSES = ('loss_itc', 'loss_cons', 'loss_itm', 'loss_mlm')
 
 
@@ -175,7 +176,7 @@ def run_variant(args: argparse.Namespace, variant: str) -> dict:
     from training.optimizer import build_optimizer
 
     device = torch.device(args.device)
-    dtype = torch.bfloat16 if variant == 'bf16' else None
+    dtype = torch.bfloat16 if variant in ('bf16', 'bf16_compile') else None
     torch.manual_seed(args.seed)
     config = load_bench_config(args, variant)
     with tempfile.TemporaryDirectory() as workdir:
@@ -194,7 +195,8 @@ def run_variant(args: argparse.Namespace, variant: str) -> dict:
         fields['model_grad_checkpointing'] = any(
             bool(getattr(m, a, False)) for m in model.modules()
             for a in ('grad_checkpointing', 'gradient_checkpointing'))
-    net = torch.compile(model) if variant == 'compile' else model
+    compiled = variant in ('compile', 'bf16_compile')
+    net = torch.compile(model) if compiled else model
 
     def step() -> dict:
         out = forward_loss(net, batch, device, dtype)
@@ -207,13 +209,13 @@ def run_variant(args: argparse.Namespace, variant: str) -> dict:
 
     if device.type == 'cuda':
         torch.cuda.reset_peak_memory_stats(device)
-    warmup = max(args.warmup, 1 if variant == 'compile' else 0)
+    warmup = max(args.warmup, 1 if compiled else 0)
     for i in range(warmup):
         t0 = time.perf_counter()
         step()
         if i == 0:
             sync(device)
-            fields['compile_seconds' if variant == 'compile' else 'first_step_seconds'] = round(
+            fields['compile_seconds' if compiled else 'first_step_seconds'] = round(
                 time.perf_counter() - t0, 4)
     sync(device)
     t0 = time.perf_counter()
@@ -268,7 +270,7 @@ def build_parser() -> Parser:
     p.add_argument('--device', default=None, help='cpu | cuda | cuda:N (default: cuda if available)')
     p.add_argument('--variants', default='default,bf16,grad_checkpointing,compile',
                    help=f'comma-separated, each run in a fresh subprocess; of {", ".join(VARIANTS)} '
-                        '(default: all)')
+                        '(default: all but bf16_compile)')
     p.add_argument('--threads', type=int, default=None, help='torch intra-op threads (default: torch\'s)')
     p.add_argument('--peak_sizes', default='2048,4096',
                    help='square matrix sizes for the matmul peak, comma-separated (default: 2048,4096)')
