@@ -97,3 +97,24 @@ def test_unknown_variant_is_refused():
     assert proc.returncode == 2 and "fp8" in proc.stderr
     assert proc.stderr.count("\n") == 1 and proc.stderr.startswith("error: ")
     assert proc.stderr.rstrip().endswith("(see python -m tools.step_bench --help)")
+
+
+def test_bf16_compile_is_bf16_under_compile(monkeypatch):
+    """bf16_compile (amp and compile together): the bf16 step compiled, its first step timed as the compile.
+    With dynamo's 'eager' backend (inductor takes minutes on the CPU) it runs bf16's ops: the same losses."""
+    from tools import step_bench
+
+    real = torch.compile
+    compiled = []
+    monkeypatch.setattr(torch, "compile", lambda model, **kw: compiled.append(model) or real(
+        model, backend="eager", **kw))
+    args, _ = step_bench.parse_args(["--config", CONFIG, "--batch_size", "2", "--steps", "1", "--warmup", "1",
+                                     "--device", "cpu", "--peak_sizes", "64", "--variants", "bf16_compile"])
+    try:
+        both = step_bench.run_variant(args, "bf16_compile")
+    finally:
+        torch._dynamo.reset()
+    plain = step_bench.run_variant(args, "bf16")
+    assert len(compiled) == 1 and both["dtype"] == plain["dtype"] == "bfloat16 autocast"
+    assert both["compile_seconds"] > 0 and "first_step_seconds" not in both
+    assert both["losses"] == pytest.approx(plain["losses"], rel=1e-5)

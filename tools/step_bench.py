@@ -226,7 +226,7 @@ def run_variant(args: argparse.Namespace, variant: str) -> dict:
     fields['peak_memory_bytes'] = peak_memory_bytes(device)
     if device.type != 'cuda':
         fields['baseline_rss_bytes'] = baseline_rss  # Python + torch + the batch, before the model
-    losses = {k: float(out[k]) for k in (*LOSSES, 'loss')}
+    losses = {k: float(out[k].detach()) for k in (*LOSSES, 'loss')}
 
     flops, by_op = count_flops(model, batch, device, dtype)  # eager, also for compile
     peak = matmul_peak(device, dtype or torch.float32, args.peak_sizes)
