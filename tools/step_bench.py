@@ -44,7 +44,13 @@ from training.cli import Parser, run_main
 from training.config import PretrainConfig
 from training.reporting import peak_memory_bytes
 
-VARIANTS = ('default', 'bf16', 'grad_checkpointing', 'compile', 'bf16_compile')
+# Each variant is the set of switches it turns on (a variant's name says what it runs).
+VARIANTS: dict[str, frozenset[str]] = {
+    'default': frozenset(), 'bf16': frozenset({'bf16'}),
+    'grad_checkpointing': frozenset({'grad_checkpointing'}), 'compile': frozenset({'compile'}),
+    'bf16_compile': frozenset({'bf16', 'compile'}),
+}
+DEFAULT_VARIANTS = ('default', 'bf16', 'grad_checkpointing', 'compile')
 LOSSES = ('loss_itc', 'loss_cons', 'loss_itm', 'loss_mlm')
 
 
@@ -52,7 +58,8 @@ def load_bench_config(args: argparse.Namespace, variant: str = 'default') -> Pre
     """The typed pre-training config of --config and --set, with the variant's key set
     (grad_checkpointing). No data is read: its paths need not exist."""
     config = tool_config('pretrain', args)
-    return dataclasses.replace(config, grad_checkpointing=True) if variant == 'grad_checkpointing' else config
+    return (dataclasses.replace(config, grad_checkpointing=True)
+            if 'grad_checkpointing' in VARIANTS[variant] else config)
 
 
 def build_bench_tokenizer(config: PretrainConfig, workdir: str):
@@ -176,7 +183,7 @@ def run_variant(args: argparse.Namespace, variant: str) -> dict:
     from training.optimizer import build_optimizer
 
     device = torch.device(args.device)
-    dtype = torch.bfloat16 if variant in ('bf16', 'bf16_compile') else None
+    dtype = torch.bfloat16 if 'bf16' in VARIANTS[variant] else None
     torch.manual_seed(args.seed)
     config = load_bench_config(args, variant)
     with tempfile.TemporaryDirectory() as workdir:
@@ -191,11 +198,11 @@ def run_variant(args: argparse.Namespace, variant: str) -> dict:
     fields = {'tokenizer': vocab_note, 'vocab_size': len(tokenizer),
               'optimizer': f"{type(optimizer).__name__} fused={optimizer.defaults.get('fused')}",
               'parameters': sum(p.numel() for p in model.parameters() if p.requires_grad)}
-    if variant == 'grad_checkpointing':
+    if 'grad_checkpointing' in VARIANTS[variant]:
         fields['model_grad_checkpointing'] = any(
             bool(getattr(m, a, False)) for m in model.modules()
             for a in ('grad_checkpointing', 'gradient_checkpointing'))
-    compiled = variant in ('compile', 'bf16_compile')
+    compiled = 'compile' in VARIANTS[variant]
     net = torch.compile(model) if compiled else model
 
     def step() -> dict:
@@ -268,7 +275,7 @@ def build_parser() -> Parser:
     p.add_argument('--steps', type=int, default=10, help='timed steps (default: 10)')
     p.add_argument('--warmup', type=int, default=3, help='untimed steps before them (default: 3)')
     p.add_argument('--device', default=None, help='cpu | cuda | cuda:N (default: cuda if available)')
-    p.add_argument('--variants', default='default,bf16,grad_checkpointing,compile',
+    p.add_argument('--variants', default=','.join(DEFAULT_VARIANTS),
                    help=f'comma-separated, each run in a fresh subprocess; of {", ".join(VARIANTS)} '
                         '(default: all but bf16_compile)')
     p.add_argument('--threads', type=int, default=None, help='torch intra-op threads (default: torch\'s)')
