@@ -96,9 +96,9 @@ class TextAssignmentTask(Task):
 
     def __init__(self, model: ALBEF_NLVR, tokenizer, train_set, config: NLVRConfig, info: DistInfo) -> None:
         sampler = finetune_sampler(train_set, info, seed=config.seed, batch_size=config.batch_size_train)
-        super().__init__(model, SkipBadSamples(train_set),
-                         SkipBadCollate(ImageTextCollate(tokenizer, config.max_tokens)), sampler,
-                         config.batch_size_train, sampler.loader_generator)
+        collate = SkipBadCollate(ImageTextCollate(tokenizer, config.max_tokens, config.static_text_on))
+        super().__init__(model, SkipBadSamples(train_set), collate, sampler, config.batch_size_train,
+                         sampler.loader_generator)
         self.device = info.device
         # (N,) the image of each caption entry: captions of one image are one image, never a wrong one
         self.image_ids = torch.as_tensor(train_set.image_keys, dtype=torch.long, device=info.device)
@@ -124,7 +124,7 @@ class NLVRTask(Task):
     def __init__(self, model: ALBEF_NLVR, tokenizer, train_set, val_set, test_set, config: NLVRConfig,
                  info: DistInfo) -> None:
         sampler = finetune_sampler(train_set, info, seed=config.seed, batch_size=config.batch_size_train)
-        self.pair_collate = NLVRCollate(tokenizer, config.max_tokens)
+        self.pair_collate = NLVRCollate(tokenizer, config.max_tokens, config.static_text_on)
         super().__init__(model, SkipBadSamples(train_set), SkipBadCollate(self.pair_collate), sampler,
                          config.batch_size_train, sampler.loader_generator)
         self.config, self.info, self.device = config, info, info.device

@@ -70,9 +70,10 @@ class PretrainTask(Task):
                     image_key=None if self.image_keys is None else self.image_keys[idx], valid=valid)
         self.features = {"image": out["image_feat"], "text": out["text_feat"], "idx": idx, "valid": valid}
         if self.shown is None and is_main_process():  # device tensors kept; copied once, at the epoch end
+            # Copies: under compile's CUDA graphs the outputs' memory is reused by the next step.
             self.shown = {"image": batch.image[:8], "ids": batch.text["input_ids"][:8],
-                          "image_feat": out["image_feat"][:8].detach(),
-                          "text_feat": out["text_feat"][:8].detach()}
+                          "image_feat": out["image_feat"][:8].detach().clone(),
+                          "text_feat": out["text_feat"][:8].detach().clone()}
         metrics = {k: out[k].detach() for k in LOSSES}
         metrics["grit_hardness"] = out["hardness"]
         return out["loss_itc"] + out["loss_cons"] + out["loss_itm"] + out["loss_mlm"], metrics
@@ -162,7 +163,7 @@ def main(argv: Sequence[str] | None = None) -> dict:
     sampler = GritSampler(dataset, num_replicas=info.world_size, rank=info.rank, seed=config.seed,
                           batch_size=config.batch_size, dim=config.embed_dim, device=info.device,
                           **config.grit.sampler_options())
-    collate = SkipBadCollate(ImageTextCollate(tokenizer, config.max_tokens))
+    collate = SkipBadCollate(ImageTextCollate(tokenizer, config.max_tokens, config.static_text_on))
 
     model = ALBEF_Base(config, tokenizer).to(info.device)
     if run.args.checkpoint:  # the start; with --resume, a checkpoint found in output_dir then replaces it

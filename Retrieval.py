@@ -144,9 +144,9 @@ class RetrievalTask(Task):
     def __init__(self, model: ALBEF_Retrieval, tokenizer, train_set, val_set: RetrievalEvalDataset,
                  test_set: RetrievalEvalDataset, config: RetrievalConfig, info: DistInfo) -> None:
         sampler = finetune_sampler(train_set, info, seed=config.seed, batch_size=config.batch_size_train)
-        super().__init__(model, SkipBadSamples(train_set),
-                         SkipBadCollate(ImageTextCollate(tokenizer, config.max_tokens)), sampler,
-                         config.batch_size_train, sampler.loader_generator)
+        collate = SkipBadCollate(ImageTextCollate(tokenizer, config.max_tokens, config.static_text_on))
+        super().__init__(model, SkipBadSamples(train_set), collate, sampler, config.batch_size_train,
+                         sampler.loader_generator)
         self.tokenizer, self.config, self.device = tokenizer, config, info.device
         self.splits = {"val": val_set, "test": test_set}
 

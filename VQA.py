@@ -122,9 +122,9 @@ class VQATask(Task):
     def __init__(self, model: ALBEF_VQA, tokenizer, train_set: VQADataset, val_set: VQADataset | None,
                  test_set: VQADataset, config: VQAConfig, info: DistInfo) -> None:
         sampler = finetune_sampler(train_set, info, seed=config.seed, batch_size=config.batch_size_train)
-        super().__init__(model, SkipBadSamples(train_set),
-                         SkipBadCollate(QACollate(tokenizer, config.max_tokens)), sampler,
-                         config.batch_size_train, sampler.loader_generator)
+        collate = SkipBadCollate(QACollate(tokenizer, config.max_tokens, config.static_text_on))
+        super().__init__(model, SkipBadSamples(train_set), collate, sampler, config.batch_size_train,
+                         sampler.loader_generator)
         self.tokenizer, self.config, self.info, self.device = tokenizer, config, info, info.device
         self.val_set, self.test_set = val_set, test_set
         self.val_gts = ground_truth(config.val_file) if val_set is not None else {}

@@ -118,15 +118,22 @@ class ImageBatch(Batch):
 
 
 class _TokenizingCollate:
-    """Holds the tokenizer and the truncation length of a collate's texts."""
+    """Holds the tokenizer, the truncation length of a collate's texts and whether they are padded to it.
 
-    def __init__(self, tokenizer: Any, max_tokens: int) -> None:
+    static (config key static_text): every batch padded to max_tokens, so that a compiled step sees one
+    shape (no recompilation, CUDA graphs); the padding is masked out of attention and never masked for
+    MLM, so the losses do not change. Off: padded to the batch's longest text.
+    """
+
+    def __init__(self, tokenizer: Any, max_tokens: int, static: bool = False) -> None:
         self.tokenizer = tokenizer
         self.max_tokens = int(max_tokens)
+        self.padding = "max_length" if static else "longest"
 
     def tokenize(self, texts: Sequence[str]) -> BatchEncoding:
-        """texts [B] -> input_ids, attention_mask (B,L): padded to the longest, cut at max_tokens."""
-        return self.tokenizer(list(texts), padding="longest", truncation=True, max_length=self.max_tokens,
+        """texts [B] -> input_ids, attention_mask (B,L): padded to the longest (static: to max_tokens), cut
+        at max_tokens."""
+        return self.tokenizer(list(texts), padding=self.padding, truncation=True, max_length=self.max_tokens,
                               return_tensors="pt")
 
 

@@ -18,8 +18,15 @@ from torch.utils.checkpoint import checkpoint
 from transformers import BertConfig
 
 from files import InputFileError, read_json
-from models.bert_layers import BertBackbone, BertLayer, BertLMPredictionHead, BertOnlyMLMHead
+from models.bert_layers import (
+    BertBackbone,
+    BertLayer,
+    BertLMPredictionHead,
+    BertOnlyMLMHead,
+    BertSelfAttention,
+)
 from models.bert_weights import normalise_bert_keys, read_bert_weights, resolve_bert_weights
+from models.layer_norm import set_amp_layer_norm
 from models.state_dicts import check_shapes, missing_after_tying, summarise_keys
 
 logger = logging.getLogger(__name__)
@@ -48,14 +55,28 @@ def load_bert_config(path: str) -> BertConfig:
 
 
 def _attention_mask(
-    attention_mask: Tensor | None, causal_len: int | None = None, device: torch.device | None = None
+    attention_mask: Tensor | None, dtype: torch.dtype, causal_len: int | None = None,
+    device: torch.device | None = None,
 ) -> Tensor | None:
-    """attention_mask (B,N) 1=keep -> bool (B,1,1,N), or with causal_len L (B|1,1,L,L); True = may attend."""
-    mask = None if attention_mask is None else attention_mask[:, None, None, :].bool()
+    """attention_mask (B,N) 1=keep -> additive (B,1,1,N) in `dtype`, 0 where a token may be attended and
+    -inf where not; with causal_len L (B|1,1,L,L). None when nothing is masked.
+
+    Additive in the compute dtype, built once per forward: a bool mask would be converted to this inside
+    every attention call of every layer (and under autocast cast again).
+    """
+    keep = None if attention_mask is None else attention_mask[:, None, None, :].bool()
     if causal_len is not None:
         causal = torch.ones(causal_len, causal_len, dtype=torch.bool, device=device).tril()
-        mask = causal if mask is None else mask & causal
-    return mask
+        keep = causal if keep is None else keep & causal
+    if keep is None:
+        return None
+    return torch.zeros(keep.shape, dtype=dtype, device=keep.device).masked_fill(~keep, float("-inf"))
+
+
+def compute_dtype(x: Tensor) -> torch.dtype:
+    """The dtype the matrix products of a forward on x run in: autocast's when it is on, else x's."""
+    device = x.device.type
+    return torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else x.dtype
 
 
 class BertEncoder(nn.Module):
@@ -65,6 +86,7 @@ class BertEncoder(nn.Module):
     (width config.encoder_width). is_decoder=True makes self-attention causal (VQA answer decoder,
     built with fusion_layer=0 so that every layer cross-attends). set_grad_checkpointing(True):
     each layer's activations are recomputed in backward instead of stored (training with grad only).
+    set_fused_qkv(False): separate query/key/value products (models.bert_layers.BertSelfAttention).
     """
 
     def __init__(
@@ -120,6 +142,12 @@ class BertEncoder(nn.Module):
         """Checkpoint every layer while training (the name and meaning of timm's ViT switch)."""
         self.grad_checkpointing = bool(enable)
 
+    def set_fused_qkv(self, enable: bool = True) -> None:
+        """Config key fused_qkv: each attention's projections as one product (same parameters)."""
+        for module in self.modules():
+            if isinstance(module, BertSelfAttention):
+                module.fused = bool(enable)
+
     def _run_layer(self, layer: BertLayer, *args: Tensor | None) -> Tensor:
         """layer(*args), checkpointed when the switch is on and a backward can follow."""
         if self.grad_checkpointing and self.training and torch.is_grad_enabled():
@@ -136,13 +164,17 @@ class BertEncoder(nn.Module):
         hidden_states: Tensor | None = None,
         encoder_hidden_states: Tensor | Sequence[Tensor] | None = None,
         encoder_attention_mask: Tensor | Sequence[Tensor] | None = None,
+        context_index: Tensor | None = None,
     ) -> Tensor:
         """Run the text part, the fusion part or both; returns hidden states (B,L,H).
 
         input_ids (B,L) for 'text'/'multimodal'; hidden_states (B,L,H) (text-mode output) for 'fusion';
         attention_mask (B,L) 1 = token, 0 = padding; encoder_hidden_states (B,N,Dv) or a list of them
         (fusion layer j attends to list[(j - fusion_layer) % len(list)]), encoder_attention_mask (B,N)
-        or a matching list (None = attend to every image token).
+        or a matching list (None = attend to every image token). context_index (B,) long, with one
+        encoder_hidden_states tensor of Bc images (Bc,N,Dv) and no encoder_attention_mask: row b attends
+        to image context_index[b], and each cross-attention layer computes its keys and values once per
+        image (the same result as encoder_hidden_states[context_index], with fewer FLOPs).
         """
         if mode not in _MODES:
             raise ValueError(f"BertEncoder mode must be one of {_MODES}, got {mode!r}")
@@ -156,7 +188,8 @@ class BertEncoder(nn.Module):
                 raise ValueError(f"BertEncoder mode {mode!r} needs input_ids")
             start, x = 0, self.bert.embeddings(input_ids)
         stop = self.fusion_layer if mode == "text" else n_layers
-        self_mask = _attention_mask(attention_mask, x.shape[1] if self.is_decoder else None, x.device)
+        dtype = compute_dtype(x)
+        self_mask = _attention_mask(attention_mask, dtype, x.shape[1] if self.is_decoder else None, x.device)
 
         runs_cross = any(i >= self.cross_from for i in range(start, stop))
         contexts, context_masks = None, None
@@ -174,13 +207,16 @@ class BertEncoder(nn.Module):
                 masks = list(encoder_attention_mask)
             if len(masks) != len(contexts):
                 raise ValueError("encoder_attention_mask list must match encoder_hidden_states list")
-            context_masks = [_attention_mask(m) for m in masks]
+            context_masks = [_attention_mask(m, dtype) for m in masks]
+            if context_index is not None and (len(contexts) != 1 or masks[0] is not None):
+                raise ValueError("context_index needs one encoder_hidden_states tensor and no "
+                                 "encoder_attention_mask")
 
         for i in range(start, stop):
             layer = self.layers[i]
             if i >= self.cross_from:
                 k = (i - self.fusion_layer) % len(contexts)
-                x = self._run_layer(layer, x, self_mask, contexts[k], context_masks[k])
+                x = self._run_layer(layer, x, self_mask, contexts[k], context_masks[k], context_index)
             else:
                 x = self._run_layer(layer, x, self_mask)
         return x
@@ -230,7 +266,7 @@ def build_text_encoder(config: Any, tokenizer: Any, mlm_head: bool, *,
     config: the resolved task config (training.config.TaskConfig); reads bert_config, text_encoder (BERT
     weights; null: random init) and grad_checkpointing (checkpoint every layer while training).
     pretrained=False: random init whatever text_encoder says, for a model whose weights all come from a
-    task checkpoint (VQA).
+    task checkpoint (VQA). Also reads fused_qkv and amp_layer_norm (the step's speed switches).
     """
     bert_config = load_bert_config(config.bert_config)
     weights = config.text_encoder if pretrained else None
@@ -251,6 +287,8 @@ def build_text_encoder(config: Any, tokenizer: Any, mlm_head: bool, *,
     else:
         model = BertEncoder.from_pretrained(weights, bert_config, mlm_head=mlm_head)
     model.set_grad_checkpointing(config.grad_checkpointing)
+    model.set_fused_qkv(config.fused_qkv)
+    set_amp_layer_norm(model, config.amp_layer_norm)
     return model
 
 

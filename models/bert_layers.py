@@ -4,6 +4,10 @@ feed-forward, the layer that chains them, and the MLM head.
 Module and attribute names follow transformers' BertForMaskedLM, so that the state-dict keys
 (`bert.embeddings...`, `bert.encoder.layer.N...`, `cls.predictions...`) load BERT and ALBEF / GRIT-VLP
 checkpoints without key surgery. Attention runs through torch.nn.functional.scaled_dot_product_attention.
+
+Two speed-ups keep those keys (config keys fused_qkv and amp_layer_norm, docs/speed-and-scale.md): the
+query/key/value Linears are applied as one product over their concatenated weights, and the LayerNorms
+are models.layer_norm's, which under autocast can run in the compute dtype.
 """
 
 from __future__ import annotations
@@ -13,7 +17,10 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from transformers import BertConfig
 
+from models.layer_norm import LayerNorm
+
 __all__ = ["BertBackbone", "BertLayer", "BertLMPredictionHead", "BertOnlyMLMHead"]
+
 
 class BertEmbeddings(nn.Module):
     """Word + position + token-type embeddings, LayerNorm, dropout."""
@@ -25,7 +32,7 @@ class BertEmbeddings(nn.Module):
         )
         self.position_embeddings = nn.Embedding(config.max_position_embeddings, config.hidden_size)
         self.token_type_embeddings = nn.Embedding(config.type_vocab_size, config.hidden_size)
-        self.LayerNorm = nn.LayerNorm(config.hidden_size, eps=config.layer_norm_eps)
+        self.LayerNorm = LayerNorm(config.hidden_size, eps=config.layer_norm_eps)
         self.dropout = nn.Dropout(config.hidden_dropout_prob)
 
     def forward(self, input_ids: Tensor) -> Tensor:
@@ -41,9 +48,14 @@ class BertEmbeddings(nn.Module):
 
 
 class BertSelfAttention(nn.Module):
-    """Multi-head attention projections; keys/values may come from another width (cross-attention)."""
+    """Multi-head attention projections; keys/values may come from another width (cross-attention).
 
-    def __init__(self, config: BertConfig, kv_width: int):
+    fused (config key fused_qkv): query, key and value (or, for cross-attention, key and value) are one
+    product with the concatenated weights: the input is read (and under autocast cast) once, and the
+    parameters keep transformers' names. Off: three separate Linears (the same numbers up to rounding).
+    """
+
+    def __init__(self, config: BertConfig, kv_width: int, cross: bool = False):
         super().__init__()
         if config.hidden_size % config.num_attention_heads:
             raise ValueError(
@@ -53,6 +65,8 @@ class BertSelfAttention(nn.Module):
         self.num_heads = config.num_attention_heads
         self.head_dim = config.hidden_size // config.num_attention_heads
         self.dropout_p = config.attention_probs_dropout_prob
+        self.cross = cross
+        self.fused = True
         self.query = nn.Linear(config.hidden_size, config.hidden_size)
         self.key = nn.Linear(kv_width, config.hidden_size)
         self.value = nn.Linear(kv_width, config.hidden_size)
@@ -60,14 +74,32 @@ class BertSelfAttention(nn.Module):
     def _heads(self, x: Tensor) -> Tensor:
         return x.unflatten(-1, (self.num_heads, self.head_dim)).transpose(1, 2)
 
-    def forward(self, x: Tensor, context: Tensor, mask: Tensor | None) -> Tensor:
-        """x (B,L,H), context (B,N,Dk), mask bool broadcastable to (B,heads,L,N) -> (B,L,H)."""
+    def _project(self, x: Tensor, linears: tuple[nn.Linear, ...]) -> list[Tensor]:
+        """x (B,L,D) -> one (B,heads,L,head_dim) tensor per Linear; fused: one product."""
+        if not self.fused or len(linears) == 1:
+            return [self._heads(linear(x)) for linear in linears]
+        weight = torch.cat([linear.weight for linear in linears])
+        bias = torch.cat([linear.bias for linear in linears])
+        out = F.linear(x, weight, bias).unflatten(-1, (len(linears), self.num_heads, self.head_dim))
+        return list(out.permute(2, 0, 3, 1, 4).unbind(0))
+
+    def forward(self, x: Tensor, context: Tensor, mask: Tensor | None,
+                context_index: Tensor | None = None) -> Tensor:
+        """x (B,L,H), context (B,N,Dk) -> (B,L,H); mask bool or additive, broadcastable to (B,heads,L,N).
+
+        context_index (B,) long (cross-attention only): context holds Bc distinct contexts (Bc,N,Dk) and
+        row b attends to context[context_index[b]]. Keys and values are then computed once per context
+        and gathered, not once per row: ITM and MLM pair the same B images with 4B texts.
+        """
+        if self.cross:
+            query, = self._project(x, (self.query,))
+            key, value = self._project(context, (self.key, self.value))
+            if context_index is not None:
+                key, value = key[context_index], value[context_index]
+        else:
+            query, key, value = self._project(x, (self.query, self.key, self.value))
         out = F.scaled_dot_product_attention(
-            self._heads(self.query(x)),
-            self._heads(self.key(context)),
-            self._heads(self.value(context)),
-            attn_mask=mask,
-            dropout_p=self.dropout_p if self.training else 0.0,
+            query, key, value, attn_mask=mask, dropout_p=self.dropout_p if self.training else 0.0,
         )
         return out.transpose(1, 2).flatten(2)
 
@@ -78,7 +110,7 @@ class BertSelfOutput(nn.Module):
     def __init__(self, config: BertConfig, in_width: int):
         super().__init__()
         self.dense = nn.Linear(in_width, config.hidden_size)
-        self.LayerNorm = nn.LayerNorm(config.hidden_size, eps=config.layer_norm_eps)
+        self.LayerNorm = LayerNorm(config.hidden_size, eps=config.layer_norm_eps)
         self.dropout = nn.Dropout(config.hidden_dropout_prob)
 
     def forward(self, x: Tensor, residual: Tensor) -> Tensor:
@@ -89,14 +121,15 @@ class BertSelfOutput(nn.Module):
 class BertAttention(nn.Module):
     """Attention block: `.self` (q, k, v) and `.output` (dense, LayerNorm), as named by transformers."""
 
-    def __init__(self, config: BertConfig, kv_width: int):
+    def __init__(self, config: BertConfig, kv_width: int, cross: bool = False):
         super().__init__()
-        self.self = BertSelfAttention(config, kv_width)
+        self.self = BertSelfAttention(config, kv_width, cross)
         self.output = BertSelfOutput(config, config.hidden_size)
 
-    def forward(self, x: Tensor, context: Tensor, mask: Tensor | None) -> Tensor:
-        """x (B,L,H), context (B,N,Dk) -> (B,L,H)."""
-        return self.output(self.self(x, context, mask), x)
+    def forward(self, x: Tensor, context: Tensor, mask: Tensor | None,
+                context_index: Tensor | None = None) -> Tensor:
+        """x (B,L,H), context (B,N,Dk) (or (Bc,N,Dk) with context_index (B,)) -> (B,L,H)."""
+        return self.output(self.self(x, context, mask, context_index), x)
 
 
 class BertIntermediate(nn.Module):
@@ -133,7 +166,7 @@ class BertLayer(nn.Module):
         super().__init__()
         self.attention = BertAttention(config, config.hidden_size)
         if has_cross:
-            self.crossattention = BertAttention(config, config.encoder_width)
+            self.crossattention = BertAttention(config, config.encoder_width, cross=True)
         self.intermediate = BertIntermediate(config)
         self.output = BertSelfOutput(config, config.intermediate_size)
 
@@ -143,11 +176,12 @@ class BertLayer(nn.Module):
         mask: Tensor | None,
         context: Tensor | None = None,
         context_mask: Tensor | None = None,
+        context_index: Tensor | None = None,
     ) -> Tensor:
-        """x (B,L,H), context (B,N,Dv) or None -> (B,L,H)."""
+        """x (B,L,H), context (B,N,Dv) (or (Bc,N,Dv) with context_index (B,) long) or None -> (B,L,H)."""
         x = self.attention(x, x, mask)
         if context is not None:
-            x = self.crossattention(x, context, context_mask)
+            x = self.crossattention(x, context, context_mask, context_index)
         return self.output(self.intermediate(x), x)
 
 
@@ -175,7 +209,7 @@ class BertPredictionHeadTransform(nn.Module):
         super().__init__()
         self.dense = nn.Linear(config.hidden_size, config.hidden_size)
         self.act = _activation(config.hidden_act)
-        self.LayerNorm = nn.LayerNorm(config.hidden_size, eps=config.layer_norm_eps)
+        self.LayerNorm = LayerNorm(config.hidden_size, eps=config.layer_norm_eps)
 
     def forward(self, x: Tensor) -> Tensor:
         return self.LayerNorm(self.act(self.dense(x)))

@@ -21,7 +21,7 @@ from models.vit import build_vision_encoder, check_vision_text_widths
 
 __all__ = ["ImageTextModel"]
 
-# ITC temperature range (ALBEF): clamped before every training forward.
+# ITC temperature range (ALBEF): clamped after every optimiser step (training.optimizer.clamp_after_steps).
 _TEMP_MIN, _TEMP_MAX = 0.001, 0.5
 
 
@@ -37,8 +37,8 @@ class ImageTextModel(nn.Module):
         """Build the encoders and heads.
 
         config: the resolved task config (training.config.PretrainConfig or RetrievalConfig); reads
-        embed_dim, temp, lambda_cons, itm, itm_negatives, hard_sampling, vision_width and what
-        build_vision_encoder / build_text_encoder read. tokenizer: its length is the vocabulary size.
+        embed_dim, temp, lambda_cons, itm, itm_negatives, hard_sampling, share_image_kv, vision_width and
+        what build_vision_encoder / build_text_encoder read. tokenizer: its length is the vocabulary size.
         mlm_head: keep BERT's MLM head (pre-training) or not (retrieval).
         """
         super().__init__(**kwargs)
@@ -48,6 +48,7 @@ class ImageTextModel(nn.Module):
         self.use_itm = config.itm
         self.itm_negatives = config.itm_negatives
         self.hard_sampling = config.hard_sampling
+        self.share_image_kv = config.share_image_kv
 
         self.visual_encoder = build_vision_encoder(config)
         self.text_encoder = build_text_encoder(config, tokenizer, mlm_head=mlm_head)
@@ -61,7 +62,8 @@ class ImageTextModel(nn.Module):
 
     @torch.no_grad()
     def clamp_temperature(self) -> None:
-        """Keep the learnt ITC temperature in [0.001, 0.5] (ALBEF), in place."""
+        """Keep the learnt ITC temperature in [0.001, 0.5] (ALBEF), in place; the trainer calls it after every
+        optimiser step (ALBEF: at the start of forward, which then writes a parameter)."""
         self.temp.clamp_(_TEMP_MIN, _TEMP_MAX)
 
     def encode_image(self, image: Tensor) -> Tensor:
@@ -92,13 +94,49 @@ class ImageTextModel(nn.Module):
                                              self.encode_text(text.input_ids, text.attention_mask))
         return image_feat.float(), text_feat.float()
 
-    def itm_logits(self, text_embeds: Tensor, text_mask: Tensor, image_embeds: Tensor) -> Tensor:
-        """Pairs: text hidden (B,L,H), mask (B,L), image tokens (B,1+P,Dv) -> ITM logits (B,2) (1 = match)."""
-        fused = self.text_encoder(
-            mode="fusion", hidden_states=text_embeds, attention_mask=text_mask,
-            encoder_hidden_states=image_embeds,
-        )
-        return self.itm_head(fused[:, 0])
+    def fuse(self, text_embeds: Tensor, text_mask: Tensor, image_embeds: Tensor,
+             image_index: Tensor | None = None) -> Tensor:
+        """Fusion layers over text states (R,L,H), mask (R,L) and image tokens -> fused states (R,L,H).
+
+        image_embeds (R,1+P,Dv), one image per row; or, with image_index (R,) long, Bi images (Bi,1+P,Dv)
+        and row r paired with image image_index[r]. share_image_kv: each cross-attention layer computes
+        its keys and values once per image and gathers them; off (ALBEF), once per row, on the gathered
+        image_embeds[image_index]. The numbers are the same.
+        """
+        if image_index is not None and not self.share_image_kv:
+            image_embeds, image_index = image_embeds[image_index], None
+        return self.text_encoder(mode="fusion", hidden_states=text_embeds, attention_mask=text_mask,
+                                 encoder_hidden_states=image_embeds, context_index=image_index)
+
+    def itm_logits(self, text_embeds: Tensor, text_mask: Tensor, image_embeds: Tensor,
+                   image_index: Tensor | None = None) -> Tensor:
+        """Pairs: text hidden (R,L,H), mask (R,L), image tokens (R,1+P,Dv) (or Bi images and image_index (R,),
+        as fuse) -> ITM logits (R,2) (1 = match)."""
+        return self.itm_head(self.fuse(text_embeds, text_mask, image_embeds, image_index)[:, 0])
+
+    @staticmethod
+    def itm_pairs(text_embeds: Tensor, attention_mask: Tensor, neg_text_idx: Tensor,
+                  neg_image_idx: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+        """ITM's 3B pairs [positives, (image, negative text), (negative image, text)]: text states (3B,L,H),
+        masks (3B,L) and each pair's image index (3B,) into the batch's B images."""
+        own = torch.arange(text_embeds.shape[0], device=text_embeds.device)
+        return (torch.cat([text_embeds, text_embeds[neg_text_idx], text_embeds]),
+                torch.cat([attention_mask, attention_mask[neg_text_idx], attention_mask]),
+                torch.cat([own, own, neg_image_idx]))
+
+    @staticmethod
+    def itm_criterion(logits: Tensor, neg_text_idx: Tensor, neg_image_idx: Tensor,
+                      valid: Tensor | None = None) -> Tensor:
+        """ITM cross-entropy of the 3B pairs' logits (3B,2) (itm_pairs' order: B matches, then 2B
+        non-matches) -> 0-dim. valid (B,) bool: pairs with a bad sample are left out of the mean
+        (itm_pair_weights); None: the plain mean over the 3B pairs."""
+        batch = neg_text_idx.shape[0]
+        labels = torch.zeros(3 * batch, dtype=torch.long, device=logits.device)
+        labels[:batch] = 1
+        if valid is None:
+            return F.cross_entropy(logits, labels)
+        return masked_mean(F.cross_entropy(logits, labels, reduction="none"),
+                           itm_pair_weights(valid, neg_text_idx, neg_image_idx))
 
     def itm_pair_loss(self, image_embeds: Tensor, text_embeds: Tensor, attention_mask: Tensor,
                       neg_text_idx: Tensor, neg_image_idx: Tensor, valid: Tensor | None = None) -> Tensor:
@@ -108,16 +146,7 @@ class ImageTextModel(nn.Module):
         text, neg_image_idx[i] (B,) text i's negative image. valid (B,) bool: pairs with a bad sample are
         left out of the mean (itm_pair_weights); None: the plain mean over the 3B pairs.
         """
-        batch = text_embeds.shape[0]
         # One fusion pass over [positives, (image, negative text), (negative image, text)].
-        logits = self.itm_logits(
-            torch.cat([text_embeds, text_embeds[neg_text_idx], text_embeds]),
-            torch.cat([attention_mask, attention_mask[neg_text_idx], attention_mask]),
-            torch.cat([image_embeds, image_embeds, image_embeds[neg_image_idx]]),
-        )
-        labels = torch.zeros(3 * batch, dtype=torch.long, device=logits.device)
-        labels[:batch] = 1
-        if valid is None:
-            return F.cross_entropy(logits, labels)
-        return masked_mean(F.cross_entropy(logits, labels, reduction="none"),
-                           itm_pair_weights(valid, neg_text_idx, neg_image_idx))
+        hidden, mask, image_index = self.itm_pairs(text_embeds, attention_mask, neg_text_idx, neg_image_idx)
+        logits = self.itm_logits(hidden, mask, image_embeds, image_index)
+        return self.itm_criterion(logits, neg_text_idx, neg_image_idx, valid)

@@ -10,20 +10,19 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-__all__ = ["caption_keys", "false_negative_mask"]
+__all__ = ["caption_keys", "false_negative_mask", "odd_constants"]
 
 
-# Run eagerly under torch.compile (one graph break): inductor folds `arange * constant` into a Triton index
-# expression in int32 and fails on the 64-bit constant ("Scalar -7046029254386353131 is out of range for
-# type int32", seen with torch 2.11 on an H200 by `make gpu-check`); the table is (L,) integers, so the
-# break costs nothing that matters.
+# Run eagerly under torch.compile (one graph break) when a caller compiles caption_keys without a table:
+# inductor folds `arange * constant` into a Triton index expression in int32 and fails on the 64-bit
+# constant ("Scalar -7046029254386353131 is out of range for type int32", seen with torch 2.11 on an H200
+# by `make gpu-check`). ALBEF_Base makes the table once, as a buffer, and passes it in.
 @torch.compiler.disable
-def _odd_constants(length: int, device: torch.device) -> Tensor:
+def odd_constants(length: int, device: torch.device | str | None = None) -> Tensor:
     """(length,) fixed pseudo-random odd int64 constants, one per token position (splitmix64 of it).
 
-    Computed on the device in integer arithmetic (wrapping int64 multiplies), so every rank and
-    device gets the same table without a host copy. `>>` is arithmetic on int64: masking makes it
-    the logical shift of splitmix64.
+    Computed in integer arithmetic (wrapping int64 multiplies), so every rank and device gets the
+    same table. `>>` is arithmetic on int64: masking makes it the logical shift of splitmix64.
     """
     x = torch.arange(1, length + 1, dtype=torch.int64, device=device)
     x = x * -7046029254386353131  # 0x9E3779B97F4A7C15
@@ -33,18 +32,24 @@ def _odd_constants(length: int, device: torch.device) -> Tensor:
     return x | 1
 
 
-def caption_keys(input_ids: Tensor) -> Tensor:
+def caption_keys(input_ids: Tensor, constants: Tensor | None = None) -> Tensor:
     """Token ids (B, L), right-padded with id 0 -> int64 (B,) keys, equal for identical captions.
 
     key = sum_j ids[j] * c[j] (mod 2^64) with a fixed odd constant c[j] per position: trailing [PAD]
     (id 0 in BERT vocabularies) adds nothing, so the padded length does not matter; the position
     weights tell reorderings apart; and two rows that differ at a single position never collide
     (d * odd != 0 mod 2^64 for 0 < |d| < 2^63). Other collisions are ~2^-63 chance events.
+    constants: odd_constants(n) for some n >= L, on input_ids' device (None: made here).
     """
     if input_ids.dim() != 2:
         raise ValueError(f"caption_keys: input_ids must be (B, L), got {tuple(input_ids.shape)}")
     ids = input_ids.to(torch.int64)
-    return (ids * _odd_constants(ids.shape[1], ids.device)).sum(dim=1)
+    length = ids.shape[1]
+    if constants is None:
+        constants = odd_constants(length, ids.device)
+    elif constants.shape[0] < length:
+        raise ValueError(f"caption_keys: {constants.shape[0]} constants for captions of {length} tokens")
+    return (ids * constants[:length]).sum(dim=1)
 
 
 def false_negative_mask(

@@ -8,6 +8,7 @@ pre-training and every fine-tuning model compose the same code. Paper: Eq. 1-2 (
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 
 import torch
@@ -25,6 +26,8 @@ __all__ = [
     "mask_tokens",
     "masked_mean",
     "mine_negatives",
+    "mlm_capacity",
+    "select_masked",
 ]
 
 
@@ -40,18 +43,23 @@ def _fp32(x: Tensor) -> Tensor:
     return x.float() if x.dtype in (torch.float16, torch.bfloat16) else x
 
 
-def _check_rows(mask: Tensor, message: str) -> None:
-    """Raise ValueError(message) unless every row of the bool mask has a True entry.
+def _check(ok: Tensor, message: str) -> None:
+    """Raise ValueError(message) unless the 0-dim bool `ok` is True.
 
-    On CPU this is free; on an accelerator a host check would stall the step, so the check is
-    queued on the device instead (torch._assert_async fails loudly without a host sync).
+    On CPU, eagerly, this is free; on an accelerator a host check would stall the step, and under
+    torch.compile it would split the graph, so the check is queued on the device instead
+    (torch._assert_async fails loudly without a host sync).
     """
-    ok = mask.any(dim=1).all()
-    if mask.device.type == "cpu":
+    if ok.device.type == "cpu" and not torch.compiler.is_compiling():
         if not bool(ok):
             raise ValueError(message)
     else:
         torch._assert_async(ok, message)
+
+
+def _check_rows(mask: Tensor, message: str) -> None:
+    """Raise ValueError(message) unless every row of the bool mask has a True entry (see _check)."""
+    _check(mask.any(dim=1).all(), message)
 
 
 @torch.no_grad()
@@ -387,8 +395,46 @@ def mask_tokens(
     to_mask = selected & (draw[1] < 0.8)
     # Half of the remaining 20 %: 10 % of the selected tokens overall.
     to_random = selected & ~to_mask & (draw[2] < 0.5)
-    random_ids = torch.empty_like(input_ids).random_(0, vocab_size, generator=generator)
+    if generator is None:
+        # The same numbers as the in-place draw below; torch.compile traces randint_like but not random_.
+        random_ids = torch.randint_like(input_ids, 0, vocab_size)
+    else:  # randint_like takes a generator only in recent torch
+        random_ids = torch.empty_like(input_ids).random_(0, vocab_size, generator=generator)
     masked_ids = torch.where(to_mask, torch.full_like(input_ids, mask_token_id), input_ids)
     masked_ids = torch.where(to_random, random_ids, masked_ids)
     labels = torch.where(selected, input_ids, torch.full_like(input_ids, -100))
     return masked_ids, labels
+
+
+# Standard deviations above the mean number of masked tokens that mlm_capacity keeps room for: a batch
+# masks more than that with probability < 1e-15 (the Gaussian tail; Chernoff's bound is of that order).
+_CAPACITY_SDS = 8.0
+
+
+def mlm_capacity(tokens: int, probability: float) -> int:
+    """How many of a batch's `tokens` positions MLM keeps logits for when each is masked with
+    `probability`: the mean of Binomial(tokens, probability) plus 8 standard deviations, at most tokens.
+
+    Special tokens and padding are never masked, so the real count lies below this Binomial's; the
+    fixed size keeps the step's shapes static (no host sync, CUDA graphs). select_masked fails loudly
+    on a batch above it rather than dropping tokens.
+    """
+    mean = tokens * probability
+    spread = _CAPACITY_SDS * math.sqrt(tokens * probability * (1.0 - probability))
+    return min(tokens, math.ceil(mean + spread))
+
+
+def select_masked(labels: Tensor, capacity: int) -> tuple[Tensor, Tensor]:
+    """MLM labels (B, L) (-100 where not masked) -> (positions (K,) into the flattened (B*L), their
+    labels (K,)), K = capacity: every masked position first, in order, then unmasked fill (label -100).
+
+    Cross-entropy over the K selected rows with ignore_index=-100 equals the one over all B*L, as long
+    as at most K tokens are masked; more raises (ValueError on the CPU, a device assert elsewhere).
+    """
+    flat = labels.flatten()
+    masked = flat != -100
+    _check(masked.sum() <= capacity, f"select_masked: more masked tokens than the MLM capacity {capacity} "
+                                     "(set mlm_masked_only: false)")
+    # A stable sort of 0 (masked) / 1 (not) puts the masked positions first, in order, at a fixed size.
+    positions = torch.sort((~masked).to(torch.int32), stable=True).indices[:capacity]
+    return positions, flat[positions]

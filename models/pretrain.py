@@ -9,13 +9,15 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from models.dual_encoder import ImageTextModel
-from models.false_negatives import caption_keys, false_negative_mask
+from models.false_negatives import caption_keys, false_negative_mask, odd_constants
 from models.objectives import (
     concat_all_gather,
     hardest_negative_similarity,
     itc_loss,
     mask_tokens,
     mine_negatives,
+    mlm_capacity,
+    select_masked,
 )
 
 
@@ -27,7 +29,8 @@ class ALBEF_Base(ImageTextModel):  # noqa: N801 (the paper's name)
 
         config: the resolved pre-training config (training.config.PretrainConfig); reads itc, itm, mlm,
         itm_negatives, hard_sampling, lambda_cons, itc_gather, guard_false_negatives, mlm_probability,
-        embed_dim, temp and the encoders' keys. tokenizer: vocabulary size and MLM special tokens.
+        mlm_masked_only, share_image_kv, embed_dim, temp and the encoders' keys. tokenizer: vocabulary size
+        and MLM special tokens.
         """
         super().__init__(config, tokenizer, mlm_head=True)
         self.use_itc = config.itc
@@ -41,7 +44,12 @@ class ALBEF_Base(ImageTextModel):  # noqa: N801 (the paper's name)
         # same image OR identical caption as positives: multi-positive ITC targets (as MAFA) and never
         # an ITM negative (BLIP masks same-image pairs). Off: the authors' computation, bit for bit.
         self.guard_false_negatives = config.guard_false_negatives
+        # The caption keys' per-position constants, made once here (a buffer, not saved): inside a compiled
+        # step inductor folded the table's 64-bit arithmetic into an int32 index and failed on CUDA.
+        positions = self.text_encoder.config.max_position_embeddings
+        self.register_buffer("caption_constants", odd_constants(positions), persistent=False)
         self.mlm_probability = config.mlm_probability
+        self.mlm_masked_only = config.mlm_masked_only
 
         self.vocab_size = self.text_encoder.config.vocab_size
         self.mask_token_id = tokenizer.mask_token_id
@@ -69,7 +77,7 @@ class ALBEF_Base(ImageTextModel):  # noqa: N801 (the paper's name)
                 f"image_key must be ({input_ids.shape[0]},), one key per pair, got {tuple(image_key.shape)}"
             )
         # Zeroing the padding makes the keys independent of the tokenizer's pad id.
-        text_key = caption_keys(input_ids.masked_fill(attention_mask == 0, 0))
+        text_key = caption_keys(input_ids.masked_fill(attention_mask == 0, 0), self.caption_constants)
         image_key = image_key.to(device=input_ids.device, dtype=torch.int64)
         local = false_negative_mask(image_key, text_key)
         positive_itc = local
@@ -84,25 +92,30 @@ class ALBEF_Base(ImageTextModel):  # noqa: N801 (the paper's name)
         positive_mining = local & ~full_row[:, None] & ~full_row[None, :]
         return positive_itc, positive_mining
 
-    def _mlm_loss(self, image_embeds: Tensor, input_ids: Tensor, attention_mask: Tensor,
-                  valid: Tensor | None = None) -> Tensor:
-        """MLM cross-entropy of the fusion encoder over the masked tokens of input_ids (B,L), 0-dim."""
+    def _mask(self, input_ids: Tensor, valid: Tensor | None) -> tuple[Tensor, Tensor]:
+        """BERT masking of ids (B,L) -> (masked ids (B,L), labels (B,L), -100 where not predicted)."""
         masked_ids, labels = mask_tokens(
             input_ids.clone(), self.vocab_size, self.mask_token_id, self.special_ids, self.mlm_probability
         )
         if valid is not None:  # a bad sample's tokens are never predicted
             labels = labels.masked_fill(~valid[:, None], -100)
-        hidden = self.text_encoder(
-            masked_ids, attention_mask, mode="multimodal", encoder_hidden_states=image_embeds
-        )
-        # Logits at every position instead of only the masked ones: selecting hidden[labels != -100]
-        # has a data-dependent shape (a host sync per step). With the paper's 50 % masking at most
-        # ~2x of the head's work is wasted, which is cheaper than stalling the pipeline. Summing and
-        # dividing by a clamped count keeps the loss finite when nothing was masked.
-        mlm_logits = self.text_encoder.mlm_logits(hidden)
-        loss_sum = F.cross_entropy(
-            mlm_logits.flatten(0, 1), labels.flatten(), ignore_index=-100, reduction="sum"
-        )
+        return masked_ids, labels
+
+    def mlm_criterion(self, hidden: Tensor, labels: Tensor) -> Tensor:
+        """MLM cross-entropy of fused states (B,L,H) over the masked tokens of labels (B,L) -> 0-dim.
+
+        mlm_masked_only: vocabulary logits only for a fixed-size selection holding every masked token
+        (models.objectives.select_masked; a data-dependent hidden[labels != -100] would sync the host
+        every step). Off (ALBEF): logits at every position, the masked half used. Summing and dividing by
+        a clamped count keeps the loss finite when nothing was masked.
+        """
+        if self.mlm_masked_only:
+            positions, labels = select_masked(labels, mlm_capacity(labels.numel(), self.mlm_probability))
+            hidden = hidden.flatten(0, 1)[positions]
+        else:
+            hidden, labels = hidden.flatten(0, 1), labels.flatten()
+        loss_sum = F.cross_entropy(self.text_encoder.mlm_logits(hidden), labels, ignore_index=-100,
+                                   reduction="sum")
         return loss_sum / (labels != -100).sum().clamp(min=1)
 
     def forward(self, image: Tensor, text, image_key: Tensor | None = None,
@@ -113,13 +126,24 @@ class ALBEF_Base(ImageTextModel):  # noqa: N801 (the paper's name)
         ignored without it. valid (B,) bool marks bad samples (False; dataset.bad_samples): they are
         left out of every loss and never mined as negatives. None (every sample good) computes
         exactly what the paper's code does.
+
+        share_image_kv: the plain and the masked captions go through the text layers in one pass, and
+        ITM's 3B pairs and MLM's B captions through the fusion layers in one pass whose cross-attention
+        keys and values are computed once per image. Off: ALBEF's passes (text; ITM fusion; MLM text and
+        fusion), in ALBEF's order. The losses are the same; only dropout draws its masks in another order.
         """
-        self.clamp_temperature()
         # Item access works for a BatchEncoding and for a plain dict.
         input_ids, attention_mask = text["input_ids"], text["attention_mask"]
+        batch = input_ids.shape[0]
+        shared = self.share_image_kv
 
         image_embeds = self.encode_image(image)
-        text_embeds = self.encode_text(input_ids, attention_mask)
+        if shared and self.use_mlm:
+            masked_ids, mlm_labels = self._mask(input_ids, valid)
+            text_embeds, mlm_text = self.encode_text(torch.cat([input_ids, masked_ids]),
+                                                     attention_mask.repeat(2, 1)).split(batch)
+        else:
+            text_embeds = self.encode_text(input_ids, attention_mask)
         image_feat, text_feat = self.project(image_embeds, text_embeds)
 
         # None everywhere without the guard: exactly the authors' one-hot ITC and diagonal-only mining.
@@ -157,7 +181,6 @@ class ALBEF_Base(ImageTextModel):  # noqa: N801 (the paper's name)
             hardness = hardest_negative_similarity(cosine, excluded)
             if valid is not None:  # at most one good sample: no negative to measure; logged as 0
                 hardness = torch.nan_to_num(hardness, nan=0.0)
-        loss_itm = zero
         if self.use_itm:
             with torch.no_grad():
                 logits_i2t = cosine / self.temp
@@ -165,9 +188,32 @@ class ALBEF_Base(ImageTextModel):  # noqa: N801 (the paper's name)
                     logits_i2t, logits_i2t.t(), positive_mining,
                     mode=self.itm_negatives, sampling=self.hard_sampling, valid=valid,
                 )
-            loss_itm = self.itm_pair_loss(image_embeds, text_embeds, attention_mask, neg_text_idx,
-                                          neg_image_idx, valid)
-        loss_mlm = self._mlm_loss(image_embeds, input_ids, attention_mask, valid) if self.use_mlm else zero
+
+        loss_itm = loss_mlm = zero
+        if shared and (self.use_itm or self.use_mlm):
+            rows, masks, images = [], [], []
+            if self.use_itm:
+                pairs = self.itm_pairs(text_embeds, attention_mask, neg_text_idx, neg_image_idx)
+                rows, masks, images = [pairs[0]], [pairs[1]], [pairs[2]]
+            if self.use_mlm:
+                rows.append(mlm_text)
+                masks.append(attention_mask)
+                images.append(torch.arange(batch, device=input_ids.device))
+            fused = self.fuse(torch.cat(rows), torch.cat(masks), image_embeds, torch.cat(images))
+            if self.use_itm:
+                loss_itm = self.itm_criterion(self.itm_head(fused[:3 * batch, 0]), neg_text_idx,
+                                              neg_image_idx, valid)
+            if self.use_mlm:
+                loss_mlm = self.mlm_criterion(fused[-batch:], mlm_labels)
+        else:
+            if self.use_itm:
+                loss_itm = self.itm_pair_loss(image_embeds, text_embeds, attention_mask, neg_text_idx,
+                                              neg_image_idx, valid)
+            if self.use_mlm:
+                masked_ids, mlm_labels = self._mask(input_ids, valid)
+                hidden = self.text_encoder(masked_ids, attention_mask, mode="multimodal",
+                                           encoder_hidden_states=image_embeds)
+                loss_mlm = self.mlm_criterion(hidden, mlm_labels)
 
         return {
             "loss_itc": loss_itc,

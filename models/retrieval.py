@@ -145,7 +145,6 @@ class ALBEF_Retrieval(ImageTextModel, FeatureQueue):  # noqa: N801 (ALBEF's nami
         contrasts against them. None: every sample of this batch is good; the result is then exactly
         the one of the model before bad samples existed as long as the queue holds none either.
         """
-        self.clamp_temperature()
         input_ids, attention_mask = text.input_ids, text.attention_mask
         batch = input_ids.shape[0]
         idx = idx.view(-1)

@@ -15,6 +15,7 @@ from torch import Tensor, nn
 from torch.nn import functional as F
 
 from files import InputFileError
+from models.layer_norm import LayerNorm, set_amp_layer_norm
 from models.state_dicts import check_shapes, read_weights_file
 
 logger = logging.getLogger(__name__)
@@ -52,9 +53,10 @@ def build_vision_encoder(config: Any) -> VisionEncoder:
 
     config: the resolved task config (training.config.TaskConfig, any task); reads image_res, patch_size,
     vision_width, vision_depth, vision_heads, vision_drop_path, vision_stem, grad_checkpointing,
-    vision_init and, for vision_init 'synthetic', synthetic_root. grad_checkpointing: timm checkpoints
-    every block while training. vision_init 'synthetic' only loads the file synthetic_vit_path(config);
-    training.inputs.prepare_inputs (every task script) or tools.vit_pretrain makes it.
+    amp_layer_norm, vision_init and, for vision_init 'synthetic', synthetic_root. grad_checkpointing:
+    timm checkpoints every block while training. vision_init 'synthetic' only loads the file
+    synthetic_vit_path(config); training.inputs.prepare_inputs (every task script) or tools.vit_pretrain
+    makes it.
     """
     model = VisionEncoder(
         img_size=config.image_res,
@@ -64,7 +66,7 @@ def build_vision_encoder(config: Any) -> VisionEncoder:
         num_heads=config.vision_heads,
         mlp_ratio=4.0,
         qkv_bias=True,
-        norm_layer=partial(nn.LayerNorm, eps=1e-6),
+        norm_layer=partial(LayerNorm, eps=1e-6),
         num_classes=0,
         global_pool="",
         class_token=True,
@@ -75,6 +77,7 @@ def build_vision_encoder(config: Any) -> VisionEncoder:
     # Only each block's input is kept, the rest is recomputed in backward; torch.utils.checkpoint
     # restores the RNG state (its default, kept by timm's checkpoint_seq): drop_path redraws its masks.
     model.set_grad_checkpointing(config.grad_checkpointing)
+    set_amp_layer_norm(model, config.amp_layer_norm)
     init = config.vision_init
     if init == SYNTHETIC:
         init = synthetic_vit_path(config)

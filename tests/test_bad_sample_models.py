@@ -236,17 +236,19 @@ def test_base_itm_never_mines_an_invalid_item(tokenizer, monkeypatch, negatives,
         assert VALID[neg_text[VALID]].all() and VALID[neg_image[VALID]].all()
 
 
-def test_base_invalid_rows_get_no_gradient_and_all_invalid_is_zero(tokenizer):
-    model = base_model(tokenizer, guard_false_negatives=True)
+@pytest.mark.parametrize("share_image_kv", [True, False])
+def test_base_invalid_rows_get_no_gradient_and_all_invalid_is_zero(tokenizer, share_image_kv):
+    model = base_model(tokenizer, guard_false_negatives=True, share_image_kv=share_image_kv)
     images, text = batch(tokenizer)
     images.requires_grad_(True)
     embedded = embedding_grads(model)
     out = seeded(model, images, text, image_key=KEYS, valid=VALID)
     sum(out[k] for k in ("loss_itc", "loss_cons", "loss_itm", "loss_mlm")).backward()
     assert_zero_rows(images.grad, VALID)
-    assert len(embedded) == 2  # the text pass and the MLM pass
+    # The plain and the masked captions: one text pass of 2B rows (share_image_kv), or ALBEF's two passes.
+    assert [len(e) for e in embedded] == ([16] if share_image_kv else [8, 8])
     for e in embedded:
-        assert_zero_rows(e.grad, VALID)
+        assert_zero_rows(e.grad, VALID.repeat(len(e) // 8))
 
     model.zero_grad()
     none = torch.zeros(8, dtype=torch.bool)
@@ -321,6 +323,7 @@ def test_retrieval_valid_none_is_the_old_computation_bit_for_bit(tokenizer):
                 if p.grad is not None:
                     p -= 0.1 * p.grad
                     q -= 0.1 * q.grad
+        model.clamp_temperature()  # after every optimiser step (training.optimizer.clamp_after_steps)
     for key in ("image_queue", "text_queue", "idx_queue", "queue_ptr"):
         assert torch.equal(getattr(model, key), getattr(ref_model, key)), key
     assert model.valid_queue.all()

@@ -215,7 +215,7 @@ def test_compiled_training_forward_matches_eager(tokenizer, monkeypatch):
     image, text, keys = (x.to(DEV) for x in pairs(tokenizer))
     eager, eager_grads = seeded_step(model, image, text, keys)
     info = DistInfo(rank=0, world_size=1, local_rank=0, device=DEV, distributed=False)
-    compiled = wrap_ddp(model, info, compile=True)
+    compiled = wrap_ddp(model, info, compile="default")
     assert compiled is not model and unwrap(compiled) is model
     try:
         out, grads = seeded_step(compiled, image, text, keys)

@@ -12,6 +12,7 @@ from files import InputFileError
 from models.loading import load_weights
 from models.pretrain import ALBEF_Base
 from training.config_files import ConfigError
+from training.optimizer import build_optimizer
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # tests/conftest.py
 
@@ -186,9 +187,16 @@ def test_losses_outputs_and_training_signal(tokenizer):
         optimizer.step()
         totals.append(total.item())
     assert sum(totals[-3:]) / 3 < 0.75 * sum(totals[:3]) / 3, totals
+    # ALBEF's clamp of the temperature runs after every optimiser step (build_optimizer's hook), so that
+    # forward writes no parameter (CUDA graphs).
+    optimizer = build_optimizer(model, config().optimizer)
     with torch.no_grad():
         model.temp.fill_(5.0)
         model(images, text)
+    assert model.temp.item() == 5.0
+    out = model(images, text)
+    (out["loss_itc"] + out["loss_itm"]).backward()
+    optimizer.step()
     assert model.temp.item() == pytest.approx(0.5)
 
 

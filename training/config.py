@@ -173,7 +173,17 @@ class TaskConfig:
                                              "loss scaling); 'bf16': bf16 autocast on any device")
     grad_checkpointing: bool = key(False, "recompute ViT/BERT activations in backward: less memory, ~30 % "
                                           "more compute")
-    compile: bool = key(False, "torch.compile the training forward")
+    compile: bool | Literal["default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs"] = key(
+        False, "torch.compile the training forward; true or a torch.compile mode (reduce-overhead: CUDA "
+               "graphs, with static_text)")
+    static_text: bool | None = key(None, "pad every training text batch to max_tokens (static shapes for "
+                                         "compile and CUDA graphs); false: to the batch's longest; null: "
+                                         "true when compile is on")
+    fused_qkv: bool = key(True, "each BERT attention's query/key/value Linears as one product (the same "
+                                "parameters and checkpoint keys); false: three products")
+    amp_layer_norm: Literal["compute", "float32"] = key(
+        "compute", "LayerNorm under amp: in the compute dtype (bf16/fp16, statistics in fp32, as apex) or "
+                   "float32 (torch's autocast default); no effect without amp")
 
     # --- the run (training.trainer) --------------------------------------------------------------------
     print_freq: int = key(50, "a progress line (and a line of metrics.jsonl, a point per back-end) every "
@@ -225,6 +235,18 @@ class TaskConfig:
         return set() if self.grit_on else {"grit.warmstart_indices"}
 
     @property
+    def static_text_on(self) -> bool:
+        """True when training text batches are padded to max_tokens (static_text, null: with compile)."""
+        return bool(self.compile) if self.static_text is None else self.static_text
+
+    @property
+    def compile_mode(self) -> str | None:
+        """torch.compile's mode for config key compile (None: not compiled)."""
+        if self.compile is False:
+            return None
+        return "default" if self.compile is True else self.compile
+
+    @property
     def grit_on(self) -> bool:
         """True when this run deals GRIT batches."""
         grit = getattr(self, "grit", None)
@@ -252,6 +274,9 @@ class _Objectives:
                           "ITC alone)")
     itm_negatives: Literal["hard", "random"] = key("hard", "ITM negatives: hard (mined from the ITC "
                                                            "similarities of the local batch) or random")
+    share_image_kv: bool = key(True, "each fusion layer's cross-attention keys and values computed once "
+                                     "per image and gathered for ITM's (and MLM's) rows; false: once per "
+                                     "row, as ALBEF (the same numbers, ~14 % more FLOPs in pre-training)")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -271,6 +296,8 @@ class PretrainConfig(_Objectives, TaskConfig):
     guard_false_negatives: bool = key(False, "pairs of one image or with identical captions in a batch are "
                                              "ITC positives, never ITM negatives (not in the paper)")
     mlm_probability: float = key(0.15, "MLM masking rate (ALBEF: 0.15; GRIT-VLP: 0.5)", above=0, high=1)
+    mlm_masked_only: bool = key(True, "MLM vocabulary logits only at the masked positions (a fixed-size "
+                                      "selection, no host sync); false: at every position, as ALBEF")
     batch_size: int = key(REQUIRED, "per-rank batch N: one GRIT group per local batch", low=1)
     grit: Grit = key(Grit(enabled=False), "the GRIT sampler block; null: GRIT off")
 

@@ -239,9 +239,10 @@ def unwrap(model: nn.Module) -> nn.Module:
 
 
 def wrap_ddp(model: nn.Module, info: DistInfo, find_unused_parameters: bool = False,
-             broadcast_buffers: bool = True, compile: bool = False) -> nn.Module:
-    """DistributedDataParallel when running distributed, else the model unchanged; compile=True (config
-    key `compile`) then wraps it in torch.compile.
+             broadcast_buffers: bool = True, compile: str | None = None) -> nn.Module:
+    """DistributedDataParallel when running distributed, else the model unchanged; compile, a
+    torch.compile mode ('default', 'reduce-overhead' = CUDA graphs, ...; config key `compile`, None: off),
+    then wraps it in torch.compile.
 
     Only the training forward goes through the compiled wrapper: checkpoints, evaluation and GRIT's naive
     pass use the plain module, so state-dict keys never gain torch.compile's '_orig_mod.' prefix. The
@@ -253,4 +254,4 @@ def wrap_ddp(model: nn.Module, info: DistInfo, find_unused_parameters: bool = Fa
         model = nn.parallel.DistributedDataParallel(model, device_ids=ids,
                                                     broadcast_buffers=broadcast_buffers,
                                                     find_unused_parameters=find_unused_parameters)
-    return torch.compile(model) if compile else model
+    return torch.compile(model, mode=compile) if compile else model

@@ -69,10 +69,27 @@ def build_optimizer(model: nn.Module, config: Any, *, zero: bool = False,
         # All groups at construction: the sorted-greedy partition (each parameter whole, on one rank)
         # runs group by group, as add_param_group would; parameters stay ordinary tensors (no bucket
         # views), so DDP and the tied MLM decoder weight see no difference.
-        return ZeroRedundancyOptimizer(groups, optimizer_class=torch.optim.AdamW, **settings)
-    if zero:
-        print_main('zero: true has no effect in a single process (nothing to shard the optimizer state over)')
-    return torch.optim.AdamW(groups, **settings)
+        optimizer = ZeroRedundancyOptimizer(groups, optimizer_class=torch.optim.AdamW, **settings)
+    else:
+        if zero:
+            print_main('zero: true has no effect in a single process (nothing to shard the optimizer state '
+                       'over)')
+        optimizer = torch.optim.AdamW(groups, **settings)
+    clamp_after_steps(model, optimizer)
+    return optimizer
+
+
+def clamp_after_steps(model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
+    """Run model.clamp_temperature() (when the model has one) after every optimiser step.
+
+    ALBEF clamps the learnt ITC temperature to [0.001, 0.5] at the start of every training forward. The
+    clamp after each step (and the trainer's once before the first) gives every forward the same value,
+    and the forward then writes no parameter, which a CUDA-graph replay (compile: reduce-overhead) would
+    not repeat. A step the loss scaler skips changes nothing, so needs no clamp.
+    """
+    clamp = getattr(model, 'clamp_temperature', None)
+    if clamp is not None:
+        optimizer.register_step_post_hook(lambda *_: clamp())
 
 
 def schedule_lr(step: int, steps_per_epoch: int, lr: float, epochs: int, min_lr: float = 0.0,

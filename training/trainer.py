@@ -142,7 +142,7 @@ class Trainer:
                                collate_fn=task.collate, drop_last=True, generator=task.generator)
         model = wrap_ddp(task.model, info, broadcast_buffers=task.broadcast_buffers,
                          find_unused_parameters=not getattr(task.model, "uses_every_parameter", True),
-                         compile=config.compile)
+                         compile=config.compile_mode)
         optimizer = build_optimizer(task.model, config.optimizer, zero=config.zero, fused=config.fused_adamw)
         scheduler = build_scheduler(optimizer, config.schedular, steps_per_epoch)
         scaler = build_scaler(config.amp, info.device)
@@ -166,6 +166,12 @@ class Trainer:
             sampler.start_batch = global_step - start_epoch * steps_per_epoch  # this epoch's batches done
             if best is not None:
                 best = dict(saved.get("best", best))
+        # ALBEF's clamp of the ITC temperature, once before the first step (and after every optimiser step:
+        # training.optimizer.clamp_after_steps): a config's or checkpoint's value outside [0.001, 0.5] (an
+        # older checkpoint was saved after a step that the next forward's clamp would have corrected).
+        clamp = getattr(task.model, "clamp_temperature", None)
+        if clamp is not None:
+            clamp()
         self._open_output_dir()
         reporter = Reporter(self.output_dir, config.report_to, config_to_dict(config),
                             config.run_name or os.path.basename(os.path.normpath(self.output_dir)),
@@ -267,11 +273,17 @@ class Trainer:
         logger = TrainLogger(header=f"{task.name} epoch {epoch}", print_freq=config.print_freq,
                              samples_per_step=task.batch_size * world, on_log=on_log)
         bad_log.epoch = epoch
+        # compile: reduce-overhead replays CUDA graphs, whose outputs live in memory the next step reuses.
+        graphs = config.compile_mode == "reduce-overhead"
         samples, start = 0, time.time()
         for batch in logger.log_every(parts.loader, total=steps_per_epoch - start_batch, start=start_batch):
             bad_log.record(batch.reasons)
+            if graphs:
+                torch.compiler.cudagraph_mark_step_begin()
             with torch.autocast(device.type, dtype=dtype or torch.float32, enabled=dtype is not None):
                 loss, metrics = task.step(model, batch)
+            if graphs:  # the logger keeps them for the epoch's means
+                metrics = {k: v.clone() for k, v in metrics.items()}
             skip, stop = guard.decide(loss)
             optimizer.zero_grad(set_to_none=True)
             lr = optimizer.param_groups[0]["lr"]
