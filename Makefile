@@ -2,7 +2,7 @@
 PY := .venv/bin/python
 STAMP := .venv/.installed
 
-.PHONY: demo test test-slow gpu-check lint venv clean
+.PHONY: demo test test-slow gpu-check gpu-wheels lint venv clean
 
 venv: $(STAMP)
 
@@ -15,7 +15,7 @@ $(STAMP): requirements.txt
 demo: $(STAMP)
 	$(PY) demo.py
 
-# Two workers, a test file each at a time (module fixtures build once per file): 8 min -> 5 min here.
+# Two workers, a test file each at a time (module fixtures build once per file).
 test: $(STAMP)
 	$(PY) -m ruff check .
 	$(PY) -m pytest -n 2 --dist loadfile
@@ -30,6 +30,17 @@ test-slow: $(STAMP)
 # sizes, GRIT's grouping cost, a tiny pre-training on the GPU; one JSON report. Without CUDA: skips, exit 0.
 gpu-check: $(STAMP)
 	$(PY) -m tools.gpu_check
+
+# For a CUDA machine without a package registry (docs/speed-and-scale.md, "The GPU check"): the packages the
+# GPU check needs beyond torch and numpy, at this venv's versions, as wheels for CPython 3.12 on x86-64 in
+# .whl/ (about 19 MB). There: pip install --no-index --no-deps --target /tmp/site .whl/*.whl, then
+# PYTHONPATH=/tmp/site python3 -m tools.gpu_check --quick.
+GPU_WHEELS := transformers tokenizers huggingface_hub ruamel.yaml wids webdataset braceexpand timm
+gpu-wheels: $(STAMP)
+	$(PY) -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
+		--platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 \
+		-d .whl $$($(PY) -c "import importlib.metadata as m; \
+		print(' '.join(f'{p}=={m.version(p)}' for p in '$(GPU_WHEELS)'.split()))")
 
 lint: $(STAMP)
 	$(PY) -m ruff check .

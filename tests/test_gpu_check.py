@@ -12,7 +12,7 @@ import pytest
 import torch
 from conftest import ROOT
 
-from tools.gpu_check import GB, judge, pytest_summary
+from tools.gpu_check import GB, build_parser, judge, judge_quick, pytest_summary, quick_parts
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has CUDA: make gpu-check runs for real")
@@ -50,3 +50,56 @@ def test_the_targets_are_judged_from_the_measurements():
     slow = judge({"batch128": {"mfu": 0.3, "step_seconds": 0.001}}, grit)
     assert not slow["bf16_mfu"]["met"] and not slow["grit_share_of_step_time"]["met"]
     assert slow["batch128_checkpointed_memory"] is None  # not measured, not judged
+
+
+# ----------------------------------------------------------------------------- --quick (issue 33)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has CUDA: --quick runs for real")
+def test_quick_without_cuda_skips_cleanly(tmp_path):
+    out = str(tmp_path / "quick")
+    done = subprocess.run([sys.executable, "-m", "tools.gpu_check", "--quick", "--output_dir", out], cwd=ROOT,
+                          capture_output=True, text=True, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert done.returncode == 0, done.stderr
+    assert "gpu-check skipped: no CUDA device" in done.stdout
+    with open(os.path.join(out, "gpu_check.json")) as f:
+        report = json.load(f)
+    assert report["mode"] == "quick" and report["status"] == "skipped" and report["device"] is None
+    assert "step_bench" not in report and report["tests"]["skipped"] >= 8
+
+
+def test_quick_measures_each_change_on_and_off_eager_compiled_and_with_cuda_graphs(tmp_path):
+    args = build_parser().parse_args(["--quick", "--output_dir", str(tmp_path)])
+    parts = {name: (argv, timeout) for name, argv, timeout in quick_parts(args)}
+    assert list(parts) == ["step_eager", "step_compiled", "attention", "tests"]
+    assert sum(timeout for _, timeout in parts.values()) <= 620  # each part bounded; about 7 min in all
+
+    def variants(name: str) -> list[str]:
+        argv = parts[name][0]
+        return argv[argv.index("--variants") + 1].split(",")
+
+    eager = variants("step_eager")
+    assert eager[:2] == ["bf16", "bf16+albef"] and "bf16+grad_checkpointing" in eager
+    changes = {"no_share_image_kv", "no_fused_qkv", "no_mlm_masked_only", "fp32_layer_norm"}
+    assert {v.removeprefix("bf16+") for v in eager} >= changes
+    assert variants("step_compiled") == ["bf16+compile", "bf16+compile+cudagraphs"]
+    argv = parts["step_eager"][0]
+    assert argv[argv.index("--batch_size") + 1] == "128" and "configs/Pretrain.yaml" in argv
+
+
+def test_quick_targets_and_effects_are_judged_from_the_measurements():
+    step = {"bf16": {"mfu": 0.42, "samples_per_s": 1400.0, "flops_per_sample": 207e9},
+            "bf16+albef": {"mfu": 0.30, "samples_per_s": 1000.0},
+            "bf16+no_share_image_kv": {"mfu": 0.37, "samples_per_s": 1250.0},
+            "bf16+grad_checkpointing": {"mfu": 0.30, "peak_memory_bytes": 7 * GB},
+            "bf16+compile": {"mfu": 0.48}, "bf16+compile+cudagraphs": {"mfu": 0.55}}
+    targets = judge_quick(step)
+    assert targets["eager_mfu"] == {"value": 0.42, "target": ">= 0.4", "met": True}
+    assert targets["compiled_mfu"]["value"] == 0.55 and targets["compiled_mfu"]["met"]  # the better one
+    assert targets["checkpointed_memory"] == {"value_gb": 7.0, "target": "< 24 GB", "met": True}
+    executed = targets["executed_gflop_per_sample"]
+    assert executed["value"] == 207.0 and executed["met"]
+    assert targets["effects"] == {"albef": 1.4, "no_share_image_kv": 1.12}  # the others were not measured
+    slow = judge_quick({"bf16": {"mfu": 0.2, "samples_per_s": 1.0}, "bf16+compile": {"mfu": 0.45}})
+    assert not slow["eager_mfu"]["met"] and not slow["compiled_mfu"]["met"]
+    assert slow["checkpointed_memory"] is None and slow["effects"] == {}

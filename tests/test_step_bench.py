@@ -23,7 +23,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CONFIG = "configs/tiny/Pretrain.yaml"
 BATCH = 4
 FIELDS = ("samples_per_s", "step_seconds", "flops_per_sample", "achieved_flops", "matmul_peak_flops",
-          "mfu", "peak_memory_bytes")
+          "mfu", "mfu_executed", "model_flops_per_sample", "peak_memory_bytes")
 
 
 @pytest.fixture(scope="module")
@@ -33,7 +33,7 @@ def result(tmp_path_factory) -> dict:
     # The old hyphenated spellings (--batch-size, --peak-sizes) still answer as aliases.
     proc = subprocess.run(
         [sys.executable, "-m", "tools.step_bench", "--config", CONFIG, "--batch_size", str(BATCH),
-         "--steps", "2", "--warmup", "1", "--device", "cpu", "--variants", "default,bf16",
+         "--steps", "2", "--warmup", "1", "--device", "cpu", "--variants", "default,bf16,albef",
          "--threads", "1", "--peak-sizes", "512", "--output_dir", str(out)],
         cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-2000:]
@@ -44,9 +44,10 @@ def result(tmp_path_factory) -> dict:
     return record
 
 
-def independent_count() -> int:
-    """FlopCounterMode over one forward + backward of the tiny model on a random batch of BATCH."""
-    config = resolve_config("pretrain", CONFIG, check_paths=False)
+def independent_count(**keys) -> int:
+    """FlopCounterMode over one forward + backward of the tiny model (config keys `keys` on top) on a random
+    batch of BATCH."""
+    config = dataclasses.replace(resolve_config("pretrain", CONFIG, check_paths=False), **keys)
     tokenizer = tokenizer_from_vocab(config.vocab_file)
     model = ALBEF_Base(dataclasses.replace(config, vision_init=None), tokenizer).train()
     res, length = config.image_res, config.max_tokens
@@ -71,13 +72,17 @@ def independent_count() -> int:
 def test_json_fields(result):
     assert result["device"] == "cpu" and result["batch_size"] == BATCH and result["threads"] == 1
     assert "counted" in result["flops"]
-    assert set(result["variants"]) == {"default", "bf16"}
+    assert set(result["variants"]) == {"default", "bf16", "albef"}
     for name, v in result["variants"].items():
         assert "error" not in v, (name, v)
         for key in FIELDS:
             assert isinstance(v[key], (int, float)) and v[key] > 0, (name, key, v[key])
-        assert 0 < v["mfu"] < 1.5, (name, v["mfu"])
         assert v["achieved_flops"] == pytest.approx(v["flops_per_sample"] * v["samples_per_s"])
+        # Two MFUs: ALBEF's step (the same work for every variant) and the variant's own, per second.
+        assert v["model_flops_per_sample"] == result["model_flops_per_sample"]
+        model_rate = v["model_flops_per_sample"] * v["samples_per_s"]
+        assert v["mfu"] == pytest.approx(model_rate / v["matmul_peak_flops"])
+        assert v["mfu_executed"] == pytest.approx(v["achieved_flops"] / v["matmul_peak_flops"])
         assert v["tokenizer"] == "vocab_file data/synthetic/vocab.txt"
         assert all(math.isfinite(x) for x in v["losses"].values()), (name, v["losses"])
     assert result["variants"]["bf16"]["dtype"] == "bfloat16 autocast"
@@ -85,10 +90,65 @@ def test_json_fields(result):
 
 def test_flops_match_an_independent_count(result):
     flops = independent_count()
-    for v in result["variants"].values():  # bf16 autocast runs the same ops on the same shapes
+    for name in ("default", "bf16"):  # bf16 autocast runs the same ops on the same shapes
+        v = result["variants"][name]
         assert v["flops_per_step"] == flops
         assert v["flops_per_sample"] == flops / BATCH
         assert any("attention" in op for op in v["flops_share_by_op"])  # attention is counted
+        assert v["config_changes"] == {}
+    # Model FLOPs: ALBEF's step, each fusion layer's image keys and values once per row and MLM logits at
+    # every position; the shipped step executes less of it.
+    albef = independent_count(share_image_kv=False, fused_qkv=False, mlm_masked_only=False)
+    assert result["model_flops_per_sample"] == albef / BATCH
+    assert result["variants"]["albef"]["flops_per_sample"] == albef / BATCH
+    assert flops < albef
+    assert result["variants"]["albef"]["config_changes"] == {
+        "share_image_kv": False, "fused_qkv": False, "mlm_masked_only": False, "amp_layer_norm": "float32"}
+
+
+def test_variants_are_switches_joined_by_plus():
+    from tools.step_bench import variant_switches
+
+    assert variant_switches("default") == frozenset()
+    assert variant_switches("bf16_compile") == variant_switches("compile+bf16") == {"bf16", "compile"}
+    assert variant_switches("bf16+cudagraphs") == {"bf16", "compile", "cudagraphs"}  # CUDA graphs compile
+    with pytest.raises(ValueError, match="fp8"):
+        variant_switches("bf16+fp8")
+
+
+def test_baseline_runs_the_other_checkout(tmp_path):
+    """--baseline: the variant runs in the other checkout (here this same one) and here; the speedup is the
+    ratio of their step times and the baseline's commit is named."""
+    proc = subprocess.run(
+        [sys.executable, "-m", "tools.step_bench", "--config", CONFIG, "--batch_size", "2", "--steps", "1",
+         "--warmup", "0", "--device", "cpu", "--variants", "albef", "--threads", "1", "--peak_sizes", "64",
+         "--baseline", ROOT, "--rounds", "1"],
+        cwd=ROOT, env=dict(os.environ, OMP_NUM_THREADS="1"), capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    record = json.loads(proc.stdout.strip().splitlines()[-1])
+    mine, theirs = record["variants"]["albef"], record["baseline"]["variants"]["albef"]
+    speedup = theirs["step_seconds"] / mine["step_seconds"]
+    assert record["baseline"]["speedup"]["albef"] == pytest.approx(speedup)
+    assert record["baseline"]["commit"] and len(record["baseline"]["commit"]) == 40
+    assert theirs["flops_per_step"] == mine["flops_per_step"]  # the same code: the same step
+
+
+def test_baseline_alternates_and_keeps_the_best_run(monkeypatch):
+    from tools import step_bench
+
+    calls = []
+    times = iter([3.0, 2.0, 1.0, 4.0, 2.5, 0.5])  # baseline, this, baseline, this, ...
+
+    def fake(argv, variant, checkout=None):
+        calls.append(checkout)
+        return {"step_seconds": next(times)}
+
+    monkeypatch.setattr(step_bench, "spawn_variant", fake)
+    mine, baseline = step_bench.alternate([], ["default"], ROOT, rounds=3)
+    assert calls == [ROOT, None] * 3  # B A B A B A
+    assert mine["default"]["step_seconds_runs"] == [2.0, 4.0, 0.5] and mine["default"]["step_seconds"] == 0.5
+    assert baseline["variants"]["default"]["step_seconds"] == 1.0
+    assert baseline["speedup"]["default"] == 2.0
 
 
 def test_unknown_variant_is_refused():

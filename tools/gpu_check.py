@@ -1,8 +1,9 @@
 """Check the whole GPU path in one command (`make gpu-check`): the GPU-marked tests, the step benchmark at
 the paper's sizes, GRIT's grouping cost and a tiny pre-training with zero-shot retrieval on the GPU, into
-one JSON report.
+one JSON report; with --quick, the step's speed in about 7 minutes.
 
     python -m tools.gpu_check [--output_dir output/gpu_check] [--device cuda]
+    python -m tools.gpu_check --quick [--output_dir output/gpu_check_quick] [--batch_size 128]
 
 On a CUDA machine, in order (each part's output in <output_dir>/<part>.txt, a failed part recorded and the
 others still run; about 10 minutes on one GPU):
@@ -18,6 +19,18 @@ others still run; about 10 minutes on one GPU):
                  retrieval (configs/tiny/Retrieval.yaml): R@1 and seconds
 and the issue-27 targets judged: bf16 MFU >= 0.45, batch 128 with gradient checkpointing under 24 GB,
 GRIT collection + grouping <= 1 % of step time. The report (<output_dir>/gpu_check.json) names the device.
+
+--quick (issue 33; the report is rewritten after every part, so a run cut short keeps what it measured):
+  step_eager     tools.step_bench at --batch_size (128), bf16: the step as shipped, ALBEF's step (albef),
+                 each speed change off alone, and gradient checkpointing (its peak memory)
+  step_compiled  the same step compiled (inductor), and compiled with CUDA graphs (reduce-overhead)
+  attention      tools.attention_bench: every SDPA backend at the step's four attention shapes
+  tests          the GPU-marked tests, as above
+and the issue-33 targets judged: MFU in model FLOPs >= 0.40 eager and >= 0.50 compiled, gradient
+checkpointing under 24 GB; each change's effect is the step's samples/s over that of the step without it.
+It needs only what tools.step_bench and the tests import (torch, timm, transformers < 5, tokenizers,
+huggingface_hub, ruamel.yaml, numpy, pillow; wids, webdataset and braceexpand for the tests): on a
+machine without a package registry carry them as wheels (docs/speed-and-scale.md, "The GPU check").
 
 Without CUDA it runs the GPU-marked tests anyway, which skip with their reason, prints why nothing else
 ran, writes the report with status "skipped" and exits 0; a failed part makes the exit status 1.
@@ -39,12 +52,19 @@ from tools.cli import emit_record, tool_parser
 from tools.compare import last_checkpoint, read_log, read_retrieval
 from training.cli import Parser, run_main
 
-__all__ = ["GB", "TARGETS", "build_parser", "judge", "main", "pytest_summary"]
+__all__ = ["GB", "QUICK_COMPILED", "QUICK_EAGER", "QUICK_TARGETS", "TARGETS", "build_parser", "judge",
+           "judge_quick", "main", "pytest_summary", "quick_parts"]
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 GB = 1024 ** 3
 TINY_PRETRAIN, TINY_RETRIEVAL = 'configs/tiny/Pretrain.yaml', 'configs/tiny/Retrieval.yaml'
 TARGETS = {'bf16_mfu_min': 0.45, 'batch128_checkpointed_memory_max_bytes': 24 * GB, 'grit_share_max': 0.01}
+# --quick: the step as shipped, ALBEF's, each change of issue 33 off alone, checkpointing; then compiled.
+QUICK_EAGER = ('bf16', 'bf16+albef', 'bf16+no_share_image_kv', 'bf16+no_fused_qkv', 'bf16+no_mlm_masked_only',
+               'bf16+fp32_layer_norm', 'bf16+grad_checkpointing')
+QUICK_COMPILED = ('bf16+compile', 'bf16+compile+cudagraphs')
+QUICK_TARGETS = {'eager_mfu_min': 0.40, 'compiled_mfu_min': 0.50, 'checkpointed_memory_max_bytes': 24 * GB,
+                 'executed_gflop_per_sample_max': 210.0}
 # The paper's GRIT sizes (S.M.): queue L, search space M, batch N per GPU, ITC feature width.
 GRIT_SIZES = {'queue_size': 48000, 'search_space': 1920, 'batch_size': 128, 'dim': 256}
 
@@ -99,23 +119,126 @@ def judge(step: dict[str, dict], grit: dict | None) -> dict:
     return out
 
 
+def judge_quick(step: dict[str, dict]) -> dict:
+    """--quick's targets against its step benchmark: each {'value', 'target', 'met'} (None where not
+    measured), and each change's effect (samples/s of the step as shipped over the step without it)."""
+    def mfu(name: str) -> float | None:
+        return (step.get(name) or {}).get('mfu')
+
+    out: dict = {}
+    eager = mfu('bf16')
+    out['eager_mfu'] = None if eager is None else {
+        'value': round(eager, 4), 'target': f">= {QUICK_TARGETS['eager_mfu_min']}",
+        'met': eager >= QUICK_TARGETS['eager_mfu_min']}
+    compiled = [m for m in (mfu(name) for name in QUICK_COMPILED) if m is not None]
+    out['compiled_mfu'] = None if not compiled else {
+        'value': round(max(compiled), 4), 'target': f">= {QUICK_TARGETS['compiled_mfu_min']}",
+        'met': max(compiled) >= QUICK_TARGETS['compiled_mfu_min']}
+    memory = (step.get('bf16+grad_checkpointing') or {}).get('peak_memory_bytes')
+    out['checkpointed_memory'] = None if memory is None else {
+        'value_gb': round(memory / GB, 2), 'target': '< 24 GB',
+        'met': memory < QUICK_TARGETS['checkpointed_memory_max_bytes']}
+    executed = (step.get('bf16') or {}).get('flops_per_sample')
+    out['executed_gflop_per_sample'] = None if executed is None else {
+        'value': round(executed / 1e9, 1), 'target': f"<= {QUICK_TARGETS['executed_gflop_per_sample_max']} "
+                                                      '(at the paper\'s sizes)',
+        'met': executed / 1e9 <= QUICK_TARGETS['executed_gflop_per_sample_max']}
+    shipped = (step.get('bf16') or {}).get('samples_per_s')
+    out['effects'] = {name.removeprefix('bf16+'): round(shipped / step[name]['samples_per_s'], 3)
+                      for name in QUICK_EAGER[1:-1] if shipped and 'samples_per_s' in (step.get(name) or {})}
+    return out
+
+
+def quick_parts(args) -> list[tuple[str, list[str], int]]:
+    """--quick's parts in order: (name, python arguments, timeout seconds); the step benchmarks' and the
+    attention benchmark's records go into <output_dir>/<name>/."""
+    out = os.path.abspath(args.output_dir)
+    bench = ['--config', args.config, '--batch_size', str(args.batch_size), '--steps', str(args.steps),
+             '--warmup', str(args.warmup), '--device', args.device]
+    return [
+        ('step_eager', ['-m', 'tools.step_bench', *bench, '--variants', ','.join(QUICK_EAGER),
+                        '--output_dir', os.path.join(out, 'step_eager')], 150),
+        ('step_compiled', ['-m', 'tools.step_bench', *bench, '--variants', ','.join(QUICK_COMPILED),
+                           '--output_dir', os.path.join(out, 'step_compiled')], 260),
+        ('attention', ['-m', 'tools.attention_bench', '--config', args.config, '--batch_size',
+                       str(args.batch_size), '--device', args.device, '--output_dir',
+                       os.path.join(out, 'attention')], 60),
+        ('tests', ['-m', 'pytest', '-m', 'gpu', '-rs', '-p', 'no:cacheprovider', 'tests/test_gpu.py'], 150),
+    ]
+
+
+def run_quick(args, report: dict) -> dict:
+    """--quick on a CUDA device (or a device named with --device): the parts in order, the report rewritten
+    after each; exits 1 when a part failed."""
+    out_dir = os.path.abspath(args.output_dir)
+    step: dict[str, dict] = {}
+    parts: dict[str, dict] = {}
+    report.update(mode='quick', parts=parts, step_bench=step, attention=None, targets=None, status='running')
+    for name, argv, timeout in quick_parts(args):
+        parts[name] = _run(name, argv, out_dir, timeout)
+        if name == 'tests':
+            with open(parts[name]['log'], encoding='utf-8') as f:
+                parts[name].update(pytest_summary(f.read()))
+            if parts[name].get('failed'):
+                parts[name]['status'] = 'failed'
+        elif name == 'attention':
+            report['attention'] = _read_json(os.path.join(out_dir, name, 'attention_bench.json'))
+        else:
+            record = _read_json(os.path.join(out_dir, name, 'step_bench.json')) or {}
+            step.update(record.get('variants') or {})
+            report.setdefault('model_flops_per_sample', record.get('model_flops_per_sample'))
+            if any('error' in v for v in (record.get('variants') or {}).values()):
+                parts[name]['status'] = 'failed'
+        report['targets'] = judge_quick(step)
+        _write(report, out_dir)
+    failed = sorted(name for name, part in parts.items() if part['status'] != 'passed')
+    report.update(status='failed' if failed else 'passed', failed_parts=failed)
+    emit_record(report, out_dir, 'gpu_check')
+    if failed:
+        print(f'gpu-check --quick: failed parts {failed}; their output is in {out_dir}/<part>.txt',
+              file=sys.stderr)
+        sys.exit(1)
+    return report
+
+
+def _write(report: dict, out_dir: str) -> None:
+    """The report so far, to <out_dir>/gpu_check.json (a run cut short keeps what it measured)."""
+    with open(os.path.join(out_dir, 'gpu_check.json'), 'w', encoding='utf-8') as f:
+        json.dump(report, f, indent=2)
+        f.write('\n')
+
+
 def build_parser() -> Parser:
     """The command line."""
     p = tool_parser('tools.gpu_check', __doc__.splitlines()[0])
-    p.add_argument('--output_dir', default='output/gpu_check',
+    p.add_argument('--output_dir', default=None,
                    help='folder of the report gpu_check.json and of each part\'s output (default: '
-                        'output/gpu_check)')
-    p.add_argument('--device', default='cuda', help='the CUDA device to check (default: cuda)')
+                        'output/gpu_check, with --quick output/gpu_check_quick)')
+    p.add_argument('--device', default='cuda', help='the CUDA device to check (default: cuda); --quick also '
+                                                    'takes cpu, to try the check itself on a tiny --config')
+    p.add_argument('--quick', action='store_true',
+                   help='the step\'s speed in about 7 minutes: step benchmark eager (each change on and '
+                        'off), compiled and with CUDA graphs, the attention backends, then the GPU tests')
+    p.add_argument('--config', default='configs/Pretrain.yaml',
+                   help='--quick: the pre-training config benchmarked (default: configs/Pretrain.yaml)')
+    p.add_argument('--batch_size', type=int, default=128, help='--quick: per-GPU batch (default: 128)')
+    p.add_argument('--steps', type=int, default=10, help='--quick: timed steps per variant (default: 10)')
+    p.add_argument('--warmup', type=int, default=3, help='--quick: warm-up steps per variant (default: 3)')
     return p
 
 
 def main(argv: Sequence[str] | None = None) -> dict:
     """Run the GPU check (or say why not) and write the report; returns it."""
     args = build_parser().parse_args(argv)
+    args.output_dir = args.output_dir or ('output/gpu_check_quick' if args.quick else 'output/gpu_check')
     out_dir = os.path.abspath(args.output_dir)
     os.makedirs(out_dir, exist_ok=True)
-    report: dict = {'torch': torch.__version__, 'cuda': torch.version.cuda,
-                    'date': time.strftime('%Y-%m-%d %H:%M:%S')}
+    report: dict = {'mode': 'quick' if args.quick else 'full', 'torch': torch.__version__,
+                    'cuda': torch.version.cuda, 'date': time.strftime('%Y-%m-%d %H:%M:%S')}
+    device = torch.device(args.device)
+    if args.quick and (device.type != 'cuda' or torch.cuda.is_available()):
+        report['device'] = torch.cuda.get_device_name(device) if device.type == 'cuda' else 'cpu'
+        return run_quick(args, report)
     tests = _run('tests', ['-m', 'pytest', '-m', 'gpu', '-rs', '-p', 'no:cacheprovider', 'tests/test_gpu.py'],
                  out_dir, timeout=600)
     with open(tests['log'], encoding='utf-8') as f:

@@ -1,28 +1,35 @@
 """Time full pre-training steps of ALBEF_Base (forward, backward, AdamW) and print one JSON object.
 
     python -m tools.step_bench --config configs/Pretrain.yaml --batch_size 64 --steps 10 --warmup 3 \
-        --device cuda --variants default,bf16,grad_checkpointing,compile,bf16_compile [--output_dir DIR] \
+        --device cuda --variants default,bf16,bf16+albef,bf16+compile+cudagraphs [--output_dir DIR] \
         [--set key=value ...]
 
 A step is Pretrain.py's: forward of ALBEF_Base on (image, text, image_key), loss = the sum of the four
-losses, zero_grad, backward, gradient clipping when the config sets clip_grad, AdamW step. The model has
-random weights (text_encoder and vision_init are ignored) and the batch is synthetic: B random images at
-image_res and B random token sequences of max_tokens ids, no padding (the longest a batch gets).
-K steps are timed after W warm-up steps, with the device synchronised only before and after the K steps.
+losses, zero_grad, backward, gradient clipping when the config sets clip_grad, AdamW step (and the ITC
+temperature's clamp after it). The model has random weights (text_encoder and vision_init are ignored) and
+the batch is synthetic: B random images at image_res and B random token sequences of max_tokens ids, no
+padding (the longest a batch gets). K steps are timed after W warm-up steps, with the device synchronised
+only before and after the K steps.
 
-Each variant runs in a fresh subprocess (the tool re-invokes itself with --one_variant), so that on CPU
-the peak RSS (ru_maxrss, which never resets) is that variant's own:
-  default             fp32
+A variant is the set of switches its name joins with '+' ('default': none; 'bf16_compile' is bf16+compile).
+Each runs in a fresh subprocess (the tool re-invokes itself with --one_variant), so that on CPU the peak RSS
+(ru_maxrss, which never resets) is that variant's own. The switches:
   bf16                torch.autocast(device, bfloat16) around the forward and the loss
   grad_checkpointing  config key grad_checkpointing: true (the JSON says whether the model acted on it)
   compile             torch.compile(model); the first step (compilation) is timed apart as compile_seconds
-  bf16_compile        both (config keys amp: true and compile: true together); not in the default list
-FLOPs are counted with torch.utils.flop_counter.FlopCounterMode over one step's forward + backward (as the
-variant runs it: a checkpointed model's recomputed forward is included). matmul_peak_flops is the best
-FLOP/s of large square products (torch.mm and F.linear, the op nn.Linear runs) in the same process,
-device and dtype (the practical peak); mfu =
-achieved_flops / matmul_peak_flops. The JSON object is also written to DIR/step_bench.json with
---output_dir.
+  cudagraphs          compile in mode 'reduce-overhead' (CUDA graphs; compile implied)
+  albef               ALBEF's step: every change below off
+  no_share_image_kv   share_image_kv: false (each fusion layer's image keys and values once per row)
+  no_fused_qkv        fused_qkv: false (separate query, key and value products)
+  no_mlm_masked_only  mlm_masked_only: false (MLM vocabulary logits at every position)
+  fp32_layer_norm     amp_layer_norm: float32 (torch's autocast default; acts only with bf16)
+FLOPs are counted with torch.utils.flop_counter.FlopCounterMode over one step's forward + backward: the
+variant's own (executed FLOPs; a checkpointed model's recomputed forward included) and ALBEF_Base's step as
+the paper defines it (model FLOPs: the albef step without checkpointing, 241.0 GFLOP per sample at the
+paper's sizes), so that removed work shows as a gain. matmul_peak_flops is the best FLOP/s of large square
+products (torch.mm and F.linear, the op nn.Linear runs) in the same process, device and dtype (the
+practical peak); mfu = model FLOPs per second / matmul_peak_flops, mfu_executed the same with the
+executed FLOPs. The JSON object is also written to DIR/step_bench.json with --output_dir.
 """
 
 from __future__ import annotations
@@ -39,27 +46,45 @@ from collections.abc import Sequence
 import torch
 
 from tools.cli import add_config_args, add_output_dir, emit_record, tool_config, tool_parser
-from tools.launch import child_env, python_command
+from tools.launch import ROOT, child_env, python_command
 from training.cli import Parser, run_main
 from training.config import PretrainConfig
 from training.reporting import peak_memory_bytes
 
-# Each variant is the set of switches it turns on (a variant's name says what it runs).
-VARIANTS: dict[str, frozenset[str]] = {
-    'default': frozenset(), 'bf16': frozenset({'bf16'}),
-    'grad_checkpointing': frozenset({'grad_checkpointing'}), 'compile': frozenset({'compile'}),
-    'bf16_compile': frozenset({'bf16', 'compile'}),
+# The switches a variant name joins with '+', and the names kept for the variants they stood for.
+SWITCHES = ('bf16', 'grad_checkpointing', 'compile', 'cudagraphs', 'albef', 'no_share_image_kv',
+            'no_fused_qkv', 'no_mlm_masked_only', 'fp32_layer_norm')
+ALIASES = {'default': '', 'bf16_compile': 'bf16+compile'}
+# Each speed change of the step (docs/speed-and-scale.md) as the config keys that turn it off.
+CHANGES_OFF: dict[str, dict] = {
+    'no_share_image_kv': {'share_image_kv': False}, 'no_fused_qkv': {'fused_qkv': False},
+    'no_mlm_masked_only': {'mlm_masked_only': False}, 'fp32_layer_norm': {'amp_layer_norm': 'float32'},
 }
 DEFAULT_VARIANTS = ('default', 'bf16', 'grad_checkpointing', 'compile')
 LOSSES = ('loss_itc', 'loss_cons', 'loss_itm', 'loss_mlm')
 
 
+def variant_switches(name: str) -> frozenset[str]:
+    """The switches of variant `name` ('bf16+compile', an alias such as 'default'); ValueError if unknown."""
+    parts = frozenset(p for p in ALIASES.get(name, name).split('+') if p)
+    unknown = sorted(parts - set(SWITCHES))
+    if unknown or not (parts or name in ALIASES):
+        raise ValueError(f'variant {name!r}: unknown switch(es) {unknown or [name]}')
+    return parts | ({'compile'} if 'cudagraphs' in parts else set())
+
+
 def load_bench_config(args: argparse.Namespace, variant: str = 'default') -> PretrainConfig:
-    """The typed pre-training config of --config and --set, with the variant's key set
-    (grad_checkpointing). No data is read: its paths need not exist."""
+    """The typed pre-training config of --config and --set, with the variant's keys set (grad_checkpointing,
+    the changes it turns off). No data is read: its paths need not exist."""
+    switches = variant_switches(variant)
     config = tool_config('pretrain', args)
-    return (dataclasses.replace(config, grad_checkpointing=True)
-            if 'grad_checkpointing' in VARIANTS[variant] else config)
+    changes = {}
+    for name, keys in CHANGES_OFF.items():
+        if name in switches or 'albef' in switches:
+            changes.update(keys)
+    if 'grad_checkpointing' in switches:
+        changes['grad_checkpointing'] = True
+    return dataclasses.replace(config, **changes)
 
 
 def build_bench_tokenizer(config: PretrainConfig, workdir: str):
@@ -183,7 +208,8 @@ def run_variant(args: argparse.Namespace, variant: str) -> dict:
     from training.optimizer import build_optimizer
 
     device = torch.device(args.device)
-    dtype = torch.bfloat16 if 'bf16' in VARIANTS[variant] else None
+    switches = variant_switches(variant)
+    dtype = torch.bfloat16 if 'bf16' in switches else None
     torch.manual_seed(args.seed)
     config = load_bench_config(args, variant)
     with tempfile.TemporaryDirectory() as workdir:
@@ -198,14 +224,16 @@ def run_variant(args: argparse.Namespace, variant: str) -> dict:
     fields = {'tokenizer': vocab_note, 'vocab_size': len(tokenizer),
               'optimizer': f"{type(optimizer).__name__} fused={optimizer.defaults.get('fused')}",
               'parameters': sum(p.numel() for p in model.parameters() if p.requires_grad)}
-    if 'grad_checkpointing' in VARIANTS[variant]:
+    if 'grad_checkpointing' in switches:
         fields['model_grad_checkpointing'] = any(
             bool(getattr(m, a, False)) for m in model.modules()
             for a in ('grad_checkpointing', 'gradient_checkpointing'))
-    compiled = 'compile' in VARIANTS[variant]
-    net = torch.compile(model) if compiled else model
+    compiled, graphs = 'compile' in switches, 'cudagraphs' in switches
+    net = torch.compile(model, mode='reduce-overhead' if graphs else None) if compiled else model
 
     def step() -> dict:
+        if graphs:  # the last step's outputs may be overwritten (training.trainer does the same)
+            torch.compiler.cudagraph_mark_step_begin()
         out = forward_loss(net, batch, device, dtype)
         optimizer.zero_grad(set_to_none=True)
         out['loss'].backward()
@@ -243,19 +271,52 @@ def run_variant(args: argparse.Namespace, variant: str) -> dict:
         'samples_per_s': samples_per_s, 'step_seconds': seconds, 'warmup_steps': warmup,
         'flops_per_step': flops, 'flops_per_sample': flops / args.batch_size,
         'flops_share_by_op': {k: round(v / flops, 4) for k, v in by_op.items()} if flops else {},
-        'achieved_flops': achieved, 'matmul_peak_flops': peak, 'mfu': achieved / peak,
+        'achieved_flops': achieved, 'matmul_peak_flops': peak, 'mfu_executed': achieved / peak,
         'dtype': 'bfloat16 autocast' if dtype else 'float32', 'losses': losses,
-        'threads': torch.get_num_threads(), **fields,
+        'threads': torch.get_num_threads(), 'config_changes': changed_keys(config, args), **fields,
     }
 
 
-def spawn_variant(argv: Sequence[str], variant: str) -> dict:
-    """Run this tool with --one_variant in a fresh Python; its last stdout line is the variant's JSON.
+def changed_keys(config: PretrainConfig, args: argparse.Namespace) -> dict:
+    """The step's keys that this variant sets apart from --config and --set (what the variant measures)."""
+    base = tool_config('pretrain', args)
+    keys = ('grad_checkpointing', *sorted({k for keys in CHANGES_OFF.values() for k in keys}))
+    return {k: getattr(config, k) for k in keys if getattr(config, k) != getattr(base, k)}
+
+
+def model_flops(args: argparse.Namespace) -> int:
+    """FLOPs of one step of ALBEF_Base as the paper defines it (the albef variant, fp32, no checkpointing),
+    on the same synthetic batch: the fixed work that mfu divides by."""
+    from models.pretrain import ALBEF_Base
+
+    device = torch.device(args.device)
+    torch.manual_seed(args.seed)
+    config = load_bench_config(args, 'albef')
+    with tempfile.TemporaryDirectory() as workdir:
+        tokenizer, _ = build_bench_tokenizer(config, workdir)
+    batch = synthetic_batch(config, tokenizer, args.batch_size, device, args.seed)
+    model_config = dataclasses.replace(config, vision_init=None, text_encoder=None, grad_checkpointing=False)
+    model = ALBEF_Base(model_config, tokenizer).to(device).train()
+    return count_flops(model, batch, device, None)[0]
+
+
+def spawn_variant(argv: Sequence[str], variant: str, checkout: str | None = None) -> dict:
+    """Run this tool with --one_variant in a fresh Python; its last stdout line is the variant's JSON
+    (variant '': --model_flops, ALBEF's step counted only).
 
     The child keeps this process's working directory (it must read the config as this process does)
-    and finds the repository on its PYTHONPATH (tools.launch)."""
-    proc = subprocess.run(python_command(['tools.step_bench', *argv, '--one_variant', variant]),
-                          capture_output=True, text=True, env=child_env())
+    and finds the repository on its PYTHONPATH (tools.launch). checkout: another checkout of this
+    repository (--baseline) whose tools.step_bench runs instead, in its root, on its own copy of a config
+    that lies inside this repository."""
+    flag = ['--one_variant', variant] if variant else ['--model_flops']
+    command, env, cwd = python_command(['tools.step_bench', *argv, *flag]), child_env(), None
+    if checkout is not None:
+        checkout = os.path.abspath(checkout)
+        command = command[:1] + [checkout + arg[len(ROOT):] if arg.startswith(ROOT + os.sep) else arg
+                                 for arg in command[1:]]  # this interpreter, the checkout's files
+        env['PYTHONPATH'] = os.pathsep.join([checkout, env['PYTHONPATH']])
+        cwd = checkout
+    proc = subprocess.run(command, capture_output=True, text=True, env=env, cwd=cwd)
     lines = proc.stdout.strip().splitlines()
     if proc.returncode == 0 and lines:
         try:
@@ -264,6 +325,59 @@ def spawn_variant(argv: Sequence[str], variant: str) -> dict:
             pass
     tail = (proc.stderr.strip() or proc.stdout.strip())[-800:]
     return {'error': f'subprocess exited with {proc.returncode}: {tail}'}
+
+
+def alternate(child_argv: list[str], names: list[str], checkout: str, rounds: int
+              ) -> tuple[dict[str, dict], dict]:
+    """--baseline: each variant `rounds` times in the other checkout and in this one, in turn (B A B A ...),
+    each run a fresh subprocess -> (this checkout's best run per variant, the baseline's record: its best
+    runs, every run's step seconds on both sides, and speedup = baseline's best step time / this one's)."""
+    runs: dict[str, dict[str, list[dict]]] = {v: {'baseline': [], 'this': []} for v in names}
+    for _ in range(rounds):
+        for v in names:
+            runs[v]['baseline'].append(spawn_variant(child_argv, v, checkout))
+            runs[v]['this'].append(spawn_variant(child_argv, v))
+
+    def best(records: list[dict]) -> dict:
+        timed = [r for r in records if 'step_seconds' in r]
+        return min(timed, key=lambda r: r['step_seconds']) if timed else records[-1]
+
+    def seconds(records: list[dict]) -> list[float | None]:
+        return [r.get('step_seconds') for r in records]
+
+    mine = {v: {**best(r['this']), 'step_seconds_runs': seconds(r['this'])} for v, r in runs.items()}
+    theirs = {v: {**best(r['baseline']), 'step_seconds_runs': seconds(r['baseline'])}
+              for v, r in runs.items()}
+    commit = subprocess.run(['git', '-C', checkout, 'rev-parse', 'HEAD'], capture_output=True, text=True)
+    speedup = {v: theirs[v]['step_seconds'] / mine[v]['step_seconds'] for v in names
+               if 'step_seconds' in theirs[v] and 'step_seconds' in mine[v]}
+    return mine, {'checkout': os.path.abspath(checkout), 'commit': commit.stdout.strip() or None,
+                  'rounds': rounds, 'order': 'baseline, this, per variant, each round',
+                  'variants': theirs, 'speedup': speedup}
+
+
+def add_model_flops(variants: dict[str, dict], child_argv: list[str], batch_size: int) -> float | None:
+    """Add model_flops_per_sample and mfu (model FLOPs per second / peak) to every measured variant, and
+    recompute_flops_per_sample to a checkpointed one whose unchecked twin ran; returns the model FLOPs per
+    sample (None when they could not be counted). An fp32 or bf16 albef variant's count is ALBEF's step;
+    otherwise a child counts it."""
+    model = next((v['flops_per_sample'] for name, v in variants.items()
+                  if variant_switches(name) - {'bf16'} == {'albef'} and 'flops_per_sample' in v), None)
+    if model is None:
+        counted = spawn_variant(child_argv, '')
+        model = counted['model_flops_per_step'] / batch_size if 'model_flops_per_step' in counted else None
+    by_switches = {variant_switches(name): v for name, v in variants.items()}
+    for name, v in variants.items():
+        if 'samples_per_s' not in v:
+            continue
+        if model is not None:
+            v['model_flops_per_sample'] = model
+            v['mfu'] = model * v['samples_per_s'] / v['matmul_peak_flops']
+        switches = variant_switches(name)
+        twin = by_switches.get(switches - {'grad_checkpointing'}, {})
+        if 'grad_checkpointing' in switches and 'flops_per_sample' in twin:
+            v['recompute_flops_per_sample'] = v['flops_per_sample'] - twin['flops_per_sample']
+    return model
 
 
 def build_parser() -> Parser:
@@ -276,14 +390,21 @@ def build_parser() -> Parser:
     p.add_argument('--warmup', type=int, default=3, help='untimed steps before them (default: 3)')
     p.add_argument('--device', default=None, help='cpu | cuda | cuda:N (default: cuda if available)')
     p.add_argument('--variants', default=','.join(DEFAULT_VARIANTS),
-                   help=f'comma-separated, each run in a fresh subprocess; of {", ".join(VARIANTS)} '
-                        '(default: all but bf16_compile)')
+                   help='comma-separated, each run in a fresh subprocess; a variant joins switches with + '
+                        f'({", ".join(SWITCHES)}) or is one of {", ".join(ALIASES)} (default: '
+                        f'{",".join(DEFAULT_VARIANTS)})')
     p.add_argument('--threads', type=int, default=None, help='torch intra-op threads (default: torch\'s)')
     p.add_argument('--peak_sizes', default='2048,4096',
                    help='square matrix sizes for the matmul peak, comma-separated (default: 2048,4096)')
     p.add_argument('--seed', type=int, default=0, help='seed of the weights and the batch (default: 0)')
     add_output_dir(p, 'step_bench.json (the printed record)')
+    p.add_argument('--baseline', default=None,
+                   help='another checkout of this repository (e.g. a git worktree of an older commit): each '
+                        'variant runs there and here in turn, --rounds times, best step time of each side '
+                        'and the speedup reported')
+    p.add_argument('--rounds', type=int, default=3, help='--baseline: runs per side and variant (default: 3)')
     p.add_argument('--one_variant', default=None, help=argparse.SUPPRESS)
+    p.add_argument('--model_flops', action='store_true', help=argparse.SUPPRESS)
     return p
 
 
@@ -293,11 +414,16 @@ def parse_args(argv: Sequence[str] | None) -> tuple[argparse.Namespace, list[str
     p = build_parser()
     args = p.parse_args(argv)
     args.variants = [v.strip() for v in args.variants.split(',') if v.strip()]
-    unknown = sorted(set(args.variants) - set(VARIANTS))
-    if unknown:
-        p.error(f'unknown variant(s) {unknown}; choose from {list(VARIANTS)}')
-    if args.steps < 1 or args.warmup < 0:
-        p.error('need --steps >= 1 and --warmup >= 0')
+    for name in args.variants:
+        try:
+            variant_switches(name)
+        except ValueError as e:
+            p.error(f'{e}; a variant joins switches with + ({", ".join(SWITCHES)}) or is one of '
+                    f'{", ".join(ALIASES)}')
+    if args.steps < 1 or args.warmup < 0 or args.rounds < 1:
+        p.error('need --steps >= 1, --warmup >= 0 and --rounds >= 1')
+    if args.baseline and not os.path.isfile(os.path.join(args.baseline, 'tools', 'step_bench.py')):
+        p.error(f'--baseline {args.baseline}: not a checkout of this repository (no tools/step_bench.py)')
     try:
         args.peak_sizes = [int(n) for n in args.peak_sizes.split(',')]
     except ValueError:
@@ -320,21 +446,21 @@ def main(argv: Sequence[str] | None = None) -> dict:
     args, child_argv = parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
-    if args.one_variant is not None:
+    if args.one_variant is not None or args.model_flops:
         try:
-            result = run_variant(args, args.one_variant)
+            result = (run_variant(args, args.one_variant) if args.one_variant is not None
+                      else {'model_flops_per_step': model_flops(args)})
         except Exception as e:  # noqa: BLE001 (a failed variant is reported, the others still run)
             result = {'error': f'{type(e).__name__}: {e}'[:800]}
         return emit_record(result, None, 'step_bench')  # to the parent's pipe only
 
     config = load_bench_config(args)  # a config mistake ends here, before any variant starts
-    variants = {v: spawn_variant(child_argv, v) for v in args.variants}
-    default, ckpt = variants.get('default', {}), variants.get('grad_checkpointing', {})
-    if 'flops_per_sample' in default and 'flops_per_sample' in ckpt:
-        # MFU counts the model's FLOPs, not the recomputation that checkpointing adds.
-        ckpt['recompute_flops_per_sample'] = ckpt['flops_per_sample'] - default['flops_per_sample']
-        ckpt['mfu_model_flops'] = (default['flops_per_sample'] * ckpt['samples_per_s']
-                                   / ckpt['matmul_peak_flops'])
+    baseline = None
+    if args.baseline:
+        variants, baseline = alternate(child_argv, args.variants, args.baseline, args.rounds)
+    else:
+        variants = {v: spawn_variant(child_argv, v) for v in args.variants}
+    model = add_model_flops(variants, child_argv, args.batch_size)
     device = torch.device(args.device)
     result = {
         'config': args.config, 'overrides': args.set, 'device': str(device),
@@ -354,7 +480,12 @@ def main(argv: Sequence[str] | None = None) -> dict:
                         if device.type == 'cuda' else
                         'ru_maxrss of a fresh subprocess per variant, after the timed steps (includes '
                         'Python and torch: baseline_rss_bytes; and compilation for compile)'),
+        'model_flops_per_sample': model,
+        'model_flops': "ALBEF_Base's step as the paper defines it: the albef variant (share_image_kv, "
+                       'fused_qkv and mlm_masked_only off), fp32, no checkpointing, counted the same way; '
+                       'mfu divides it per second by matmul_peak_flops, mfu_executed the variant\'s own',
         'variants': variants,
+        **({'baseline': baseline} if baseline else {}),
     }
     return emit_record(result, args.output_dir, 'step_bench')
 
