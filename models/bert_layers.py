@@ -94,8 +94,8 @@ class BertSelfAttention(nn.Module):
         if self.cross:
             query, = self._project(x, (self.query,))
             key, value = self._project(context, (self.key, self.value))
-            if context_index is not None:
-                key, value = key[context_index], value[context_index]
+            if context_index is not None:  # index_select: its backward (index_add_) is ~8x a scatter's
+                key, value = key.index_select(0, context_index), value.index_select(0, context_index)
         else:
             query, key, value = self._project(x, (self.query, self.key, self.value))
         out = F.scaled_dot_product_attention(

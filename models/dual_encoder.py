@@ -104,7 +104,7 @@ class ImageTextModel(nn.Module):
         image_embeds[image_index]. The numbers are the same.
         """
         if image_index is not None and not self.share_image_kv:
-            image_embeds, image_index = image_embeds[image_index], None
+            image_embeds, image_index = image_embeds.index_select(0, image_index), None
         return self.text_encoder(mode="fusion", hidden_states=text_embeds, attention_mask=text_mask,
                                  encoder_hidden_states=image_embeds, context_index=image_index)
 
@@ -120,8 +120,8 @@ class ImageTextModel(nn.Module):
         """ITM's 3B pairs [positives, (image, negative text), (negative image, text)]: text states (3B,L,H),
         masks (3B,L) and each pair's image index (3B,) into the batch's B images."""
         own = torch.arange(text_embeds.shape[0], device=text_embeds.device)
-        return (torch.cat([text_embeds, text_embeds[neg_text_idx], text_embeds]),
-                torch.cat([attention_mask, attention_mask[neg_text_idx], attention_mask]),
+        return (torch.cat([text_embeds, text_embeds.index_select(0, neg_text_idx), text_embeds]),
+                torch.cat([attention_mask, attention_mask.index_select(0, neg_text_idx), attention_mask]),
                 torch.cat([own, own, neg_image_idx]))
 
     @staticmethod

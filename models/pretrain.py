@@ -111,7 +111,7 @@ class ALBEF_Base(ImageTextModel):  # noqa: N801 (the paper's name)
         """
         if self.mlm_masked_only:
             positions, labels = select_masked(labels, mlm_capacity(labels.numel(), self.mlm_probability))
-            hidden = hidden.flatten(0, 1)[positions]
+            hidden = hidden.flatten(0, 1).index_select(0, positions)
         else:
             hidden, labels = hidden.flatten(0, 1), labels.flatten()
         loss_sum = F.cross_entropy(self.text_encoder.mlm_logits(hidden), labels, ignore_index=-100,

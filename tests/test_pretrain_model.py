@@ -155,9 +155,10 @@ def test_albef_checkpoint_names_load_strictly(tokenizer):
     state["text_encoder.cls.predictions.decoder.bias"] = state["text_encoder.cls.predictions.bias"]
     assert {k: tuple(v.shape) for k, v in model.state_dict().items()} == shapes
     model.load_state_dict(state, strict=True)
-    assert torch.equal(
-        model.visual_encoder.blocks[1].mlp.fc2.weight, state["visual_encoder.blocks.1.mlp.fc2.weight"]
-    )
+    # Every tensor arrives unchanged (fused q/k/v and the LayerNorms keep transformers' and timm's keys),
+    # and the model saves them back under the same names.
+    saved = model.state_dict()
+    assert saved.keys() == state.keys() and all(torch.equal(saved[k], v) for k, v in state.items())
     # Real ALBEF checkpoints also carry the position_ids buffer: load_weights drops it, nothing missing.
     state["text_encoder.bert.embeddings.position_ids"] = torch.arange(128)[None]
     report = load_weights(model, {"model": state}, strict=True)

@@ -116,21 +116,19 @@ def test_variants_are_switches_joined_by_plus():
         variant_switches("bf16+fp8")
 
 
-def test_baseline_runs_the_other_checkout(tmp_path):
-    """--baseline: the variant runs in the other checkout (here this same one) and here; the speedup is the
-    ratio of their step times and the baseline's commit is named."""
-    proc = subprocess.run(
-        [sys.executable, "-m", "tools.step_bench", "--config", CONFIG, "--batch_size", "2", "--steps", "1",
-         "--warmup", "0", "--device", "cpu", "--variants", "albef", "--threads", "1", "--peak_sizes", "64",
-         "--baseline", ROOT, "--rounds", "1"],
-        cwd=ROOT, env=dict(os.environ, OMP_NUM_THREADS="1"), capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, proc.stderr[-2000:]
-    record = json.loads(proc.stdout.strip().splitlines()[-1])
-    mine, theirs = record["variants"]["albef"], record["baseline"]["variants"]["albef"]
-    speedup = theirs["step_seconds"] / mine["step_seconds"]
-    assert record["baseline"]["speedup"]["albef"] == pytest.approx(speedup)
-    assert record["baseline"]["commit"] and len(record["baseline"]["commit"]) == 40
-    assert theirs["flops_per_step"] == mine["flops_per_step"]  # the same code: the same step
+def test_a_baseline_child_runs_in_the_other_checkout():
+    """--baseline's child is the other checkout's tools.step_bench, run in its root (here: this checkout)."""
+    from tools import step_bench
+
+    args, child_argv = step_bench.parse_args(
+        ["--config", CONFIG, "--batch_size", "2", "--steps", "1", "--warmup", "0", "--device", "cpu",
+         "--threads", "1", "--peak_sizes", "64", "--variants", "albef", "--baseline", ROOT, "--rounds", "1"])
+    assert args.baseline == ROOT and args.rounds == 1
+    record = step_bench.spawn_variant(child_argv, "albef", ROOT)
+    assert "error" not in record, record
+    assert record["step_seconds"] > 0 and record["config_changes"]["share_image_kv"] is False
+    with pytest.raises(SystemExit):  # not a checkout of this repository
+        step_bench.parse_args(["--config", CONFIG, "--baseline", os.path.dirname(ROOT)])
 
 
 def test_baseline_alternates_and_keeps_the_best_run(monkeypatch):
@@ -149,6 +147,9 @@ def test_baseline_alternates_and_keeps_the_best_run(monkeypatch):
     assert mine["default"]["step_seconds_runs"] == [2.0, 4.0, 0.5] and mine["default"]["step_seconds"] == 0.5
     assert baseline["variants"]["default"]["step_seconds"] == 1.0
     assert baseline["speedup"]["default"] == 2.0
+    assert baseline["speedup_per_round"]["default"] == [1.5, 0.25, 5.0]
+    assert baseline["speedup_median"]["default"] == 1.5
+    assert baseline["checkout"] == ROOT and len(baseline["commit"]) == 40  # the commit it measured
 
 
 def test_unknown_variant_is_refused():

@@ -33,7 +33,8 @@ huggingface_hub, ruamel.yaml, numpy, pillow; wids, webdataset and braceexpand fo
 machine without a package registry carry them as wheels (docs/speed-and-scale.md, "The GPU check").
 
 Without CUDA it runs the GPU-marked tests anyway, which skip with their reason, prints why nothing else
-ran, writes the report with status "skipped" and exits 0; a failed part makes the exit status 1.
+ran, writes the report with status "skipped" and exits 0 (--quick skips at once); a failed part makes the
+exit status 1.
 """
 
 from __future__ import annotations
@@ -239,6 +240,11 @@ def main(argv: Sequence[str] | None = None) -> dict:
     if args.quick and (device.type != 'cuda' or torch.cuda.is_available()):
         report['device'] = torch.cuda.get_device_name(device) if device.type == 'cuda' else 'cpu'
         return run_quick(args, report)
+    if args.quick:  # nothing of it can run without CUDA, the GPU tests included
+        reason = 'no CUDA device: torch.cuda.is_available() is False'
+        report.update(status='skipped', reason=reason, device=None)
+        print(f'gpu-check --quick skipped: {reason}; nothing ran. Report: {out_dir}/gpu_check.json')
+        return emit_record(report, out_dir, 'gpu_check')
     tests = _run('tests', ['-m', 'pytest', '-m', 'gpu', '-rs', '-p', 'no:cacheprovider', 'tests/test_gpu.py'],
                  out_dir, timeout=600)
     with open(tests['log'], encoding='utf-8') as f:

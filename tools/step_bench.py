@@ -38,6 +38,7 @@ import argparse
 import dataclasses
 import json
 import os
+import statistics
 import subprocess
 import tempfile
 import time
@@ -351,9 +352,13 @@ def alternate(child_argv: list[str], names: list[str], checkout: str, rounds: in
     commit = subprocess.run(['git', '-C', checkout, 'rev-parse', 'HEAD'], capture_output=True, text=True)
     speedup = {v: theirs[v]['step_seconds'] / mine[v]['step_seconds'] for v in names
                if 'step_seconds' in theirs[v] and 'step_seconds' in mine[v]}
+    # Each round's ratio too: on a machine whose speed drifts, the rounds' median is the steadier figure.
+    pairs = {v: [b / a for b, a in zip(theirs[v]['step_seconds_runs'], mine[v]['step_seconds_runs'])
+                 if a and b] for v in names}
     return mine, {'checkout': os.path.abspath(checkout), 'commit': commit.stdout.strip() or None,
                   'rounds': rounds, 'order': 'baseline, this, per variant, each round',
-                  'variants': theirs, 'speedup': speedup}
+                  'variants': theirs, 'speedup': speedup, 'speedup_per_round': pairs,
+                  'speedup_median': {v: statistics.median(p) for v, p in pairs.items() if p}}
 
 
 def add_model_flops(variants: dict[str, dict], child_argv: list[str], batch_size: int) -> float | None:
