@@ -187,7 +187,8 @@ def run_quick(args, report: dict) -> dict:
         else:
             record = _read_json(os.path.join(out_dir, name, 'step_bench.json')) or {}
             step.update(record.get('variants') or {})
-            report.setdefault('model_flops_per_sample', record.get('model_flops_per_sample'))
+            report['model_flops_per_sample'] = (report.get('model_flops_per_sample')
+                                                or record.get('model_flops_per_sample'))
             if any('error' in v for v in (record.get('variants') or {}).values()):
                 parts[name]['status'] = 'failed'
         report['targets'] = judge_quick(step)
