@@ -62,7 +62,7 @@ def test_a_run_keeps_metrics_record_console_and_writes_both_backends(tmp_path, c
         assert sum(windows) / len(windows) == pytest.approx(record["train_loss"], rel=1e-6)
 
     record = json.loads(open(out / "run_record.jsonl").readline())
-    assert record["world_size"] == 1 and len(record["hostnames"]) == 1
+    assert record["world_size"] == 1 and len(record["hostnames"]) == 1 and record["resumed_from"] is None
     assert record["versions"]["torch"] == torch.__version__.split("+")[0]
     assert "git_commit" in record and "git_dirty" in record and isinstance(record["command"], list)
 

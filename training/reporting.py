@@ -65,9 +65,10 @@ def _git(*args: str) -> str | None:
     return out.stdout.strip() if out.returncode == 0 else None
 
 
-def run_record(world_size: int) -> dict:
+def run_record(world_size: int, resumed_from: Mapping | None = None) -> dict:
     """The command line, git commit and whether the tree was dirty, library versions, hostnames (every
-    rank's: a collective) and world size of this start of the run."""
+    rank's: a collective), world size and, on a resume, the checkpoint and where it put the run
+    (resumed_from {'path', 'epoch', 'step'}; null on a fresh start) of this start of the run."""
     versions = {"python": platform.python_version()}
     for name in LIBRARIES:
         try:
@@ -79,7 +80,8 @@ def run_record(world_size: int) -> dict:
             "command": [sys.executable, *sys.argv], "cwd": os.getcwd(),
             "git_commit": _git("rev-parse", "HEAD"),
             "git_dirty": None if status is None else bool(status), "versions": versions,
-            "hostnames": all_gather_objects(socket.gethostname()), "world_size": world_size}
+            "hostnames": all_gather_objects(socket.gethostname()), "world_size": world_size,
+            "resumed_from": None if resumed_from is None else dict(resumed_from)}
 
 
 class _Tee(io.TextIOBase):

@@ -177,7 +177,8 @@ class Trainer:
                             config.run_name or os.path.basename(os.path.normpath(self.output_dir)),
                             config.wandb_project)
         try:
-            reporter.record_start(run_record(info.world_size))
+            resumed = {"path": self.resume, "epoch": start_epoch, "step": global_step}
+            reporter.record_start(run_record(info.world_size, resumed if self.resume else None))
             self._print_summary(start_epoch, global_step, steps_per_epoch)
             parts = _Parts(model, loader, optimizer, scheduler, scaler, guard, bad_log, state, reporter)
             return self._epochs(parts, start_epoch, global_step, steps_per_epoch, best)
