@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 
 import pytest
@@ -9,6 +10,18 @@ import torch
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SPECIAL_TOKENS = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"]
+
+try:  # the property tests' profiles; the GPU machine's copy of the suite may run without hypothesis
+    from hypothesis import settings
+except ImportError:
+    pass
+else:
+    # ci (the default): the same examples every run, no example database written, the falsifying
+    # example printed with a blob that reproduces it. dev: fresh examples each run, and more of them.
+    settings.register_profile("ci", derandomize=True, database=None, max_examples=40, deadline=None,
+                              print_blob=True)
+    settings.register_profile("dev", max_examples=400, deadline=None, print_blob=True)
+    settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
 
 
 def word_tokenizer(folder, words: list[str]):
@@ -39,7 +52,43 @@ def tiny_config(task: str, path: str | None = None, **values):
             raw[key] = {**raw[key], **value}
         else:
             raw[key] = value
-    return config_from_mapping(task, raw, source=path)
+    return from_root(config_from_mapping(task, raw, source=path))
+
+
+def from_root(config):
+    """The typed config with its relative file and folder paths (the keys whose field metadata says
+    'path', e.g. bert_config, vocab_file) resolved against the repository: a test that builds a model from
+    a tiny config reads the same files from any working directory."""
+    import dataclasses
+
+    changes = {}
+    for field in dataclasses.fields(config):
+        value = getattr(config, field.name)
+        if dataclasses.is_dataclass(value):
+            changes[field.name] = from_root(value)
+        elif field.metadata.get("path") and value:
+            absolute = [p if not p or os.path.isabs(p) else os.path.join(ROOT, p)
+                        for p in ([value] if isinstance(value, str) else value)]
+            changes[field.name] = absolute[0] if isinstance(value, str) else type(value)(absolute)
+    return dataclasses.replace(config, **changes)
+
+
+def read_latest(output_dir) -> dict:
+    """output_dir/latest.json: {'path': the newest checkpoint's file name, 'epoch', 'step'}."""
+    with open(os.path.join(str(output_dir), "latest.json"), encoding="utf-8") as f:
+        return json.load(f)
+
+
+def assert_resumed_from(output_dir, latest: dict) -> None:
+    """The last start recorded in output_dir/run_record.jsonl resumed from the checkpoint `latest` names
+    (read_latest's dict, read before the resume) at its step: a resume from an older checkpoint, or a
+    fresh start, fails here even when it ends with the same weights."""
+    with open(os.path.join(str(output_dir), "run_record.jsonl"), encoding="utf-8") as f:
+        starts = [json.loads(line) for line in f]
+    assert len(starts) >= 2 and starts[0]["resumed_from"] is None, starts
+    got = starts[-1]["resumed_from"]
+    assert got is not None, "the resumed start began afresh"
+    assert (os.path.basename(got["path"]), got["step"]) == (latest["path"], latest["step"]), (got, latest)
 
 
 def small_pretrain_sets(data: str, **values) -> list[str]:

@@ -23,14 +23,15 @@ TINY = {Pretrain: "configs/tiny/Pretrain.yaml", Retrieval: "configs/tiny/Retriev
 
 
 def mistake(capsys, script, argv: list[str]) -> str:
-    """Run script.main(argv) as the command line does; assert exit 2 with one `error:` line, return it."""
+    """Run script.main(argv) as the command line does; assert exit 2 with stderr exactly one `error:` line
+    (no usage block, warning or traceback before it), return it."""
     with pytest.raises(SystemExit) as stop:
         run_main(script.main, argv)
     err = capsys.readouterr().err
     assert stop.value.code == 2, err
-    lines = [line for line in err.splitlines() if line.strip()]
-    assert "Traceback" not in err and lines[-1].startswith("error: "), err
-    return lines[-1]
+    lines = err.splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: "), err
+    return lines[0]
 
 
 @pytest.fixture

@@ -1,6 +1,7 @@
-"""The `compile` switch: the training forward goes through torch.compile and trains like the default
-path. The test compiles with dynamo's 'eager' backend (graph capture without code generation: inductor
-needs minutes on this 2-core CPU); `compile: true` itself uses the default backend."""
+"""The `compile` switch: Pretrain.py's training forward goes through torch.compile and trains like the
+default path. This script test compiles with dynamo's 'eager' backend (graph capture without code
+generation); inductor, the backend `compile: true` uses, is tested on a tiny step against eager by
+tests/test_gpu.py in its CPU mode (tests/test_gpu_on_cpu.py)."""
 
 from __future__ import annotations
 

@@ -204,12 +204,10 @@ def test_fused_adamw_steps_equal_the_unfused_steps(tokenizer):
 
 
 def test_compiled_training_forward_matches_eager(tokenizer, monkeypatch):
-    """`compile: true` (training.distributed.wrap_ddp): the compiled forward and backward give the eager
-    losses and gradients. On CUDA with the default backend (inductor, told to draw random numbers as eager
-    does, so the MLM masks agree); on the CPU with dynamo's 'eager' backend (inductor takes minutes here)."""
-    if not ON_CUDA:
-        real = torch.compile
-        monkeypatch.setattr(torch, "compile", lambda model, **kw: real(model, backend="eager", **kw))
+    """`compile: true` (training.distributed.wrap_ddp): the compiled forward and backward, with the default
+    backend (inductor, told to draw random numbers as eager does, so the MLM masks agree), give the eager
+    losses and gradients; a second step reuses the one graph (no recompilation). On the CPU a cold
+    inductor compile of this tiny step takes about a minute here (a warm cache: seconds)."""
     monkeypatch.setattr(torch._inductor.config, "fallback_random", True)
     model = model_on(DEV, tokenizer)
     image, text, keys = (x.to(DEV) for x in pairs(tokenizer))
@@ -217,10 +215,18 @@ def test_compiled_training_forward_matches_eager(tokenizer, monkeypatch):
     info = DistInfo(rank=0, world_size=1, local_rank=0, device=DEV, distributed=False)
     compiled = wrap_ddp(model, info, compile="default")
     assert compiled is not model and unwrap(compiled) is model
+    torch._dynamo.reset()
+    torch._dynamo.utils.counters.clear()
     try:
         out, grads = seeded_step(compiled, image, text, keys)
+        again, _ = seeded_step(compiled, image, text, keys)
+        frames = dict(torch._dynamo.utils.counters["frames"])
+        stats = dict(torch._dynamo.utils.counters["stats"])
     finally:
         torch._dynamo.reset()
+    assert frames["ok"] == frames["total"] and stats["unique_graphs"] == 1, (frames, stats)
+    for key in LOSSES:
+        assert torch.equal(again[key], out[key]), key
     for key in (*LOSSES, "hardness"):
         torch.testing.assert_close(out[key], eager[key], rtol=1e-4, atol=1e-5, msg=key)
     assert grads.keys() == eager_grads.keys() and grads

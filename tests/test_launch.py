@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import os
 import random
+import re
 import signal
 import subprocess
 import sys
@@ -120,6 +121,13 @@ def test_a_worker_killed_mid_run_restarts_and_ends_as_if_never_interrupted(data_
     assert run.returncode == 0, stderr[-3000:]
     assert "exitcode: -9" in stderr  # torchrun saw the worker die, and restarted the group:
     assert "--resume: no checkpoint" in stdout and stdout.count("resumed from") == 1  # the restart resumed
+    # ... from the step checkpoint it printed, as run_record.jsonl's second start says
+    with open(os.path.join(killed, "run_record.jsonl")) as f:
+        starts = [json.loads(line) for line in f]
+    said = re.search(r"resumed from (\S+): epoch (\d+), step (\d+)", stdout)
+    assert [s["resumed_from"] for s in starts] == [None, {"path": said[1], "epoch": int(said[2]),
+                                                          "step": int(said[3])}]
+    assert os.path.basename(said[1]) == f"checkpoint_step_{int(said[3]):07d}.pth"
 
     a = torch.load(os.path.join(whole, "checkpoint_02.pth"), map_location="cpu", weights_only=True)
     b = torch.load(os.path.join(killed, "checkpoint_02.pth"), map_location="cpu", weights_only=True)

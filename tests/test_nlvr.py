@@ -194,6 +194,11 @@ def test_finetune_resume_equals_uninterrupted_run(tmp_path):
     full, resumed = str(tmp_path / "full"), str(tmp_path / "resumed")
     record = NLVR.main(["--output_dir", full, *common])
     again = NLVR.main(["--output_dir", resumed, "--resume", os.path.join(full, "checkpoint_00.pth"), *common])
+    with open(os.path.join(resumed, "run_record.jsonl")) as f:
+        (start,) = [json.loads(line) for line in f]
+    epoch0 = torch.load(os.path.join(full, "checkpoint_00.pth"), map_location="cpu", weights_only=True)
+    assert start["resumed_from"] == {"path": os.path.join(full, "checkpoint_00.pth"), "epoch": 1,
+                                     "step": epoch0["step"]}
     drop = ("train_seconds", "samples_per_s", "epoch_seconds", "eval_seconds")  # timings
     assert ({k: v for k, v in again.items() if k not in drop}
             == {k: v for k, v in record.items() if k not in drop})

@@ -12,7 +12,7 @@ import time
 
 import pytest
 import torch
-from conftest import small_pretrain_sets
+from conftest import assert_resumed_from, read_latest, small_pretrain_sets
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 LOG_KEYS = {'epoch', 'step', 'lr', 'loss_itc', 'loss_cons', 'loss_itm', 'loss_mlm', 'train_seconds',
@@ -139,11 +139,14 @@ def test_resume_equals_uninterrupted(data_dir, tmp_path):
     proc.wait()
     assert os.path.exists(target)
     assert not os.path.exists(os.path.join(broken, 'checkpoint_01.pth'))  # stopped inside epoch 1
+    latest = read_latest(broken)  # the step checkpoint waited for, or a newer one of epoch 1
+    assert latest['path'].startswith('checkpoint_step_') and latest['step'] >= step and latest['epoch'] == 1
     run([sys.executable, 'Pretrain.py', '--output_dir', broken, '--resume', *common])
+    assert_resumed_from(broken, latest)
 
     a = torch.load(os.path.join(full, 'checkpoint_01.pth'), map_location='cpu', weights_only=True)
     b = torch.load(os.path.join(broken, 'checkpoint_01.pth'), map_location='cpu', weights_only=True)
     assert torch.equal(a['sampler']['indices'], b['sampler']['indices'])
     assert a['step'] == b['step']
-    for key, value in a['model'].items():
-        assert torch.allclose(value, b['model'][key], atol=1e-6, rtol=0), key
+    for key, value in a['model'].items():  # exact: the same operations on the same numbers
+        assert torch.equal(value, b['model'][key]), key

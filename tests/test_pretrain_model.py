@@ -343,6 +343,61 @@ def test_guard_changes_itc_on_duplicates(tokenizer):
         assert torch.isfinite(out_on[name]), name
 
 
+def mined_negatives(monkeypatch, model, images, text, keys, seeds) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """The ITM negatives the model's forward mines, (neg_text_idx (B,), neg_image_idx (B,)) per seed: the
+    real models.pretrain.mine_negatives, its results recorded."""
+    import models.pretrain
+    from models.objectives import mine_negatives
+
+    drawn = []
+
+    def spy(*args, **kwargs):
+        drawn.append(mine_negatives(*args, **kwargs))
+        return drawn[-1]
+
+    monkeypatch.setattr(models.pretrain, "mine_negatives", spy)
+    with torch.no_grad():
+        for seed in seeds:
+            torch.manual_seed(seed)  # other multinomial and uniform draws for every seed
+            model(images, text, image_key=keys)
+    monkeypatch.undo()
+    return drawn
+
+
+@pytest.mark.parametrize("negatives,sampling", MINING_MODES)
+def test_guarded_itm_negatives_are_never_the_anchors_image_or_caption(tokenizer, monkeypatch, negatives,
+                                                                      sampling):
+    """Pairs 0 and 1 show one image, pairs 2 and 4 have one caption (duplicate_batch). With the guard, no
+    mined ITM negative of an image is a caption of its image or its own caption, and no negative of a
+    caption is its image or an image captioned alike; the hardest negative is the argmax over the rest.
+    Without it (the authors' code), the hardest negative is the argmax over everything but the diagonal,
+    and drawn negatives do take those pairs."""
+    off, on = guard_models(tokenizer, itm_negatives=negatives, hard_sampling=sampling)
+    images, text, keys = duplicate_batch(tokenizer)
+    same = torch.eye(6, dtype=torch.bool)  # [image i, text j]: same image key, or the same caption
+    same[0, 1] = same[1, 0] = same[2, 4] = same[4, 2] = True
+    false_negatives = same & ~torch.eye(6, dtype=torch.bool)
+    rows = torch.arange(6)
+    seeds = range(1) if sampling == "argmax" and negatives == "hard" else range(12)
+    hits = {}
+    for name, model, excluded in (("on", on, same), ("off", off, torch.eye(6, dtype=torch.bool))):
+        drawn = mined_negatives(monkeypatch, model, images, text, keys, seeds)
+        assert len(drawn) == len(seeds)
+        hits[name] = sum(int(false_negatives[rows, t].sum() + false_negatives[i, rows].sum())
+                         for t, i in drawn)
+        assert all(not excluded[rows, t].any() and not excluded[i, rows].any() for t, i in drawn), name
+        if negatives == "hard" and sampling == "argmax":  # the hardest of the allowed, computed here
+            with torch.no_grad():
+                torch.manual_seed(0)
+                out = model(images, text, image_key=keys)
+            sim = (out["image_feat"] @ out["text_feat"].t()).masked_fill(excluded, float("-inf"))
+            t, i = drawn[0]
+            assert torch.equal(t, sim.argmax(1)) and torch.equal(i, sim.argmax(0)), name
+    assert hits["on"] == 0
+    if negatives != "hard" or sampling != "argmax":  # draws over 12 seeds do meet the duplicates
+        assert hits["off"] > 0
+
+
 @pytest.mark.parametrize("negatives,sampling", MINING_MODES)
 def test_guard_on_a_batch_of_one_image(tokenizer, negatives, sampling):
     _, on = guard_models(tokenizer, itm_negatives=negatives, hard_sampling=sampling)

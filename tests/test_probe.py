@@ -284,7 +284,10 @@ def test_cli_prints_table_and_json(probe_root, checkpoint, capsys, tmp_path):
     assert printed == record == json.loads(out.read_text())
     assert {k: v["pairs"] for k, v in printed["per_kind"].items()} == KIND_PAIRS
     assert printed["pairs"] == 10 and printed["checkpoint"] == checkpoint
-    assert 0.0 <= printed["overall"] <= 1.0 and 0.0 <= printed["image_all"] <= 1.0
+    # overall is the mean over all pairs: the per-kind accuracies weighted by their pairs
+    weighted = sum(v["accuracy"] * v["pairs"] for v in printed["per_kind"].values()) / printed["pairs"]
+    assert printed["overall"] == pytest.approx(weighted)
+    assert printed["images"] == 3 and printed["image_all"] in (0.0, 1 / 3, 2 / 3, 1.0)
 
     limited = main(["--config", str(probe_root / "config.yaml"), "--checkpoint", checkpoint,
                     "--probe_file", str(probe_root / "probe.json"), "--device", "cpu", "--limit", "2"])

@@ -179,3 +179,37 @@ def test_bf16_compile_is_bf16_under_compile(monkeypatch):
     assert len(compiled) == 1 and both["dtype"] == plain["dtype"] == "bfloat16 autocast"
     assert both["compile_seconds"] > 0 and "first_step_seconds" not in both
     assert both["losses"] == pytest.approx(plain["losses"], rel=1e-5)
+
+
+class OneAttentionLayer(torch.nn.Module):
+    """x (B, L, H) -> q, k, v projections, heads x scaled-dot-product attention, output projection; the
+    output's sum is `loss_itc` (the other three losses zero), as tools.step_bench.forward_loss reads them."""
+
+    def __init__(self, hidden: int, heads: int) -> None:
+        super().__init__()
+        self.heads = heads
+        self.q, self.k, self.v, self.out = (torch.nn.Linear(hidden, hidden) for _ in range(4))
+
+    def forward(self, x, text, image_key):
+        B, L, H = x.shape
+        q, k, v = (f(x).view(B, L, self.heads, -1).transpose(1, 2) for f in (self.q, self.k, self.v))
+        a = torch.nn.functional.scaled_dot_product_attention(q, k, v).transpose(1, 2).reshape(B, L, H)
+        zero = x.new_zeros(())
+        return {"loss_itc": self.out(a).sum(), "loss_cons": zero, "loss_itm": zero, "loss_mlm": zero}
+
+
+def test_count_flops_equals_the_closed_form_of_a_tiny_attention_layer():
+    """step_bench.count_flops against the closed form, counted by hand: forward 2BLH^2 per projection
+    (4) and 2BL^2H per attention product (2); backward: weight gradients of the three input projections
+    (the input needs none), weight and input gradients of the output projection, and attention's five
+    products (scores recomputed, as torch counts flash attention)."""
+    from tools.step_bench import count_flops
+
+    B, L, H = 3, 7, 16
+    torch.manual_seed(0)
+    model = OneAttentionLayer(H, heads=4)
+    total, by_op = count_flops(model, (torch.randn(B, L, H), None, None), torch.device("cpu"), None)
+    forward = 4 * 2 * B * L * H * H + 2 * 2 * B * L * L * H
+    backward = 3 * 2 * B * L * H * H + 2 * 2 * B * L * H * H + 5 * 2 * B * L * L * H
+    assert total == forward + backward == 18 * B * L * H * H + 14 * B * L * L * H
+    assert sum(by_op.values()) == total and any("attention" in op for op in by_op)

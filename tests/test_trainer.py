@@ -10,7 +10,7 @@ import os
 
 import pytest
 import torch
-from conftest import ROOT, small_pretrain_sets, tiny_config
+from conftest import ROOT, assert_resumed_from, read_latest, small_pretrain_sets, tiny_config
 from torch import Tensor, nn
 
 import NLVR
@@ -118,8 +118,11 @@ def test_a_fake_task_trains_and_resumes_after_a_crash_exactly(tmp_path):
     crashing = FakeTask(fake_run(cut).config, crash_at=15)  # mid-epoch 1, after the step-12 checkpoint
     with pytest.raises(RuntimeError, match="crash"):
         Trainer(fake_run(cut), crashing).fit()
+    latest = read_latest(cut)
+    assert latest == {"path": "checkpoint_step_0000012.pth", "epoch": 1, "step": 12}
     resumed = FakeTask(fake_run(cut).config)
     Trainer(fake_run(cut, resume="latest"), resumed).fit()
+    assert_resumed_from(cut, latest)
     for name, value in task.model.state_dict().items():
         assert torch.equal(value, resumed.model.state_dict()[name]), name
     again = read_log(cut)

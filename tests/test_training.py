@@ -9,6 +9,7 @@ import socket
 
 import pytest
 import torch
+from conftest import ROOT
 from ruamel.yaml.comments import CommentedMap
 from torch import nn
 
@@ -200,7 +201,8 @@ def test_weight_decay_groups():
     assert by_wd[0.0] == {id(p) for p in no_decay.values()}
     assert all(g['lr'] == pytest.approx(1e-4) for g in opt.param_groups)
     with pytest.raises(ConfigError, match="'optimizer.opt' must be one of 'adamW'.* got 'sgd'"):
-        resolve_config('pretrain', 'configs/tiny/Pretrain.yaml', ['optimizer.opt=sgd'], check_paths=False)
+        resolve_config('pretrain', os.path.join(ROOT, 'configs/tiny/Pretrain.yaml'), ['optimizer.opt=sgd'],
+                       check_paths=False)
 
 
 SCHED = Schedule(sched='cosine', lr=1e-4, epochs=30, min_lr=1e-5, warmup_lr=1e-5, warmup_steps=5)
@@ -242,7 +244,7 @@ def test_scheduler_config_errors():
     opt = build_optimizer(TinyModel(), Optimizer(lr=1e-4))
     with pytest.raises(ValueError, match='differs'):
         build_scheduler(opt, dataclasses.replace(SCHED, lr=2e-4), 10)
-    tiny = 'configs/tiny/Pretrain.yaml'
+    tiny = os.path.join(ROOT, 'configs/tiny/Pretrain.yaml')
     with pytest.raises(ConfigError, match="'schedular.epochs' is required"):
         resolve_config('pretrain', tiny, ['schedular={sched: cosine, lr: 5.0e-4}'], check_paths=False)
     with pytest.raises(ConfigError, match="'schedular.sched' must be 'cosine', got 'step'"):
