@@ -20,9 +20,10 @@ test: $(STAMP)
 	$(PY) -m ruff check .
 	$(PY) -m pytest -n 2 --dist loadfile
 
-# The slow tests (about 70 min here): the downstream chain from a tiny pre-training must beat chance on
+# The slow tests (about 75 min here): the downstream chain from a tiny pre-training must beat chance on
 # held-out splits; the 3-seed GRIT vs random-batch comparison and, from 36-epoch GRIT pre-trainings, its
-# downstream chain (issue 11; test_grit_helps alone took 56 min next to other runs).
+# downstream chain (issue 11; test_grit_helps alone took 56 min next to other runs); the micro pipelines
+# of tools.efficiency (all three arms) and tools.ablate's table 5. docs/testing.md says what runs where.
 test-slow: $(STAMP)
 	$(PY) -m pytest -m slow
 
