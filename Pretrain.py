@@ -105,15 +105,19 @@ class PretrainTask(Task):
         return {"grit_seconds": round(self.grit_seconds, 3)}
 
     def summary(self) -> list[str]:
-        """GRIT's sizes for the start-up summary."""
+        """The start-up summary's task lines: empty tar shards, if any, and GRIT's sizes."""
         grit, N = self.config.grit, self.config.batch_size
+        empty = self.dataset.empty_shards()
+        lines = [f"{len(empty)} empty shard{'s' * (len(empty) != 1)} (0 samples) left out: "
+                 + ", ".join(empty[:5]) + (", ..." if len(empty) > 5 else "")] if empty else []
         if not self.config.grit_on:
-            return ["GRIT off: random batches every epoch (the ALBEF baseline)"]
+            return [*lines, "GRIT off: random batches every epoch (the ALBEF baseline)"]
         W = self.sampler.num_replicas
-        return [f"GRIT {grit.mode}: groups of N = {N} per rank from sub-queues of M = {grit.search_space} in "
-                f"queues of L = {grit.queue_size}, W = {W} ranks, D = {self.sampler.dataset_len:,}; "
-                + ("epoch 0 from grit.warmstart_indices" if grit.warmstart_indices else
-                   "epoch 0 random, grouped batches from epoch 1")]
+        first = "epoch 0 from grit.warmstart_indices" if grit.warmstart_indices else \
+            "epoch 0 random, grouped batches from epoch 1"
+        return [*lines, f"GRIT {grit.mode}: groups of N = {N} per rank from sub-queues of M = "
+                f"{grit.search_space} in queues of L = {grit.queue_size}, W = {W} ranks, D = "
+                f"{self.sampler.dataset_len:,}; {first}"]
 
     def grouped(self, epoch: int) -> bool:
         """True when epoch `epoch`'s batches are GRIT groups (not random)."""

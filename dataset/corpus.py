@@ -58,6 +58,10 @@ class PretrainCorpus(ConcatDataset):
         image, caption, _ = self.datasets[part].placeholder(inner)
         return image, caption, index
 
+    def empty_shards(self) -> list[str]:
+        """The tar shards of zero samples among the sources (img2dataset's shards whose urls all failed)."""
+        return [url for _, ds in self.sources for url in getattr(ds, "empty_shards", [])]
+
     def source_of(self, index: int) -> str:
         """The name (train_file or train_shards entry) of the source example `index` comes from."""
         return self.copies[self.locate(index)[0]][0]

@@ -10,19 +10,24 @@ only holds a link to them and its lock files); remote ones (http, s3, gs, `pipe:
 the cache by wids on first use.
 
 A shard source is a wids shard-index json (`{"wids_version": 1, "shardlist": [{"url", "nsamples",
-"filesize"?}, ...]}`, relative urls relative to the index's folder; tools.make_shards writes one) or a brace
-pattern of .tar files (`shards/{00000..00099}.tar`), whose samples are counted at start-up. An index may
+"filesize"?}, ...]}`, relative urls relative to the index's folder; tools.make_shards writes one), or local
+.tar files as a folder (img2dataset's output folder: every `*.tar` in it, sorted), a glob
+(`/data/cc3m/*.tar`) or a brace pattern (`shards/{00000..00099}.tar`), whose samples are counted at
+start-up. A shard of zero samples (img2dataset writes one when all of a shard's urls failed) is kept out of
+the index space and named in the start-up summary. An index may
 name an `image_keys` .npy file (one integer per sample, equal for samples of one image file: ALBEF's COCO
 and VG lists hold one entry per caption), read by the false-negative guard only. At start-up
 a local shard that is missing, or whose size differs from the index's `filesize`, is refused with its
-name (files.InputFileError). A sample that cannot be read in training is a bad sample (dataset.bad_samples):
-a truncated or non-image image member, no image member, an empty or missing caption, a shard that
-holds fewer samples than its index says or cannot be opened; each names the shard and the key.
+name (grit.files.InputFileError). A sample that cannot be read in training is a bad sample
+(dataset.bad_samples): a truncated or non-image image member, no image member, an empty or missing
+caption, a shard that holds fewer samples than its index says or cannot be opened; each names the shard
+and the key.
 """
 
 from __future__ import annotations
 
 import contextlib
+import glob
 import hashlib
 import io
 import json
@@ -36,7 +41,7 @@ import torch
 from torch import Tensor
 from torch.utils.data import Dataset
 
-from files import InputFileError, read_json
+from grit.files import InputFileError, read_json
 
 from .bad_samples import blank_image
 from .pretrain import PLACEHOLDER_CAPTION
@@ -49,7 +54,8 @@ from .utils import (
     pre_caption,
 )
 
-__all__ = ["IMAGE_MEMBERS", "ShardDataset", "default_cache_dir", "is_local", "read_shard_list"]
+__all__ = ["IMAGE_MEMBERS", "ShardDataset", "default_cache_dir", "expand_shards", "is_local",
+           "read_shard_list"]
 
 # The image members a sample may have, in the order they are looked for (img2dataset's output formats).
 IMAGE_MEMBERS = (".jpg", ".jpeg", ".png", ".webp")
@@ -124,15 +130,39 @@ def _count_samples(url: str) -> int:
                              "truncated or not a tar file") from None
 
 
-def _from_pattern(pattern: str) -> list[dict]:
-    """The shard list of a brace pattern of local .tar files, each shard's samples counted."""
+def expand_shards(spec: str) -> list[str]:
+    """The .tar files of a train_shards entry that is not an index: its brace pattern expanded, then each
+    part a folder (every `*.tar` in it, sorted: img2dataset's output folder, whose `.parquet` and
+    `_stats.json` side files are left alone), a glob (sorted matches) or a file. InputFileError names a
+    folder without tars or a glob without matches."""
     from braceexpand import braceexpand
 
-    urls = list(braceexpand(pattern))
+    urls: list[str] = []
+    for part in braceexpand(spec):
+        path = _local_path(part) if is_local(part) else None
+        if path is not None and os.path.isdir(path):
+            found = sorted(glob.glob(os.path.join(glob.escape(path), "*.tar")))
+            if not found:
+                raise InputFileError(f"train_shards {spec}: the folder {path} holds no .tar shards")
+            urls += found
+        elif path is not None and glob.has_magic(part):
+            found = sorted(p for p in glob.glob(path) if p.endswith(".tar") and os.path.isfile(p))
+            if not found:
+                raise InputFileError(f"train_shards {spec}: no .tar file matches {part}")
+            urls += found
+        else:
+            urls.append(part)
+    return urls
+
+
+def _from_pattern(pattern: str) -> list[dict]:
+    """The shard list of a folder, glob or brace pattern of local .tar files, each shard's samples counted."""
+    urls = expand_shards(pattern)
     missing = [u for u in urls if is_local(u) and not os.path.isfile(_local_path(u))]
     if missing:
         raise InputFileError(f"train_shards {pattern}: {len(missing)} of {len(urls)} shards do not exist, "
-                             f"e.g. {missing[0]}")
+                             f"e.g. {missing[0]} (an entry is a wids index .json, a folder of .tar shards, a "
+                             "glob or a brace pattern)")
     remote = [u for u in urls if not is_local(u)]
     if remote:
         raise InputFileError(f"train_shards {pattern}: remote shards ({remote[0]}) need a shard index with "
@@ -142,9 +172,10 @@ def _from_pattern(pattern: str) -> list[dict]:
 
 
 def read_shard_list(spec: str) -> tuple[list[dict], str | None]:
-    """The shards of one train_shards entry (a shard-index json or a brace pattern of .tar files), each
-    local one checked to exist and to have the index's filesize, and the index's image-keys file (None
-    when it names none); InputFileError names what is wrong."""
+    """The shards of one train_shards entry (a shard-index json; or a folder, glob or brace pattern of
+    .tar files), each local one checked to exist and to have the index's filesize, and the index's
+    image-keys file (None when it names none); InputFileError names what is wrong. Shards of zero
+    samples (img2dataset's last shard when all its urls failed) stay in the list with nsamples 0."""
     keys_file = None
     if spec.endswith(".json"):
         shards, desc = _from_index(spec)
@@ -200,7 +231,12 @@ class ShardDataset(Dataset):
     def __init__(self, spec: str, transform: Callable, max_words: int = 30, cache_dir: str | None = None,
                  lru_size: int = 64) -> None:
         self.spec = spec
-        self.shards, self.image_keys_file = read_shard_list(spec)
+        shards, self.image_keys_file = read_shard_list(spec)
+        # Empty shards hold no index: the reader gets the others (the start-up summary names them).
+        self.empty_shards = [s["url"] for s in shards if int(s["nsamples"]) == 0]
+        self.shards = [s for s in shards if int(s["nsamples"]) > 0]
+        if not self.shards:
+            raise InputFileError(f"train_shards {spec}: every one of its {len(shards)} shards is empty")
         self.transform = transform
         self.max_words = max_words
         self.cache_dir = cache_dir or default_cache_dir()

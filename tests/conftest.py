@@ -91,6 +91,20 @@ def assert_resumed_from(output_dir, latest: dict) -> None:
     assert (os.path.basename(got["path"]), got["step"]) == (latest["path"], latest["step"]), (got, latest)
 
 
+def run_here(script, argv: list[str], monkeypatch):
+    """script.main(argv) in this process, as `python Script.py ...` from the repository runs it (working
+    directory the repository, one intra-op thread): no interpreter start-up and imports (~6 s here) per
+    run. torch's deterministic flag and thread count are restored afterwards."""
+    monkeypatch.chdir(ROOT)
+    threads, deterministic = torch.get_num_threads(), torch.are_deterministic_algorithms_enabled()
+    torch.set_num_threads(1)
+    try:
+        return script.main(argv)
+    finally:
+        torch.use_deterministic_algorithms(deterministic)
+        torch.set_num_threads(threads)
+
+
 def small_pretrain_sets(data: str, **values) -> list[str]:
     """--set KEY=VALUE strings that shrink configs/tiny/Pretrain.yaml for script tests: the synthetic set
     at `data`, 32 px, patch 16, one ViT block, batch 8, no synthetic ViT; `values` add or replace keys."""

@@ -164,6 +164,7 @@ def test_ablate_micro_end_to_end_and_reuse(micro_env, tmp_path, monkeypatch):
         ablate.main([*args, "--set", "lambda_cons=0.5"])
 
 
+@pytest.mark.slow  # a minute of micro pre-training, retrieval, probe and UoV: make test-slow
 def test_ablate_micro_table2_reads_uov(micro_env, tmp_path, monkeypatch):
     """Table 2 rows also run tools.uov; its UoV@1/@5 per masking probability reach the table. Started from
     another working directory with a relative --output_dir: the scripts and tools it launches (tools.launch)

@@ -151,3 +151,24 @@ def test_a_corrupt_resume_checkpoint_names_the_file_and_writes_nothing(in_repo, 
     line = mistake(capsys, Retrieval, ["--config", TINY[Retrieval], "--output_dir", out, "--device", "cpu",
                                        "--resume", str(broken)])
     assert str(broken) in line
+
+
+def test_the_readme_flag_list_names_every_flag_the_scripts_define():
+    """README's flag block (the indented `--flag` lines under "Flags, the same for all four scripts") lists
+    exactly the flags the scripts' parsers define (help and hidden ones aside), --bench for Retrieval only."""
+    import argparse
+    import re
+
+    with open(os.path.join(ROOT, "README.md"), encoding="utf-8") as f:
+        text = f.read()
+    block = text[text.index("Flags, the same for all four scripts"):]
+    block = block[:block.index("\n\n", block.index("    --"))]
+    listed = set(re.findall(r"^    (--[a-z_]+)", block, re.MULTILINE))
+
+    def flags(script) -> set[str]:
+        return {action.option_strings[0] for action in script.PARSER._actions
+                if action.help != argparse.SUPPRESS and action.option_strings[0] != "-h"}
+
+    for script in TINY:
+        extra = {"--bench"} if script is Retrieval else set()
+        assert flags(script) == listed - ({"--bench"} - extra), script.__name__

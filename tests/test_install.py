@@ -1,6 +1,8 @@
-"""The project as a library: it installs (pip, from pyproject.toml), its packages import from any directory,
-and examples/clip_grit.py (a CLIP loop with GritSampler, nothing of models/) runs from another working
-directory with only the installed packages on the path, its GRIT batches harder than random ones."""
+"""The project as a library: the wheel `pip` builds from pyproject.toml holds one top-level name, `grit`; it
+installs into an empty folder and imports from another directory in a fresh interpreter that cannot see
+the repository nor import the training stack (timm, transformers, torchvision, ...); and
+examples/clip_grit.py (a CLIP loop with GritSampler, nothing of models/) runs from another working
+directory with only the installed package on the path, its GRIT batches harder than random ones."""
 
 from __future__ import annotations
 
@@ -9,27 +11,42 @@ import os
 import shutil
 import subprocess
 import sys
+import zipfile
 
 import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-SOURCES = ["pyproject.toml", "files.py", "grit", "models", "dataset", "training", "tools"]
+SOURCES = ["pyproject.toml", "grit", "models", "dataset", "training", "tools", "Pretrain.py", "README.md"]
+# What the training code imports and the library must not: the repository's other packages and the
+# training stack beyond torch and numpy.
+BLOCKED = ("models", "dataset", "training", "tools", "files", "timm", "transformers", "torchvision", "wids",
+           "webdataset", "ruamel", "PIL", "tqdm", "matplotlib")
 
 
 @pytest.fixture(scope="module")
-def installed(tmp_path_factory) -> str:
-    """`pip install --target` of a copy of the sources (the build writes into its source folder): the
-    folder the packages went to."""
-    src, target = tmp_path_factory.mktemp("src"), tmp_path_factory.mktemp("site")
+def wheel(tmp_path_factory) -> str:
+    """The wheel `pip wheel` builds from a copy of the sources (the build writes into its source folder)."""
+    src, out = tmp_path_factory.mktemp("src"), tmp_path_factory.mktemp("wheel")
     for name in SOURCES:
         path = os.path.join(ROOT, name)
         if os.path.isdir(path):
             shutil.copytree(path, src / name, ignore=shutil.ignore_patterns("__pycache__"))
         else:
             shutil.copy(path, src / name)
-    proc = subprocess.run([sys.executable, "-m", "pip", "install", "--quiet", "--no-deps",
-                           "--no-build-isolation", "--target", str(target), str(src)],
+    proc = subprocess.run([sys.executable, "-m", "pip", "wheel", "--quiet", "--no-deps",
+                           "--no-build-isolation", "--wheel-dir", str(out), str(src)],
                           capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    (path,) = [os.path.join(out, f) for f in os.listdir(out) if f.endswith(".whl")]
+    return path
+
+
+@pytest.fixture(scope="module")
+def installed(wheel, tmp_path_factory) -> str:
+    """The wheel installed into an empty folder: the folder."""
+    target = tmp_path_factory.mktemp("site")
+    proc = subprocess.run([sys.executable, "-m", "pip", "install", "--quiet", "--no-deps", "--target",
+                           str(target), wheel], capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     return str(target)
 
@@ -40,13 +57,42 @@ def _env(site: str) -> dict:
     return dict(env, PYTHONPATH=site, OMP_NUM_THREADS="1")
 
 
-def test_packages_import_from_another_directory(installed, tmp_path):
-    code = ("import grit, models, dataset, training, tools, files; from grit import GritSampler; "
-            "print(grit.__file__)")
+def test_the_wheel_installs_one_top_level_name(wheel, installed):
+    with zipfile.ZipFile(wheel) as z:
+        tops = {name.split("/")[0] for name in z.namelist()}
+    assert {t for t in tops if not t.endswith(".dist-info")} == {"grit"}, tops
+    assert {n for n in os.listdir(installed) if not n.endswith(".dist-info")} == {"grit"}
+
+
+def test_grit_imports_alone_in_a_fresh_interpreter(installed, tmp_path):
+    """Outside the repository, with every import of the training stack refused: grit imports, its sampler
+    deals an epoch and reads a warm-start index array (grit.files)."""
+    code = f"""
+import importlib.abc, sys
+class Refuse(importlib.abc.MetaPathFinder):
+    def find_spec(self, name, path=None, target=None):
+        if name.split(".")[0] in {BLOCKED!r}:
+            raise ImportError("blocked: " + name)
+sys.meta_path.insert(0, Refuse())
+import json, torch, grit
+from grit import GritSampler, load_index_array
+with open("order.json", "w") as f:
+    json.dump(list(range(23, -1, -1)), f)
+s = GritSampler(24, num_replicas=1, rank=0, batch_size=4, queue_size=12, search_space=8, dim=8,
+                warmstart_indices="order.json")
+s.set_epoch(0)
+array = load_index_array("order.json", 24).tolist()
+print(json.dumps({{"file": grit.__file__, "epoch": list(s), "array": array}}))
+"""
     proc = subprocess.run([sys.executable, "-c", code], cwd=str(tmp_path), env=_env(installed),
                           capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr[-2000:]
-    assert proc.stdout.strip().startswith(installed)
+    out = json.loads(proc.stdout)
+    assert out["file"].startswith(installed) and out["array"] == list(range(23, -1, -1))
+    # the warm-start epoch: every index once, each batch a chunk of 4 of the array (chunk order shuffled)
+    batches = [out["epoch"][i:i + 4] for i in range(0, 24, 4)]
+    assert sorted(out["epoch"]) == list(range(24))
+    assert all(b == list(range(b[0], b[0] - 4, -1)) and b[0] % 4 == 3 for b in batches), batches
 
 
 def test_clip_example_runs_after_install_and_its_grit_batches_are_harder(installed, tmp_path, in_repo):

@@ -12,7 +12,7 @@ import time
 
 import pytest
 import torch
-from conftest import assert_resumed_from, read_latest, small_pretrain_sets
+from conftest import assert_resumed_from, read_latest, run_here, small_pretrain_sets
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 LOG_KEYS = {'epoch', 'step', 'lr', 'loss_itc', 'loss_cons', 'loss_itm', 'loss_mlm', 'train_seconds',
@@ -67,10 +67,12 @@ def assert_valid_next_epoch(indices: torch.Tensor, dataset_len: int, global_batc
     assert int(indices.min()) >= 0 and int(indices.max()) < dataset_len
 
 
-def test_one_process_two_epochs(data_dir, tmp_path):
+def test_one_process_two_epochs(data_dir, tmp_path, monkeypatch):
+    import Pretrain
+
     out = str(tmp_path / 'run')
-    run([sys.executable, 'Pretrain.py', '--config', 'configs/tiny/Pretrain.yaml', '--output_dir', out,
-         '--device', 'cpu', *overrides(data_dir)])
+    run_here(Pretrain, ['--config', 'configs/tiny/Pretrain.yaml', '--output_dir', out, '--device', 'cpu',
+                        *overrides(data_dir)], monkeypatch)
     log = read_log(out)
     assert [r['epoch'] for r in log] == [0, 1]
     for record in log:

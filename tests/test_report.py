@@ -8,7 +8,7 @@ import subprocess
 import sys
 
 import pytest
-from conftest import small_pretrain_sets
+from conftest import run_here, small_pretrain_sets
 
 from tools.report import (
     NO_MATPLOTLIB,
@@ -230,8 +230,9 @@ def test_command_line_error_is_one_line(tmp_path):
     assert proc.stderr.startswith("error: ") and "(see python -m tools.report --help)" in proc.stderr
 
 
-def test_real_pretrain_runs(tmp_path):
+def test_real_pretrain_runs(tmp_path, monkeypatch):
     """Two 2-epoch Pretrain.py runs on 48 synthetic images (about 5 s each), GRIT and random batches."""
+    import Pretrain
     from dataset.synthetic import ensure_synthetic
 
     data = ensure_synthetic(str(tmp_path / "synthetic"), n=48, seed=3)
@@ -239,16 +240,11 @@ def test_real_pretrain_runs(tmp_path):
     sets = small_pretrain_sets(data, **{"grit.queue_size": 16, "grit.search_space": 8, "max_epoch": 2,
                                         "schedular.epochs": 2, "schedular.warmup_steps": 2,
                                         "print_freq": 1000})
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=ROOT)
-    env.pop("WORLD_SIZE", None)
     dirs = []
     for name, extra in (("grit", []), ("random", ["grit.enabled=false"])):
         out = str(tmp_path / name)
-        proc = subprocess.run([sys.executable, "Pretrain.py", "--config", "configs/tiny/Pretrain.yaml",
-                               "--output_dir", out, "--device", "cpu", "--set",
-                               *sets, *extra],
-                              cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
-        assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+        run_here(Pretrain, ["--config", "configs/tiny/Pretrain.yaml", "--output_dir", out, "--device", "cpu",
+                            "--set", *sets, *extra], monkeypatch)
         dirs.append(out)
 
     report_dir = str(tmp_path / "report")

@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
-from conftest import small_pretrain_sets
+from conftest import run_here, small_pretrain_sets
 from PIL import Image
 
 from dataset import SkipBadSamples, train_transform
@@ -24,8 +24,8 @@ from dataset import test_transform as eval_transform
 from dataset.corpus import PretrainCorpus
 from dataset.pretrain import PretrainDataset
 from dataset.shards import ShardDataset
-from files import InputFileError
 from grit import GritSampler
+from grit.files import InputFileError
 from tools.make_shards import convert, index_only
 from training.config_files import ConfigError
 
@@ -162,6 +162,72 @@ def test_brace_pattern_counts_the_shards(tmp_path):
     assert record["samples"] == 18
     indexed = ShardDataset(record["index"], eval_transform(RES))  # urls relative to the index's folder
     assert len(indexed) == 18 and same_item(read(indexed, 17), read(ds, 17))
+
+
+def write_img2dataset_folder(folder, counts: list[int]) -> list[str]:
+    """An output folder as img2dataset writes it (`--output_format webdataset`): per shard k, {k:05d}.tar
+    with members {key}.jpg, {key}.txt and {key}.json (its metadata, indented: url, caption, key, status,
+    error_message, sizes, exif, sha256), {k:05d}.parquet and {k:05d}_stats.json beside it; a shard whose
+    urls all failed is an empty tar. -> the captions in index order."""
+    captions = []
+    for k, n in enumerate(counts):
+        samples = []
+        for i, sample in enumerate(web_samples(k, n)):
+            caption = json.loads(sample["json"])["caption"]
+            meta = {"url": f"https://example.com/{k}/{i}.jpg", "caption": caption, "key": sample["key"],
+                    "status": "success", "error_message": None, "width": 40, "height": 48,
+                    "original_width": 400, "original_height": 480, "exif": "{}", "sha256": f"{k:02d}{i:062d}"}
+            samples.append({**sample, "json": json.dumps(meta, indent=4).encode()})
+            captions.append(caption)
+        write_img2dataset_shard(os.path.join(folder, f"{k:05d}.tar"), samples)
+        with open(os.path.join(folder, f"{k:05d}.parquet"), "wb") as f:
+            f.write(b"PAR1" + bytes(64) + b"PAR1")  # pyarrow's; never opened
+        with open(os.path.join(folder, f"{k:05d}_stats.json"), "w") as f:
+            json.dump({"count": n, "successes": n, "failed_to_download": 10 - n, "status_dict": {}}, f)
+    return captions
+
+
+def test_img2dataset_output_folder_as_it_is(tmp_path):
+    """train_shards takes img2dataset's folder (side files ignored, the empty last shard counted as zero
+    and named), a glob of it and a brace pattern, with the same samples in the same order."""
+    folder = tmp_path / "cc3m"
+    folder.mkdir()
+    captions = write_img2dataset_folder(str(folder), [6, 5, 0])
+    tars = [str(folder / f"{k:05d}.tar") for k in range(3)]
+    by_folder = ShardDataset(str(folder), eval_transform(RES))
+    assert [s["url"] for s in by_folder.shards] == tars[:2] and by_folder.empty_shards == tars[2:]
+    assert len(by_folder) == 11
+    assert [read(by_folder, i)[1] for i in range(11)] == [" ".join(c.split()) for c in captions]
+    for spec in (str(folder / "*.tar"), str(folder) + "/{00000..00002}.tar", str(folder) + "/"):
+        other = ShardDataset(spec, eval_transform(RES))
+        assert [s["url"] for s in other.shards] == tars[:2] and other.empty_shards == tars[2:], spec
+        assert same_item(read(other, 9), read(by_folder, 9))
+    corpus = PretrainCorpus([(str(folder), by_folder), (str(folder / "0000[01].tar"),
+                                                        ShardDataset(str(folder / "0000[01].tar"),
+                                                                     eval_transform(RES)))])
+    assert len(corpus) == 22 and corpus.empty_shards() == tars[2:]
+    (tmp_path / "nothing").mkdir()
+    with pytest.raises(InputFileError, match="the folder .*nothing holds no .tar shards"):
+        ShardDataset(str(tmp_path / "nothing"), eval_transform(RES))
+    with pytest.raises(InputFileError, match="no .tar file matches .*9\\*.tar"):
+        ShardDataset(str(folder / "9*.tar"), eval_transform(RES))
+    only_empty = tmp_path / "failed"
+    only_empty.mkdir()
+    write_img2dataset_folder(str(only_empty), [0])
+    with pytest.raises(InputFileError, match="every one of its 1 shards is empty"):
+        ShardDataset(str(only_empty), eval_transform(RES))
+
+
+def test_pretraining_from_img2dataset_folder_names_the_empty_shard(data_dir, tmp_path, monkeypatch, capsys):
+    folder = tmp_path / "web"
+    folder.mkdir()
+    write_img2dataset_folder(str(folder), [10, 9, 0])
+    out = str(tmp_path / "run")
+    _pretrain_here(data_dir, out, monkeypatch, "train_file=null", f"train_shards={folder}", "max_epoch=1",
+                   "schedular.epochs=1")
+    printed = capsys.readouterr().out
+    assert f"1 empty shard (0 samples) left out: {folder / '00002.tar'}" in printed
+    assert "19 training examples" in printed and [r["epoch"] for r in _log(out)] == [0]
 
 
 def test_list_captions_give_a_random_member(tmp_path):
@@ -381,6 +447,16 @@ def _pretrain(data: str, out: str, *extra: str, launcher: list[str] | None = Non
     return proc
 
 
+def _pretrain_here(data: str, out: str, monkeypatch, *extra: str) -> dict:
+    """_pretrain's run in this process (conftest.run_here): the same script, no interpreter start-up."""
+    import Pretrain
+
+    values = {"grit.queue_size": 40, "grit.search_space": 16, "max_epoch": 2, "schedular.epochs": 2,
+              "schedular.warmup_steps": 4, "print_freq": 1000}
+    return run_here(Pretrain, ["--config", "configs/tiny/Pretrain.yaml", "--output_dir", out, "--device",
+                               "cpu", "--set", *small_pretrain_sets(data, **values), *extra], monkeypatch)
+
+
 def _log(out: str) -> list[dict]:
     with open(os.path.join(out, "log.txt")) as f:
         return [json.loads(line) for line in f]
@@ -389,11 +465,11 @@ def _log(out: str) -> list[dict]:
 TIMINGS = {"train_seconds", "epoch_seconds", "samples_per_s", "grit_seconds"}
 
 
-def test_pretraining_from_shards_sees_what_the_json_run_sees(data_dir, converted, tmp_path):
+def test_pretraining_from_shards_sees_what_the_json_run_sees(data_dir, converted, tmp_path, monkeypatch):
     """Same seed, same dataset order: the same examples in the same batches, so the same losses."""
     from_json, from_shards = str(tmp_path / "json"), str(tmp_path / "shards")
-    _pretrain(data_dir, from_json)
-    _pretrain(data_dir, from_shards, "train_file=null", f"train_shards={converted}")
+    _pretrain_here(data_dir, from_json, monkeypatch)
+    _pretrain_here(data_dir, from_shards, monkeypatch, "train_file=null", f"train_shards={converted}")
     a, b = _log(from_json), _log(from_shards)
     assert [{k: v for k, v in r.items() if k not in TIMINGS} for r in a] == \
         [{k: v for k, v in r.items() if k not in TIMINGS} for r in b]

@@ -304,10 +304,11 @@ class PretrainConfig(_Objectives, TaskConfig):
     # --- web-scale data (dataset.shards, dataset.corpus) ------------------------------------------------
     train_file: str | list[str] | None = key(None, "json list(s) of training entries (ALBEF's format); "
                                                    "null when train_shards holds all the data", path="file")
-    train_shards: str | list[str] | None = key(None, "tar shards in img2dataset's layout: shard-index "
-                                                     "json(s) (wids' format, as tools.make_shards writes "
-                                                     "them) or brace patterns of .tar files; after "
-                                                     "train_file in the index space")
+    train_shards: str | list[str] | None = key(None, "tar shards in img2dataset's layout, each entry a "
+                                                     "shard-index json (wids' format, as tools.make_shards "
+                                                     "writes them), a folder of .tar shards (img2dataset's "
+                                                     "output folder), a glob or a brace pattern of .tar "
+                                                     "files; after train_file in the index space")
     train_repeat: dict[str, int] = key({}, "integer repeat factor per source, keyed by a train_file or "
                                            "train_shards entry as written; each copy has its own indices")
     shard_cache_dir: str | None = key(None, "wids' cache: remote shards are downloaded here, local ones only "
