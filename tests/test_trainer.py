@@ -134,6 +134,34 @@ def test_a_fake_task_trains_and_resumes_after_a_crash_exactly(tmp_path):
         assert {k: v for k, v in a.items() if k not in skip} == {k: v for k, v in b.items() if k not in skip}
 
 
+def test_a_mid_epoch_checkpoint_resumed_with_another_shape_is_one_error_naming_the_epoch_checkpoint(tmp_path):
+    """Another per-rank batch size, or another number of processes, cannot continue the rest of an epoch
+    that was dealt to the saved ranks: one InputFileError (exit 2 from the command line) that names the
+    end-of-epoch checkpoint to resume from; nothing is written."""
+    from grit.files import InputFileError
+
+    cut = tmp_path / "cut"
+    with pytest.raises(RuntimeError, match="crash"):
+        Trainer(fake_run(cut), FakeTask(fake_run(cut).config, crash_at=15)).fit()
+    before = sorted(os.listdir(cut))
+    epoch_end = os.path.join(cut, "checkpoint_00.pth")
+    step = os.path.join(cut, "checkpoint_step_0000012.pth")
+    wider = fake_run(cut, resume="latest", batch_size_train=8)
+    with pytest.raises(InputFileError) as err:
+        Trainer(wider, FakeTask(wider.config)).fit()
+    assert str(err.value) == (
+        f"--resume {step}: saved mid-epoch by 1 process(es) with batch size 4 per process, resumed by 1 "
+        f"with 8; the rest of that epoch continues only on the same processes and batch size: resume with "
+        f"those, or from --resume {epoch_end} (the newest end-of-epoch checkpoint)")
+    two = fake_run(cut, resume="latest")
+    two = Run(two.args, two.config, dataclasses.replace(CPU, world_size=2))
+    with pytest.raises(InputFileError, match=r"batch size 4 per process, resumed by 2 with 4; "):
+        Trainer(two, FakeTask(two.config)).fit()
+    assert sorted(os.listdir(cut)) == before
+    Trainer(fake_run(cut, resume=epoch_end), FakeTask(fake_run(cut).config)).fit()  # the way out works
+    assert [r["epoch"] for r in read_log(cut)] == [0, 1, 2]
+
+
 def test_resume_in_an_empty_output_dir_starts_fresh_and_says_so(tmp_path, capsys):
     run = fake_run(tmp_path / "new", resume="latest", max_epoch=1)
     Trainer(run, FakeTask(run.config)).fit()

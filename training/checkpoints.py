@@ -196,6 +196,28 @@ def restore_training(path: str, model: nn.Module, optimizer: torch.optim.Optimiz
     return state, start_epoch, global_step
 
 
+def check_mid_epoch_resume(saved: Mapping, path: str, world_size: int, batch_size: int) -> None:
+    """InputFileError (one line, exit 2) when a mid-epoch checkpoint is resumed with another number of
+    processes or per-rank batch size: the rest of its epoch was dealt to the saved ranks, so it continues
+    exactly only on them; the message names the newest end-of-epoch checkpoint beside it to resume from
+    instead. Checkpoints without the saved shape (from before it was recorded) pass unchecked."""
+    if saved.get('epoch_complete', True):
+        return
+    sampler = saved.get('sampler') if isinstance(saved.get('sampler'), Mapping) else {}
+    then = (saved.get('world_size', sampler.get('num_replicas')),
+            saved.get('batch_size', sampler.get('batch_size')))
+    if None in then or (int(then[0]), int(then[1])) == (world_size, batch_size):
+        return
+    folder = os.path.dirname(os.path.abspath(path))
+    ends = sorted(n for n in os.listdir(folder) if re.fullmatch(r'checkpoint_\d+\.pth', n))
+    instead = (f'--resume {os.path.join(folder, ends[-1])} (the newest end-of-epoch checkpoint)' if ends else
+               'an end-of-epoch checkpoint (there is none yet)')
+    raise InputFileError(
+        f'--resume {path}: saved mid-epoch by {int(then[0])} process(es) with batch size {int(then[1])} per '
+        f'process, resumed by {world_size} with {batch_size}; the rest of that epoch continues only on the '
+        f'same processes and batch size: resume with those, or from {instead}')
+
+
 # Group settings that choose how the update runs, not what it computes: a run keeps its own.
 _IMPLEMENTATION_KEYS = ('fused', 'foreach', 'capturable')
 

@@ -28,6 +28,7 @@ from torch.utils.data import Dataset, Sampler
 
 from training.bad_samples import BadSampleLog
 from training.checkpoints import (
+    check_mid_epoch_resume,
     checkpoint_path,
     find_latest_checkpoint,
     keep_best,
@@ -151,7 +152,10 @@ class Trainer:
         best = {task.best_key: -float("inf"), "epoch": -1} if task.best_key else None
 
         def state(epoch: int, step: int, complete: bool = False, reseed_rng: bool = True) -> dict:
-            extra = {} if best is None else {"best": best}
+            # The world size and per-rank batch: a mid-epoch checkpoint continues only with the same ones.
+            extra = {"world_size": info.world_size, "batch_size": task.batch_size}
+            if best is not None:
+                extra["best"] = best
             return training_state(task.model, optimizer, scheduler, scaler, config=config_to_dict(config),
                                   epoch=epoch, step=step, sampler_state=sampler.state_dict(),
                                   seed=config.seed, rank=info.rank, complete=complete, guard=guard,
@@ -162,6 +166,7 @@ class Trainer:
             saved, start_epoch, global_step = restore_training(
                 self.resume, task.model, optimizer, scheduler, scaler, seed=config.seed, rank=info.rank,
                 guard=guard, bad_samples=bad_log)
+            check_mid_epoch_resume(saved, self.resume, info.world_size, task.batch_size)
             sampler.load_state_dict(saved["sampler"])
             sampler.start_batch = global_step - start_epoch * steps_per_epoch  # this epoch's batches done
             if best is not None:
