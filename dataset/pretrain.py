@@ -43,7 +43,7 @@ def check_caption(entry: dict, key: str = "caption") -> None:
 
 class ImageCaptionDataset(Dataset):
     """The entries ``[{"image", "caption": str | [str, ...], ...}]`` of one or more json lists, checked as
-    they load (grit.files.InputFileError names the file and entry), and the image root and transform to read
+    they load (grit_io.InputFileError names the file and entry), and the image root and transform to read
     them with. Subclasses add keys to `required` and checks to `check_entry`, and say what an item is."""
 
     required: tuple[str, ...] = ("image", "caption")

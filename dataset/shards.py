@@ -18,7 +18,7 @@ the index space and named in the start-up summary. An index may
 name an `image_keys` .npy file (one integer per sample, equal for samples of one image file: ALBEF's COCO
 and VG lists hold one entry per caption), read by the false-negative guard only. At start-up
 a local shard that is missing, or whose size differs from the index's `filesize`, is refused with its
-name (grit.files.InputFileError). A sample that cannot be read in training is a bad sample
+name (grit_io.InputFileError). A sample that cannot be read in training is a bad sample
 (dataset.bad_samples): a truncated or non-image image member, no image member, an empty or missing
 caption, a shard that holds fewer samples than its index says or cannot be opened; each names the shard
 and the key.
@@ -41,7 +41,7 @@ import torch
 from torch import Tensor
 from torch.utils.data import Dataset
 
-from grit.files import InputFileError, read_json
+from grit_io import InputFileError, read_json
 
 from .bad_samples import blank_image
 from .pretrain import PLACEHOLDER_CAPTION

@@ -63,7 +63,7 @@ import warnings
 
 import numpy as np
 
-from grit.files import read_json
+from grit_io import read_json
 
 from .synthetic_tasks import nlvr_split, vqa_split
 from .synthetic_world import (

@@ -26,7 +26,7 @@ from torch import Tensor, nn
 from dataset.synthetic import MARKER, ensure_synthetic
 from dataset.synthetic_world import COLOURS, SHAPES, SIZES, Scene, render, sample_scenes
 from dataset.transforms import test_transform
-from grit.files import read_json
+from grit_io import read_json
 
 __all__ = ["DEFAULTS", "attribute_targets", "ensure_synthetic_vit", "fresh_scenes", "pretrain_vit",
            "save_synthetic_vit"]

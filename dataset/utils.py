@@ -1,7 +1,7 @@
 """Text cleaning, json-list loading and image reading shared by every dataset.
 
 All errors name the offending file (or caption), so a bad entry in a 4M-line json list is found
-from the message alone. A fault of a json list stops the run (grit.files.InputFileError); a bad sample
+from the message alone. A fault of a json list stops the run (grit_io.InputFileError); a bad sample
 (ImageReadError, EmptyTextError: found only when the entry is read) is skipped and counted instead
 (dataset.bad_samples).
 """
@@ -15,7 +15,7 @@ from typing import BinaryIO
 
 from PIL import Image
 
-from grit.files import InputFileError, read_json
+from grit_io import InputFileError, read_json
 
 __all__ = [
     "EmptyTextError",
@@ -88,7 +88,7 @@ def load_json_list(
     """Concatenate json lists of dict entries; every entry must have the ``required`` keys.
 
     ``check(entry)`` may raise ValueError for a bad value. Any fault of a file (missing, not JSON, not a
-    list, an entry that is no object, lacks a key or fails ``check``) raises grit.files.InputFileError naming
+    list, an entry that is no object, lacks a key or fails ``check``) raises grit_io.InputFileError naming
     the file and, for an entry, its index.
     """
     if isinstance(paths, (str, os.PathLike)):

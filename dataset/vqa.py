@@ -9,7 +9,7 @@ from typing import Any
 from torch import Tensor
 from torch.utils.data import Dataset
 
-from grit.files import InputFileError, read_json
+from grit_io import InputFileError, read_json
 
 from .bad_samples import blank_image
 from .pretrain import PLACEHOLDER_CAPTION
@@ -46,7 +46,7 @@ def answer_weights(answer: str | list[str], dataset: str = "vqa") -> tuple[list[
 
 
 def load_answer_list(path: str) -> list[str]:
-    """The json list of candidate answers; grit.files.InputFileError naming the file when it is missing, not
+    """The json list of candidate answers; grit_io.InputFileError naming the file when it is missing, not
     JSON or not a non-empty list of strings."""
     answers = read_json(path, "answer list")
     if not (isinstance(answers, list) and answers and all(isinstance(a, str) for a in answers)):

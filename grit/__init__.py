@@ -62,33 +62,9 @@ Per epoch, on every rank:
     checkpoint['sampler'] = sampler.state_dict()
 """
 
-from __future__ import annotations
-
-import importlib
-from typing import TYPE_CHECKING, Any
-
-if TYPE_CHECKING:
-    from .chain import greedy_chain
-    from .collector import GritCollector
-    from .config import load_index_array, option_problems
-    from .sampler import GritSampler
+from .chain import greedy_chain
+from .collector import GritCollector
+from .config import load_index_array, option_problems
+from .sampler import GritSampler
 
 __all__ = ["greedy_chain", "GritCollector", "GritSampler", "load_index_array", "option_problems"]
-
-# The names are loaded on first use (PEP 562), so that `import grit.files` (the file reader, which the
-# synthetic-data generator uses without torch) does not import torch through the sampler.
-_HOMES = {"greedy_chain": ".chain", "GritCollector": ".collector", "GritSampler": ".sampler",
-          "load_index_array": ".config", "option_problems": ".config"}
-
-
-def __getattr__(name: str) -> Any:
-    """grit.GritSampler etc. from their modules, imported on first access."""
-    if name not in _HOMES:
-        raise AttributeError(f"module 'grit' has no attribute {name!r}")
-    value = getattr(importlib.import_module(_HOMES[name], __name__), name)
-    globals()[name] = value
-    return value
-
-
-def __dir__() -> list[str]:
-    return sorted([*globals(), *__all__])

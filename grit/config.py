@@ -12,7 +12,7 @@ import os
 import numpy as np
 import torch
 
-from grit.files import InputFileError, load_torch_file, read_json
+from grit_io import InputFileError, load_torch_file, read_json
 
 __all__ = ["DEFAULTS", "MODES", "load_index_array", "option_problems"]
 

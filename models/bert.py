@@ -17,7 +17,7 @@ from torch import Tensor, nn
 from torch.utils.checkpoint import checkpoint
 from transformers import BertConfig
 
-from grit.files import InputFileError, read_json
+from grit_io import InputFileError, read_json
 from models.bert_layers import (
     BertBackbone,
     BertLayer,

@@ -8,7 +8,7 @@ import re
 
 from torch import Tensor
 
-from grit.files import InputFileError
+from grit_io import InputFileError
 from models.state_dicts import read_weights_file
 
 _WEIGHT_FILES = ("model.safetensors", "pytorch_model.bin")

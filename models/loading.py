@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 
 from torch import Tensor, nn
 
-from grit.files import InputFileError
+from grit_io import InputFileError
 from models.state_dicts import missing_after_tying, read_weights_file, summarise_keys
 from models.vit import resample_pos_embed_report
 

@@ -10,7 +10,7 @@ from typing import Any
 
 from torch import Tensor, nn
 
-from grit.files import InputFileError, load_torch_file
+from grit_io import InputFileError, load_torch_file
 
 __all__ = ["check_shapes", "missing_after_tying", "read_weights_file", "summarise_keys"]
 

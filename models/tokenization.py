@@ -7,7 +7,7 @@ from typing import Any
 
 from transformers import BertTokenizerFast
 
-from grit.files import InputFileError
+from grit_io import InputFileError
 
 __all__ = ["build_tokenizer", "tokenizer_from_vocab"]
 

@@ -14,7 +14,7 @@ from timm.models.vision_transformer import VisionTransformer
 from torch import Tensor, nn
 from torch.nn import functional as F
 
-from grit.files import InputFileError
+from grit_io import InputFileError
 from models.layer_norm import LayerNorm, set_amp_layer_norm
 from models.state_dicts import check_shapes, read_weights_file
 

@@ -7,7 +7,7 @@ import pytest
 import torch
 from transformers import BertConfig, BertForMaskedLM, BertModel
 
-from grit.files import InputFileError
+from grit_io import InputFileError
 from models.bert import BertEncoder, load_bert_config
 
 VOCAB, HIDDEN, LAYERS, FUSION = 100, 64, 4, 2

@@ -56,7 +56,7 @@ from dataset import (
 )
 from dataset import transforms as dtf
 from dataset.transforms import ALBEF_RANDAUG_OPS, AlbefRandAugment
-from grit.files import InputFileError
+from grit_io import InputFileError
 from models.tokenization import tokenizer_from_vocab
 from tools import make_synthetic
 from training.config import PretrainConfig, RetrievalConfig

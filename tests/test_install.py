@@ -1,8 +1,9 @@
-"""The project as a library: the wheel `pip` builds from pyproject.toml holds one top-level name, `grit`; it
-installs into an empty folder and imports from another directory in a fresh interpreter that cannot see
-the repository nor import the training stack (timm, transformers, torchvision, ...); and
-examples/clip_grit.py (a CLIP loop with GritSampler, nothing of models/) runs from another working
-directory with only the installed package on the path, its GRIT batches harder than random ones."""
+"""The project as a library: the wheel `pip` builds from pyproject.toml holds the project's own names
+alone, `grit` and its file reader `grit_io`; it installs into an empty folder and imports from another
+directory in a fresh interpreter that cannot see the repository nor import the training stack (timm,
+transformers, torchvision, ...); and examples/clip_grit.py (a CLIP loop with GritSampler, nothing of
+models/) runs from another working directory with only the installed package on the path, its GRIT
+batches harder than random ones."""
 
 from __future__ import annotations
 
@@ -16,7 +17,8 @@ import zipfile
 import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-SOURCES = ["pyproject.toml", "grit", "models", "dataset", "training", "tools", "Pretrain.py", "README.md"]
+SOURCES = ["pyproject.toml", "grit", "grit_io.py", "models", "dataset", "training", "tools", "Pretrain.py",
+           "README.md"]
 # What the training code imports and the library must not: the repository's other packages and the
 # training stack beyond torch and numpy.
 BLOCKED = ("models", "dataset", "training", "tools", "files", "timm", "transformers", "torchvision", "wids",
@@ -57,16 +59,19 @@ def _env(site: str) -> dict:
     return dict(env, PYTHONPATH=site, OMP_NUM_THREADS="1")
 
 
-def test_the_wheel_installs_one_top_level_name(wheel, installed):
+def test_the_wheel_installs_only_the_projects_own_names(wheel, installed):
     with zipfile.ZipFile(wheel) as z:
         tops = {name.split("/")[0] for name in z.namelist()}
-    assert {t for t in tops if not t.endswith(".dist-info")} == {"grit"}, tops
-    assert {n for n in os.listdir(installed) if not n.endswith(".dist-info")} == {"grit"}
+    assert {t for t in tops if not t.endswith(".dist-info")} == {"grit", "grit_io.py"}, tops
+    names = {n for n in os.listdir(installed) if not n.endswith(".dist-info")}
+    assert names - {"__pycache__"} == {"grit", "grit_io.py"}, names
+    # pip compiles the top-level module into __pycache__ beside it: that one module's bytecode only
+    assert all(n.startswith("grit_io.") for n in os.listdir(os.path.join(installed, "__pycache__")))
 
 
 def test_grit_imports_alone_in_a_fresh_interpreter(installed, tmp_path):
     """Outside the repository, with every import of the training stack refused: grit imports, its sampler
-    deals an epoch and reads a warm-start index array (grit.files)."""
+    deals an epoch and reads a warm-start index array (grit_io)."""
     code = f"""
 import importlib.abc, sys
 class Refuse(importlib.abc.MetaPathFinder):

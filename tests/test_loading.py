@@ -8,7 +8,7 @@ from conftest import tiny_config
 from torch import nn
 from transformers import BertConfig
 
-from grit.files import InputFileError
+from grit_io import InputFileError
 from models.bert import BertEncoder
 from models.loading import LoadReport, load_task_checkpoint, load_weights
 from models.vit import build_vision_encoder

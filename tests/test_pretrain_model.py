@@ -8,7 +8,7 @@ import torch
 from conftest import tiny_config, word_tokenizer
 from transformers import BertConfig, BertForMaskedLM, BertModel
 
-from grit.files import InputFileError
+from grit_io import InputFileError
 from models.loading import load_weights
 from models.pretrain import ALBEF_Base
 from training.config_files import ConfigError

@@ -25,7 +25,7 @@ from dataset.corpus import PretrainCorpus
 from dataset.pretrain import PretrainDataset
 from dataset.shards import ShardDataset
 from grit import GritSampler
-from grit.files import InputFileError
+from grit_io import InputFileError
 from tools.make_shards import convert, index_only
 from training.config_files import ConfigError
 

@@ -138,7 +138,7 @@ def test_a_mid_epoch_checkpoint_resumed_with_another_shape_is_one_error_naming_t
     """Another per-rank batch size, or another number of processes, cannot continue the rest of an epoch
     that was dealt to the saved ranks: one InputFileError (exit 2 from the command line) that names the
     end-of-epoch checkpoint to resume from; nothing is written."""
-    from grit.files import InputFileError
+    from grit_io import InputFileError
 
     cut = tmp_path / "cut"
     with pytest.raises(RuntimeError, match="crash"):

@@ -13,7 +13,7 @@ from conftest import ROOT
 from ruamel.yaml.comments import CommentedMap
 from torch import nn
 
-from grit.files import InputFileError
+from grit_io import InputFileError
 from training.checkpoints import (
     checkpoint_path,
     find_latest_checkpoint,

@@ -14,7 +14,7 @@ from conftest import tiny_config
 from torch import nn
 
 from grit import load_index_array
-from grit.files import UntrustedCheckpointError, set_trust_checkpoint
+from grit_io import UntrustedCheckpointError, set_trust_checkpoint
 from models.bert_weights import read_bert_weights
 from models.loading import load_weights
 from models.vit import build_vision_encoder

@@ -9,7 +9,7 @@ from conftest import tiny_config
 from timm.models.vision_transformer import VisionTransformer
 from torch import nn
 
-from grit.files import InputFileError
+from grit_io import InputFileError
 from models.vit import build_vision_encoder, resample_pos_embed
 from training.config_files import ConfigError
 

@@ -36,7 +36,7 @@ import statistics
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from grit.files import read_json
+from grit_io import read_json
 from tools.cli import emit_record, tool_parser
 from tools.compare import fresh, read_log
 from tools.launch import in_root, run

@@ -3,7 +3,7 @@ flags the checkpoint tools share, the typed config, and the one tail of every to
 
 A tool is a module tools/X.py whose main(argv) builds its parser with tool_parser('tools.X', ...), reads
 the typed config with tool_config (resolve_config with the tool's --config and --set), raises a user's
-mistake (training.config_files.ConfigError, grit.files.InputFileError, FileNotFoundError), ends with
+mistake (training.config_files.ConfigError, grit_io.InputFileError, FileNotFoundError), ends with
 emit_record (print the JSON record; with --output_dir, also write it there) and is started by
 `if __name__ == "__main__": run_main(main)` (training.cli.run_main: one `error:` line, exit 2).
 """
@@ -17,7 +17,7 @@ from collections.abc import Mapping
 
 import torch
 
-from grit.files import TRUST_FLAG
+from grit_io import TRUST_FLAG
 from training.cli import Parser
 from training.config import TaskConfig
 from training.config_resolve import resolve_config

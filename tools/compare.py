@@ -29,7 +29,7 @@ import re
 import statistics
 from collections.abc import Hashable, Sequence
 
-from grit.files import read_json
+from grit_io import read_json
 from tools.cli import emit_record, tool_parser
 from tools.launch import in_root, run_side_by_side
 from training.cli import Parser, run_main

@@ -37,7 +37,7 @@ from tqdm import tqdm
 from dataset.pretrain import first_seen_keys, image_file
 from dataset.shards import IMAGE_MEMBERS, read_shard_list
 from dataset.utils import load_json_list, resolve_image
-from grit.files import InputFileError, read_json
+from grit_io import InputFileError, read_json
 from tools.cli import add_config_args, emit_record, tool_config, tool_parser
 from training.cli import Parser, run_main
 from training.config_files import ConfigError

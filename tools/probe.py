@@ -29,7 +29,7 @@ from torch import Tensor
 from dataset import prepare_data
 from dataset.transforms import test_transform
 from dataset.utils import ImageReadError, load_json_list, pre_caption, read_image, resolve_image
-from grit.files import InputFileError, set_trust_checkpoint
+from grit_io import InputFileError, set_trust_checkpoint
 from models.pretrain import ALBEF_Base
 from tools.cli import checkpoint_parser, emit_record, resolve_device, tool_config
 from tools.pretrain_checkpoint import load_pretrain_checkpoint
@@ -91,7 +91,7 @@ def load_probe_file(path: str, image_root: str | None = None) -> list[dict]:
     try:
         entries = load_json_list(path, required=("image", "caption", "negatives"),
                                  check=lambda entry: _check_entry(entry, image_root))
-    except ValueError as err:  # grit.files.InputFileError (a ValueError) naming the file and entry
+    except ValueError as err:  # grit_io.InputFileError (a ValueError) naming the file and entry
         raise ProbeFileError(str(err)) from None
     if not entries:
         raise ProbeFileError(f"{path}: the probe file holds no entries")

@@ -24,7 +24,7 @@ import re
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 
-from grit.files import InputFileError
+from grit_io import InputFileError
 from training.cli import Parser, run_main
 
 __all__ = ["PLOT_EXTRA", "ReportError", "Run", "build_parser", "load_runs", "main", "markdown_report",

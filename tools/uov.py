@@ -45,7 +45,7 @@ from dataset import prepare_data
 from dataset.retrieval import RetrievalEvalDataset
 from dataset.transforms import test_transform
 from dataset.utils import ImageReadError, resolve_image
-from grit.files import InputFileError, set_trust_checkpoint
+from grit_io import InputFileError, set_trust_checkpoint
 from models.pretrain import ALBEF_Base
 from tools.cli import checkpoint_parser, emit_record, resolve_device, tool_config
 from tools.pretrain_checkpoint import load_pretrain_checkpoint
@@ -222,7 +222,7 @@ def load_captions(path: str, image_root: str, image_res: int, max_words: int = 3
         raise FileNotFoundError(f"caption file not found: {path}")
     try:
         dataset = RetrievalEvalDataset(path, test_transform(int(image_res)), image_root, max_words)
-    except ValueError as err:  # grit.files.InputFileError (a ValueError) naming the file and entry
+    except ValueError as err:  # grit_io.InputFileError (a ValueError) naming the file and entry
         raise CaptionFileError(str(err)) from None
     n_images = len(dataset) if limit is None else min(limit, len(dataset))
     if n_images == 0:

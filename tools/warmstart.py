@@ -37,7 +37,7 @@ from torch.utils.data import DataLoader
 from dataset import ImageTextCollate, PretrainDataset, create_dataset, prepare_data
 from dataset.transforms import test_transform
 from grit import GritCollector
-from grit.files import set_trust_checkpoint
+from grit_io import set_trust_checkpoint
 from models.false_negatives import caption_keys, false_negative_mask
 from models.objectives import hardest_negative_similarity
 from models.pretrain import ALBEF_Base

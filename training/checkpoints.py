@@ -21,7 +21,7 @@ import torch
 from torch import nn
 from torch.distributed.optim import ZeroRedundancyOptimizer
 
-from grit.files import InputFileError, load_torch_file
+from grit_io import InputFileError, load_torch_file
 from training.config_files import atomic_write_text, to_plain
 from training.distributed import all_gather_objects, get_world_size, is_main_process, print_main
 from training.reproducibility import reseed, rng_state, set_rng_state

@@ -18,7 +18,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, NoReturn
 
-from grit.files import TRUST_FLAG, InputFileError, set_trust_checkpoint
+from grit_io import TRUST_FLAG, InputFileError, set_trust_checkpoint
 from training.bad_samples import TooManyBadSamples
 from training.config import TaskConfig
 from training.config_files import ConfigError

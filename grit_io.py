@@ -4,9 +4,10 @@ its files) and its one JSON reader, each error naming the file (InputFileError).
 A .pth/.pt/.bin file is a pickle, and unpickling can execute arbitrary code. torch.load(weights_only=True)
 only rebuilds tensors and plain containers; a file that needs more (an argparse.Namespace or a custom
 class, as some released checkpoints hold) is refused with UntrustedCheckpointError, unless
-the run passed --trust_checkpoint. This module imports nothing of the repository, so that grit/, models/,
-dataset/, training/ and tools/ can all use it without an import cycle; it lives in grit, the one package
-`pip install` puts into site-packages, because GRIT's index-array files are read with it.
+the run passed --trust_checkpoint. This module sits at the top level, importing nothing of the
+repository, so that grit/, models/, dataset/, training/ and tools/ can all use it without an import cycle
+or an arrow between those packages. `pip install` ships it beside grit (which reads its index-array files
+with it): the wheel's two top-level names are the project's own, grit and grit_io.
 """
 
 from __future__ import annotations
