@@ -72,6 +72,20 @@ def hardness(img: torch.Tensor, txt: torch.Tensor, batches: torch.Tensor) -> flo
     return 0.5 * (sim.amax(2).mean() + sim.amax(1).mean()).item()
 
 
+def epoch_row(epoch: int, loss: float, img: torch.Tensor, txt: torch.Tensor, batches: torch.Tensor,
+              order: torch.Tensor) -> dict:
+    """The epoch's line, printed and returned: its loss, and the hardness of the batches (K, N) it trained
+    on and of random batches of the same size cut from `order` (a permutation of the dataset), both under
+    the features img, txt (D, d) of the epoch's final weights."""
+    random_batches = order[: batches.numel()].view_as(batches)
+    row = {"epoch": epoch, "loss": round(loss, 4), "grit_batches": round(hardness(img, txt, batches), 4),
+           "random_batches": round(hardness(img, txt, random_batches), 4)}
+    print(f"epoch {epoch}: loss {row['loss']:.3f}  hardness of its batches {row['grit_batches']:.3f}, of "
+          f"random batches {row['random_batches']:.3f}"
+          + ("  (epoch 0 is random: GRIT groups from the epoch before)" if epoch == 0 else ""), flush=True)
+    return row
+
+
 @torch.no_grad()
 def embed(model: DualEncoder, data: Pairs) -> tuple[torch.Tensor, torch.Tensor]:
     """Features (D, d) of every pair with the current weights."""
@@ -105,15 +119,7 @@ def train(data: Pairs, args) -> list[dict]:
             used.append(index)
         sampler.end_epoch()  # group what is left, compose the next epoch
         img, txt = embed(model, data)
-        batches = torch.stack(used)
-        shuffled = torch.randperm(len(data))[: batches.numel()].view_as(batches)
-        rows.append({"epoch": epoch, "loss": round(loss.item(), 4),
-                     "grit_batches": round(hardness(img, txt, batches), 4),
-                     "random_batches": round(hardness(img, txt, shuffled), 4)})
-        print(f"epoch {epoch}: loss {rows[-1]['loss']:.3f}  hardness of its batches "
-              f"{rows[-1]['grit_batches']:.3f}, of random batches {rows[-1]['random_batches']:.3f}"
-              + ("  (epoch 0 is random: GRIT groups from the epoch before)" if epoch == 0 else ""),
-              flush=True)
+        rows.append(epoch_row(epoch, loss.item(), img, txt, torch.stack(used), torch.randperm(len(data))))
     return rows
 
 

@@ -6,7 +6,7 @@ The model is a small config registered from examples/open_clip_tiny.json (open_c
 transformer at 32 px, no downloaded weights); the tokenizer is open_clip's byte-pair tokenizer for that
 config. Per epoch it prints how hard its batches were against random batches of the same size, both
 measured with the epoch's final weights (the mean similarity of every anchor's hardest in-batch negative,
-both directions: examples/clip_grit.py's measure).
+both directions: examples/clip_grit.py's measure and line).
 
     pip install open_clip_torch        # besides grit (pip install . from this repository)
     python examples/open_clip_grit.py --data data/synthetic [--epochs 8] [--batch_size 8] [--lr 1e-3]
@@ -23,7 +23,7 @@ import os
 
 import open_clip
 import torch
-from clip_grit import hardness  # examples/ is on sys.path when this file runs
+from clip_grit import epoch_row  # examples/ is on sys.path when this file runs
 from PIL import Image
 from torch.utils.data import DataLoader, Dataset
 
@@ -96,15 +96,9 @@ def train(args) -> list[dict]:
         sampler.end_epoch()  # group what is left, compose the next epoch
         img, txt = embed(model, measured)
         batches = torch.stack(used)
-        shuffled = torch.randperm(len(data), generator=torch.Generator().manual_seed(epoch))
-        shuffled = shuffled[: batches.numel()].view_as(batches)
-        rows.append({"epoch": epoch, "loss": round(sum(losses) / len(losses), 4), "indices": batches.tolist(),
-                     "grit_batches": round(hardness(img, txt, batches), 4),
-                     "random_batches": round(hardness(img, txt, shuffled), 4)})
-        print(f"epoch {epoch}: loss {rows[-1]['loss']:.3f}  hardness of its batches "
-              f"{rows[-1]['grit_batches']:.3f}, of random batches {rows[-1]['random_batches']:.3f}"
-              + ("  (epoch 0 is random: GRIT groups from the epoch before)" if epoch == 0 else ""),
-              flush=True)
+        order = torch.randperm(len(data), generator=torch.Generator().manual_seed(epoch))
+        row = epoch_row(epoch, sum(losses) / len(losses), img, txt, batches, order)
+        rows.append({**row, "indices": batches.tolist()})
     return rows
 
 
