@@ -10,15 +10,8 @@ from torch import Tensor
 
 from models.dual_encoder import ImageTextModel
 from models.false_negatives import caption_keys, false_negative_mask, odd_constants
-from models.objectives import (
-    concat_all_gather,
-    hardest_negative_similarity,
-    itc_loss,
-    mask_tokens,
-    mine_negatives,
-    mlm_capacity,
-    select_masked,
-)
+from models.mlm import mask_tokens, mlm_capacity, select_masked
+from models.objectives import concat_all_gather, hardest_negative_similarity, itc_loss, mine_negatives
 
 
 class ALBEF_Base(ImageTextModel):  # noqa: N801 (the paper's name)
@@ -105,7 +98,7 @@ class ALBEF_Base(ImageTextModel):  # noqa: N801 (the paper's name)
         """MLM cross-entropy of fused states (B,L,H) over the masked tokens of labels (B,L) -> 0-dim.
 
         mlm_masked_only: vocabulary logits only for a fixed-size selection holding every masked token
-        (models.objectives.select_masked; a data-dependent hidden[labels != -100] would sync the host
+        (models.mlm.select_masked; a data-dependent hidden[labels != -100] would sync the host
         every step). Off (ALBEF): logits at every position, the masked half used. Summing and dividing by
         a clamped count keeps the loss finite when nothing was masked.
         """

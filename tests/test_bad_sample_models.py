@@ -29,9 +29,10 @@ from dataset.pretrain import PLACEHOLDER_CAPTION
 from dataset.retrieval import RetrievalTrainDataset
 from dataset.transforms import test_transform as eval_transform  # not collected as a test
 from dataset.vqa import VQADataset
+from models.mlm import mask_tokens
 from models.momentum import FeatureQueue
 from models.nlvr import ALBEF_NLVR, assign_texts, nlvr_loss
-from models.objectives import itc_loss, mask_tokens
+from models.objectives import itc_loss
 from models.pretrain import ALBEF_Base
 from models.retrieval import QUEUE_KEYS, ALBEF_Retrieval
 from models.vqa import ALBEF_VQA

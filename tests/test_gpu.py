@@ -33,7 +33,7 @@ import models.pretrain
 from dataset.collate import ImageTextBatch
 from grit import GritSampler
 from models.bert_layers import BertLayer
-from models.objectives import mask_tokens
+from models.mlm import mask_tokens
 from models.pretrain import ALBEF_Base
 from tools.launch import child_env
 from training.distributed import DistInfo, all_reduce_mean, reduce_sum, unwrap, wrap_ddp

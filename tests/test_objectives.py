@@ -9,13 +9,13 @@ import torch.multiprocessing as mp
 import torch.nn.functional as F
 
 from models.false_negatives import caption_keys, false_negative_mask
+from models.mlm import mask_tokens
 from models.objectives import (
     concat_all_gather,
     gather_features,
     hardest_negative_similarity,
     itc_loss,
     local_columns,
-    mask_tokens,
     mine_negatives,
 )
 

@@ -14,15 +14,8 @@ import torch.nn.functional as F
 from conftest import tiny_config, word_tokenizer
 
 from dataset.collate import ImageTextCollate
-from models.objectives import (
-    itc_loss,
-    itm_pair_weights,
-    mask_tokens,
-    masked_mean,
-    mine_negatives,
-    mlm_capacity,
-    select_masked,
-)
+from models.mlm import mask_tokens, mlm_capacity, select_masked
+from models.objectives import itc_loss, itm_pair_weights, masked_mean, mine_negatives
 from models.pretrain import ALBEF_Base
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # tests/conftest.py
