@@ -27,6 +27,7 @@ from training.distributed import all_gather_objects, get_world_size, is_main_pro
 from training.reproducibility import reseed, rng_state, set_rng_state
 
 _CKPT_RE = re.compile(r'^checkpoint_(?:\d+|step_\d+)\.pth$')
+_EPOCH_RE = re.compile(r'^checkpoint_(\d+)\.pth$')  # end-of-epoch checkpoints: checkpoint_path(epoch=...)
 _LATEST = 'latest.json'
 
 
@@ -209,7 +210,9 @@ def check_mid_epoch_resume(saved: Mapping, path: str, world_size: int, batch_siz
     if None in then or (int(then[0]), int(then[1])) == (world_size, batch_size):
         return
     folder = os.path.dirname(os.path.abspath(path))
-    ends = sorted(n for n in os.listdir(folder) if re.fullmatch(r'checkpoint_\d+\.pth', n))
+    # by epoch number, not by name: checkpoint_100.pth sorts before checkpoint_99.pth as text
+    ends = sorted((n for n in os.listdir(folder) if _EPOCH_RE.match(n)),
+                  key=lambda n: int(_EPOCH_RE.match(n)[1]))
     instead = (f'--resume {os.path.join(folder, ends[-1])} (the newest end-of-epoch checkpoint)' if ends else
                'an end-of-epoch checkpoint (there is none yet)')
     raise InputFileError(
