@@ -118,13 +118,13 @@ def test_variants_are_switches_joined_by_plus():
 
 def test_a_baseline_child_runs_in_the_other_checkout():
     """--baseline's child is the other checkout's tools.step_bench, run in its root (here: this checkout)."""
-    from tools import step_bench
+    from tools import step_bench, step_bench_runs
 
     args, child_argv = step_bench.parse_args(
         ["--config", CONFIG, "--batch_size", "2", "--steps", "1", "--warmup", "0", "--device", "cpu",
          "--threads", "1", "--peak_sizes", "64", "--variants", "albef", "--baseline", ROOT, "--rounds", "1"])
     assert args.baseline == ROOT and args.rounds == 1
-    record = step_bench.spawn_variant(child_argv, "albef", ROOT)
+    record = step_bench_runs.spawn_variant(child_argv, "albef", ROOT)
     assert "error" not in record, record
     assert record["step_seconds"] > 0 and record["config_changes"]["share_image_kv"] is False
     with pytest.raises(SystemExit):  # not a checkout of this repository
@@ -132,7 +132,7 @@ def test_a_baseline_child_runs_in_the_other_checkout():
 
 
 def test_baseline_alternates_and_keeps_the_best_run(monkeypatch):
-    from tools import step_bench
+    from tools import step_bench_runs
 
     calls = []
     times = iter([3.0, 2.0, 1.0, 4.0, 2.5, 0.5])  # baseline, this, baseline, this, ...
@@ -141,8 +141,8 @@ def test_baseline_alternates_and_keeps_the_best_run(monkeypatch):
         calls.append(checkout)
         return {"step_seconds": next(times)}
 
-    monkeypatch.setattr(step_bench, "spawn_variant", fake)
-    mine, baseline = step_bench.alternate([], ["default"], ROOT, rounds=3)
+    monkeypatch.setattr(step_bench_runs, "spawn_variant", fake)
+    mine, baseline = step_bench_runs.alternate([], ["default"], ROOT, rounds=3)
     assert calls == [ROOT, None] * 3  # B A B A B A
     assert mine["default"]["step_seconds_runs"] == [2.0, 4.0, 0.5] and mine["default"]["step_seconds"] == 0.5
     assert baseline["variants"]["default"]["step_seconds"] == 1.0
