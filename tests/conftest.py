@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 
@@ -91,18 +92,11 @@ def assert_resumed_from(output_dir, latest: dict) -> None:
     assert (os.path.basename(got["path"]), got["step"]) == (latest["path"], latest["step"]), (got, latest)
 
 
-def run_here(script, argv: list[str], monkeypatch):
-    """script.main(argv) in this process, as `python Script.py ...` from the repository runs it (working
-    directory the repository, one intra-op thread): no interpreter start-up and imports (~6 s here) per
-    run. torch's deterministic flag and thread count are restored afterwards."""
-    monkeypatch.chdir(ROOT)
-    threads, deterministic = torch.get_num_threads(), torch.are_deterministic_algorithms_enabled()
-    torch.set_num_threads(1)
-    try:
+def run_here(script, argv: list[str]):
+    """script.main(argv) in this process, as `python Script.py ...` from the repository runs it
+    (as_a_script_runs): no interpreter start-up and imports (~6 s here) per run."""
+    with as_a_script_runs():
         return script.main(argv)
-    finally:
-        torch.use_deterministic_algorithms(deterministic)
-        torch.set_num_threads(threads)
 
 
 def small_pretrain_sets(data: str, **values) -> list[str]:
@@ -124,15 +118,26 @@ def in_repo():
     """
     from dataset import ensure_synthetic
 
+    with as_a_script_runs():
+        ensure_synthetic("data/synthetic")
+        yield
+
+
+@contextlib.contextmanager
+def as_a_script_runs():
+    """The repository as working directory and one intra-op thread, as the script tests run the scripts;
+    the working directory, thread count and torch's deterministic flag (the scripts set it from their
+    configs) restored afterwards."""
     cwd, threads = os.getcwd(), torch.get_num_threads()
     deterministic = torch.are_deterministic_algorithms_enabled()
     os.chdir(ROOT)
     torch.set_num_threads(1)
-    ensure_synthetic("data/synthetic")
-    yield
-    torch.use_deterministic_algorithms(deterministic)  # the scripts set it from their configs
-    torch.set_num_threads(threads)
-    os.chdir(cwd)
+    try:
+        yield
+    finally:
+        torch.use_deterministic_algorithms(deterministic)
+        torch.set_num_threads(threads)
+        os.chdir(cwd)
 
 
 @pytest.fixture(scope="module")

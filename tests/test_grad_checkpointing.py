@@ -20,7 +20,7 @@ from typing import Any
 import pytest
 import torch
 import torch.utils.checkpoint
-from conftest import ROOT, TINY_CONFIGS, small_pretrain_sets, tiny_config, word_tokenizer
+from conftest import ROOT, TINY_CONFIGS, run_here, small_pretrain_sets, tiny_config, word_tokenizer
 from timm.models.vision_transformer import Block
 from torch import Tensor, nn
 from transformers import BertTokenizerFast
@@ -217,7 +217,6 @@ def test_pretrain_script_with_grad_checkpointing(tmp_path, monkeypatch):
     from dataset.synthetic import ensure_synthetic
 
     data = ensure_synthetic(str(tmp_path / "synthetic"), n=24, seed=3)
-    monkeypatch.chdir(REPO)
     calls: Counter = Counter()
     for cls in (Block, BertLayer):
         def counted(self, *args, _forward=cls.forward, _name=cls.__name__, **kwargs):
@@ -231,8 +230,8 @@ def test_pretrain_script_with_grad_checkpointing(tmp_path, monkeypatch):
         out = str(tmp_path / f"run_{on}")
         sets = small_pretrain_sets(data, **{"grit.queue_size": 16, "grit.search_space": 8, "max_epoch": 1,
                                             "schedular.epochs": 1, "grad_checkpointing": on})
-        Pretrain.main(["--config", "configs/tiny/Pretrain.yaml", "--output_dir", out, "--device", "cpu",
-                       "--set", *sets])
+        run_here(Pretrain, ["--config", "configs/tiny/Pretrain.yaml", "--output_dir", out, "--device", "cpu",
+                            "--set", *sets])
         state = torch.load(os.path.join(out, "checkpoint_00.pth"), map_location="cpu", weights_only=True)
         runs[on] = (dict(calls), state["model"])
         assert f"grad_checkpointing: {on}" in Path(out, "config.yaml").read_text()

@@ -67,12 +67,12 @@ def assert_valid_next_epoch(indices: torch.Tensor, dataset_len: int, global_batc
     assert int(indices.min()) >= 0 and int(indices.max()) < dataset_len
 
 
-def test_one_process_two_epochs(data_dir, tmp_path, monkeypatch):
+def test_one_process_two_epochs(data_dir, tmp_path):
     import Pretrain
 
     out = str(tmp_path / 'run')
     run_here(Pretrain, ['--config', 'configs/tiny/Pretrain.yaml', '--output_dir', out, '--device', 'cpu',
-                        *overrides(data_dir)], monkeypatch)
+                        *overrides(data_dir)])
     log = read_log(out)
     assert [r['epoch'] for r in log] == [0, 1]
     for record in log:

@@ -230,7 +230,7 @@ def test_command_line_error_is_one_line(tmp_path):
     assert proc.stderr.startswith("error: ") and "(see python -m tools.report --help)" in proc.stderr
 
 
-def test_real_pretrain_runs(tmp_path, monkeypatch):
+def test_real_pretrain_runs(tmp_path):
     """Two 2-epoch Pretrain.py runs on 48 synthetic images (about 5 s each), GRIT and random batches."""
     import Pretrain
     from dataset.synthetic import ensure_synthetic
@@ -244,7 +244,7 @@ def test_real_pretrain_runs(tmp_path, monkeypatch):
     for name, extra in (("grit", []), ("random", ["grit.enabled=false"])):
         out = str(tmp_path / name)
         run_here(Pretrain, ["--config", "configs/tiny/Pretrain.yaml", "--output_dir", out, "--device", "cpu",
-                            "--set", *sets, *extra], monkeypatch)
+                            "--set", *sets, *extra])
         dirs.append(out)
 
     report_dir = str(tmp_path / "report")

@@ -218,12 +218,12 @@ def test_img2dataset_output_folder_as_it_is(tmp_path):
         ShardDataset(str(only_empty), eval_transform(RES))
 
 
-def test_pretraining_from_img2dataset_folder_names_the_empty_shard(data_dir, tmp_path, monkeypatch, capsys):
+def test_pretraining_from_img2dataset_folder_names_the_empty_shard(data_dir, tmp_path, capsys):
     folder = tmp_path / "web"
     folder.mkdir()
     write_img2dataset_folder(str(folder), [10, 9, 0])
     out = str(tmp_path / "run")
-    _pretrain_here(data_dir, out, monkeypatch, "train_file=null", f"train_shards={folder}", "max_epoch=1",
+    _pretrain_here(data_dir, out, "train_file=null", f"train_shards={folder}", "max_epoch=1",
                    "schedular.epochs=1")
     printed = capsys.readouterr().out
     assert f"1 empty shard (0 samples) left out: {folder / '00002.tar'}" in printed
@@ -447,14 +447,14 @@ def _pretrain(data: str, out: str, *extra: str, launcher: list[str] | None = Non
     return proc
 
 
-def _pretrain_here(data: str, out: str, monkeypatch, *extra: str) -> dict:
+def _pretrain_here(data: str, out: str, *extra: str) -> dict:
     """_pretrain's run in this process (conftest.run_here): the same script, no interpreter start-up."""
     import Pretrain
 
     values = {"grit.queue_size": 40, "grit.search_space": 16, "max_epoch": 2, "schedular.epochs": 2,
               "schedular.warmup_steps": 4, "print_freq": 1000}
     return run_here(Pretrain, ["--config", "configs/tiny/Pretrain.yaml", "--output_dir", out, "--device",
-                               "cpu", "--set", *small_pretrain_sets(data, **values), *extra], monkeypatch)
+                               "cpu", "--set", *small_pretrain_sets(data, **values), *extra])
 
 
 def _log(out: str) -> list[dict]:
@@ -465,11 +465,11 @@ def _log(out: str) -> list[dict]:
 TIMINGS = {"train_seconds", "epoch_seconds", "samples_per_s", "grit_seconds"}
 
 
-def test_pretraining_from_shards_sees_what_the_json_run_sees(data_dir, converted, tmp_path, monkeypatch):
+def test_pretraining_from_shards_sees_what_the_json_run_sees(data_dir, converted, tmp_path):
     """Same seed, same dataset order: the same examples in the same batches, so the same losses."""
     from_json, from_shards = str(tmp_path / "json"), str(tmp_path / "shards")
-    _pretrain_here(data_dir, from_json, monkeypatch)
-    _pretrain_here(data_dir, from_shards, monkeypatch, "train_file=null", f"train_shards={converted}")
+    _pretrain_here(data_dir, from_json)
+    _pretrain_here(data_dir, from_shards, "train_file=null", f"train_shards={converted}")
     a, b = _log(from_json), _log(from_shards)
     assert [{k: v for k, v in r.items() if k not in TIMINGS} for r in a] == \
         [{k: v for k, v in r.items() if k not in TIMINGS} for r in b]
