@@ -50,6 +50,11 @@ float32), the pointer, the collector's generator state and 'indices': G so far d
 GRIT disabled, naive mode); torch.load(weights_only=True) reads it. After load_state_dict a set_epoch
 with the saved epoch resumes: __iter__ yields only the remaining batches, len() counts only those, and
 the next G equals that of an uninterrupted run; a finished-epoch state goes on with set_epoch(epoch + 1).
+A mid-epoch state loads on another number of ranks too (same batch_size and mode): the rows of the epoch
+array the saving ranks had not dealt are cut into whole global batches of the new ranks, in their order,
+so each index is still seen at most once over both parts; the fewer than B rows left over
+(sampler.left_out_on_resume) are never collected and come back next epoch; start_batch = T - steps
+left, so the epoch still ends after batches_per_epoch steps.
 Every set_epoch and end_epoch checks (two all_reduces of a checksum) that all ranks hold the same array
 and raises RuntimeError otherwise.
 

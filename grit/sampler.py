@@ -107,6 +107,10 @@ class GritSampler(torch.utils.data.Sampler):
         self.in_progress = False
         self.position = 0  # batches consumed this epoch = collect() calls since set_epoch
         self.start_batch = 0  # where __iter__ starts: 0, or the position restored by load_state_dict
+        # Rows of the epoch array dealt before start_batch: start_batch * B, except after a resume on another
+        # number of ranks, whose earlier steps took the saving run's global batch (load_state_dict).
+        self._offset_rows = 0
+        self.left_out_on_resume = 0  # indices of a resumed epoch's rest that no new rank could take
         self._epochs_started = 0
         self._epoch_array = torch.empty(0, dtype=self.index_dtype)  # (T*B,) global order, chunk k = k-th N
         self._next_array: torch.Tensor | None = None  # next epoch's array, composed by end_epoch()
@@ -154,7 +158,7 @@ class GritSampler(torch.utils.data.Sampler):
         gdist.assert_same_on_all_ranks(array, f"index array of epoch {epoch}", self._comm_device())
         self.epoch = epoch
         self._epochs_started += 1
-        self.position = self.start_batch = 0
+        self.position = self.start_batch = self._offset_rows = 0
         self._check_pending = False
         self._epoch_array = array
         if self.collecting_mode:
@@ -244,15 +248,18 @@ class GritSampler(torch.utils.data.Sampler):
 
     def __iter__(self) -> Iterator[int]:
         self._ensure_started()
-        T, W, N = self.batches_per_epoch, self.num_replicas, self.batch_size
-        mine = self._epoch_array.view(T, W, N)[self.start_batch:, self.rank].reshape(-1)
+        W, N = self.num_replicas, self.batch_size
+        mine = self._epoch_array[self._offset_rows:].view(-1, W, N)[:, self.rank].reshape(-1)
         return _as_ints(mine)
 
     def __len__(self) -> int:
         return (self.batches_per_epoch - self.start_batch) * self.batch_size
 
     def epoch_indices(self) -> torch.Tensor:
-        """The current (or just ended) epoch's global array (T*B,): step s, rank r gets chunk s*W + r."""
+        """The current (or just ended) epoch's global array (T*B,): step s, rank r gets chunk s*W + r.
+
+        In an epoch resumed on another number of ranks, the rows the saving run had dealt come first,
+        then the rest re-dealt over the new ranks (load_state_dict): its length may differ from T*B."""
         if self.epoch is None:
             self._ensure_started()
         return self._epoch_array.clone()
@@ -329,6 +336,9 @@ class GritSampler(torch.utils.data.Sampler):
             "seed": self.seed,
             "mode": self.grit["mode"] if self.grit["enabled"] else "disabled",
             "epoch_indices": self._epoch_array.clone() if in_progress else self._epoch_array.new_empty(0),
+            # rows of epoch_indices already dealt, so that a resume on any number of ranks knows the rest
+            "rows_done": self._offset_rows + (self.position - self.start_batch) * self.global_batch
+            if in_progress else 0,
             "indices": indices.cpu().clone(),
             "collector": collector,
         }
@@ -346,11 +356,12 @@ class GritSampler(torch.utils.data.Sampler):
         in_progress = bool(state["in_progress"])
         mode = self.grit["mode"] if self.grit["enabled"] else "disabled"
         if in_progress:
-            same = (int(state["batch_size"]), int(state["num_replicas"]), state["mode"])
-            if same != (self.batch_size, self.num_replicas, mode):
-                raise bad(f"mid-epoch state saved with (batch_size, num_replicas, mode) = {same}, now "
-                          f"{(self.batch_size, self.num_replicas, mode)}; resume from an end-of-epoch "
-                          "checkpoint")
+            # The rest of an epoch can be re-dealt over another number of ranks, but only in batches of the
+            # same size and from the same kind of array.
+            same = (int(state["batch_size"]), state["mode"])
+            if same != (self.batch_size, mode):
+                raise bad(f"mid-epoch state saved with (batch_size, mode) = {same}, now "
+                          f"{(self.batch_size, mode)}; resume from an end-of-epoch checkpoint")
         self.seed = int(state["seed"])  # the saved seed keeps the resumed run identical
         self.epoch = None if int(state["epoch"]) < 0 else int(state["epoch"])
         self._epochs_started = int(state["epochs_started"])
@@ -359,18 +370,37 @@ class GritSampler(torch.utils.data.Sampler):
         self._next_array = None
         if indices.numel() and (int(indices.min()) < 0 or int(indices.max()) >= self.dataset_len):
             raise bad(f"'indices' has values outside [0, {self.dataset_len})")
+        self.left_out_on_resume = 0
         if in_progress:
-            epoch_array = state["epoch_indices"].cpu().to(self.index_dtype)
-            if epoch_array.shape != (self.batches_per_epoch * self.global_batch,):
-                raise bad(f"'epoch_indices' has shape {tuple(epoch_array.shape)}, expected "
-                          f"({self.batches_per_epoch * self.global_batch},)")
-            self._epoch_array = epoch_array
-            self.start_batch = self.position
+            self._resume_epoch_array(state, bad)
             self._check_pending = True
             if self.collecting_mode:
                 self.collector.load_state_dict(state["collector"], indices)
         else:
-            self.start_batch = 0
+            self.start_batch = self._offset_rows = 0
             if bool(state["has_next"]) and self.grit["enabled"]:
                 self._next_array = indices
         self.in_progress = in_progress
+
+    def _resume_epoch_array(self, state: dict, bad: Callable[[str], ValueError]) -> None:
+        """The saved epoch's rest, dealt over this run's ranks: the rows the saving run had not dealt are
+        cut into whole global batches of this run (chunk s*W + r to rank r, in their saved order); the
+        fewer than B rows left over are left out and, never collected, come back next epoch like any
+        unseen index. On the saving run's ranks this is exactly the saved array and position."""
+        N, B = self.batch_size, self.global_batch
+        array = state["epoch_indices"].cpu().to(self.index_dtype)
+        saved_b = int(state["batch_size"]) * int(state["num_replicas"])
+        done = int(state.get("rows_done", self.position * saved_b))  # states before rows_done: one layout
+        if array.dim() != 1 or array.numel() % N or array.numel() > self.dataset_len \
+                or not 0 <= done <= array.numel() or done % N:
+            raise bad(f"'epoch_indices' ({tuple(array.shape)}) and rows_done ({done}) do not describe an "
+                      f"epoch of batches of {N} from {self.dataset_len} examples")
+        steps = (array.numel() - done) // B
+        if steps > self.batches_per_epoch:
+            raise bad(f"{steps} steps left in the saved epoch, more than an epoch's {self.batches_per_epoch}")
+        self.left_out_on_resume = array.numel() - done - steps * B
+        self._epoch_array = array[:done + steps * B]
+        self._offset_rows = done
+        # Counted back from the epoch's end, so that the epoch ends after batches_per_epoch steps and the
+        # next one starts on time (the trainer numbers steps as epoch * batches_per_epoch + position).
+        self.start_batch = self.position = self.batches_per_epoch - steps

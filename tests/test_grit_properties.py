@@ -162,3 +162,95 @@ def test_finetune_sampler_epochs_and_resume(W, N, extra, seed, start):
         assert len({len(p) for p in per_rank}) == 1
         flat = [i for p in per_rank for i in p]
         assert len(flat) == len(set(flat)) and D - len(flat) < N * W
+
+
+def _through_a_file(state: dict) -> dict:
+    """A state as a checkpoint holds it: saved and loaded (weights only)."""
+    import io
+
+    buffer = io.BytesIO()
+    torch.save(state, buffer)
+    buffer.seek(0)
+    return torch.load(buffer, weights_only=True)
+
+
+@given(run=grit_runs(max_world=3), new_world=st.integers(1, 4), stop=st.integers(0, 6),
+       disabled=st.booleans())
+def test_mid_epoch_resume_on_another_number_of_ranks(run, new_world, stop, disabled):
+    """A GritSampler state saved mid-epoch by W ranks continues on W' ranks: the rest of the epoch array
+    is dealt in whole global batches of the new ranks, so over both parts every index of the epoch is
+    seen at most once, the new ranks leave out fewer than N x W' of the rest, the epoch still ends after
+    batches_per_epoch steps, and (GRIT) every index unseen in the epoch is back in the next one whenever
+    at most T' x B' were unseen; on the same W the resume is the saved run exactly."""
+    W, N, D = run["W"], run["N"], run["D"]
+    new_world = min(new_world, D // N)  # at least one global batch of the new ranks
+    grit = dict(enabled=not disabled, queue_size=run["L"], search_space=run["M"],
+                example_shuffle=run["example_shuffle"], batch_shuffle=run["batch_shuffle"])
+    if disabled:
+        grit.update(queue_size=None, search_space=None)
+    feats = clustered_features(D, seed=run["seed"])
+    old = make_samplers(D, N, W, grit, seed=run["seed"])
+    run_epoch(old, 0, feats)
+    stop = min(stop, old[0].batches_per_epoch - 1)  # stopped inside the epoch
+    head = run_epoch(old, 1, feats, stop_after=stop)
+    array = old[0].epoch_indices()
+    state = _through_a_file(old[0].state_dict())
+    new = make_samplers(D, N, new_world, grit, seed=run["seed"])
+    for s in new:
+        s.load_state_dict(state)
+    T2, B2 = new[0].batches_per_epoch, N * new_world
+    rest = array.numel() - stop * N * W
+    note(f"rest {rest}, T' {T2}, start_batch {new[0].start_batch}")
+    assert new[0].start_batch == T2 - rest // B2 and new[0].left_out_on_resume == rest % B2 < B2
+    tail = run_epoch(new, 1, feats, start=False)
+    assert len(tail) == T2 - new[0].start_batch
+    if new_world == W:
+        ref = make_samplers(D, N, W, grit, seed=run["seed"])
+        run_epoch(ref, 0, feats)
+        assert head + tail == run_epoch(ref, 1, feats)
+    seen = [i for step in head + tail for batch in step for i in batch]
+    assert len(seen) == len(set(seen)) and set(seen) <= set(array.tolist())
+    assert array.numel() - len(seen) == new[0].left_out_on_resume
+    nxt = run_epoch(new, 2, feats, stop_after=0)
+    assert nxt == [] and new[0].epoch_indices().numel() == T2 * B2
+    unseen = set(range(D)) - set(seen)
+    if not disabled and len(unseen) <= T2 * B2:
+        assert unseen <= set(new[0].epoch_indices().tolist())
+
+
+@given(W=st.integers(1, 4), new_world=st.integers(1, 4), N=st.integers(1, 6), extra=st.integers(0, 40),
+       seed=st.integers(0, 2**16), stop=st.integers(0, 5))
+def test_finetune_sampler_resumes_on_another_number_of_ranks(W, new_world, N, extra, seed, stop):
+    """ResumableSampler: the first s steps of W ranks used the first s x N x W entries of the epoch's
+    permutation; W' ranks deal the rest in whole global batches, so the two parts together see each
+    planned index at most once and leave out fewer than N x W' of the rest; the same W resumes exactly."""
+    D = N * max(W, new_world) + extra
+
+    def samplers(world: int) -> list[ResumableSampler]:
+        return [ResumableSampler(list(range(D)), num_replicas=world, rank=r, shuffle=True, seed=seed,
+                                 drop_last=True, batch_size=N) for r in range(world)]
+
+    old = samplers(W)
+    for s in old:
+        s.set_epoch(1)
+    T = old[0].batches_per_epoch
+    stop = min(stop, T)
+    whole = [list(s)[:T * N] for s in old]
+    head = [i for r in range(W) for i in whole[r][:stop * N]]
+    state = {**old[0].state_dict(), "position": stop, "in_progress": 1}
+    new = samplers(new_world)
+    tail = []
+    for s in new:
+        s.load_state_dict(_through_a_file(state))
+        s.set_epoch(1)
+        assert len(s) == len(list(s)) == (s.batches_per_epoch - s.start_batch) * N
+        tail.append(list(s))
+    if new_world == W:
+        assert tail == [w[stop * N:] for w in whole]
+    seen = head + [i for t in tail for i in t]
+    planned = T * N * W
+    assert len(seen) == len(set(seen)) and planned - len(seen) == new[0].left_out_on_resume < N * new_world
+    assert set(seen) <= {i for w in whole for i in w}
+    for s in new:  # the next epoch is an ordinary one on the new ranks
+        s.set_epoch(2)
+        assert s.start_batch == 0 and len(list(s)) == s.batches_per_epoch * N

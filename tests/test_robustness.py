@@ -210,6 +210,9 @@ def test_sigterm_saves_and_resume_is_exact(data_dir, tmp_path, processes):
     latest = read_latest(cut)
     assert latest['path'].startswith('checkpoint_step_') and latest['epoch'] == 1
     assert not os.path.exists(os.path.join(cut, 'checkpoint_01.pth'))
+    if processes == 2:  # requeued onto fewer or more processes: copies of the stopped run
+        for world in (1, 3):
+            shutil.copytree(cut, f'{cut}_on_{world}')
     run(command('--output_dir', cut, '--resume'))
     assert_resumed_from(cut, latest)
 
@@ -219,6 +222,43 @@ def test_sigterm_saves_and_resume_is_exact(data_dir, tmp_path, processes):
     for key, value in a['model'].items():  # exact: the same operations on the same numbers
         assert torch.equal(value, b['model'][key]), key
     assert read_log(full)[-1]['bad_samples'] == read_log(cut)[-1]['bad_samples'] == 0
+    if processes == 2:
+        for world in (1, 3):
+            assert_continues_on(world, f'{cut}_on_{world}', latest, data_dir, extra, read_log(full))
+
+
+def assert_continues_on(world: int, out: str, latest: dict, data_dir: str, extra: dict,
+                        full: list[dict]) -> None:
+    """The 2-process run stopped in epoch 1, resumed on `world` processes: the start-up summary says what
+    changed, the epoch's rest is dealt over the new ranks and every index of the epoch is trained on once
+    (read from the GRIT queues of a checkpoint at the epoch's last step, which hold every index collected
+    in the epoch, across both runs), and epoch 1 keeps its learning rate."""
+    with open(os.path.join(data_dir, 'pretrain.json')) as f:
+        steps = len(json.load(f)) // (4 * world)  # this run's steps per epoch: batch 4 per process
+    launch = [sys.executable] if world == 1 else [
+        sys.executable, '-m', 'torch.distributed.run', f'--nproc_per_node={world}',
+        '--master_port', str(29900 + os.getpid() % 50 + world)]
+    proc = run([*launch, 'Pretrain.py', '--output_dir', out, '--resume', '--config',
+                'configs/tiny/Pretrain.yaml', '--device', 'cpu',
+                *overrides(data_dir, os.path.join(data_dir, 'pretrain.json'), **extra,
+                           checkpoint_every_steps=steps)])
+    assert_resumed_from(out, latest)
+    assert (f'resumed on another number of processes: saved by 2 (global batch 8, 14 steps per epoch), now '
+            f'{world} (global batch {4 * world}, {steps} steps per epoch)') in proc.stdout
+    assert f'the rest of epoch 1 is re-dealt over {world} process(es)' in proc.stdout
+    last = load(os.path.join(out, f'checkpoint_step_{2 * steps:07d}.pth'))  # epoch 1's last step
+    sampler = last['sampler']
+    queue = sampler['collector']['index'][sampler['collector']['valid']]
+    collected = torch.cat([sampler['indices'].long(), queue])
+    epoch = sampler['epoch_indices'].long()
+    assert sampler['rows_done'] == epoch.numel()  # every row of the epoch dealt
+    assert torch.equal(collected.sort().values, epoch.sort().values)  # each once: no index twice or lost
+    assert epoch.unique().numel() == epoch.numel()
+    stopped = load(os.path.join(out, latest['path']))['sampler']
+    assert torch.equal(epoch[:stopped['rows_done']], stopped['epoch_indices'][:stopped['rows_done']].long())
+    log = read_log(out)
+    assert [r['epoch'] for r in log] == [0, 1] and log[-1]['step'] == 2 * steps
+    assert log[-1]['lr'] == pytest.approx(full[-1]['lr'], rel=1e-9)  # epoch 1's rate, unchanged
 
 
 def test_sigterm_to_the_process_group_with_loader_workers(data_dir, tmp_path):

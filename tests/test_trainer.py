@@ -7,6 +7,7 @@ import argparse
 import dataclasses
 import json
 import os
+import shutil
 
 import pytest
 import torch
@@ -34,6 +35,7 @@ class PairBatch:
 
     x: Tensor
     y: Tensor
+    ids: Tensor
     reasons: list[str]
 
     def __len__(self) -> int:
@@ -51,12 +53,12 @@ class Pairs(torch.utils.data.Dataset):
         return 40
 
     def __getitem__(self, i: int):
-        return self.x[i], self.y[i], (f"entry {i}: unreadable" if i % 5 == 4 else None)
+        return self.x[i], self.y[i], i, (f"entry {i}: unreadable" if i % 5 == 4 else None)
 
 
 def collate(items) -> PairBatch:
-    x, y, reasons = zip(*items)
-    return PairBatch(torch.stack(x), torch.stack(y), [r for r in reasons if r])
+    x, y, ids, reasons = zip(*items)
+    return PairBatch(torch.stack(x), torch.stack(y), torch.tensor(ids), [r for r in reasons if r])
 
 
 class FakeTask(Task):
@@ -65,19 +67,25 @@ class FakeTask(Task):
     name = "Fake"
     best_key = "val_loss"
 
-    def __init__(self, config, crash_at: int | None = None) -> None:
+    def __init__(self, config, crash_at: int | None = None, info: DistInfo = CPU) -> None:
         torch.manual_seed(1)
         dataset = Pairs()
-        sampler = finetune_sampler(dataset, CPU, seed=config.seed, batch_size=config.batch_size_train)
+        sampler = finetune_sampler(dataset, info, seed=config.seed, batch_size=config.batch_size_train)
         super().__init__(nn.Linear(4, 2), dataset, collate, sampler, config.batch_size_train,
                          sampler.loader_generator)
         self.steps, self.crash_at = 0, crash_at
+        self.seen: dict[int, list[int]] = {}  # epoch -> the indices this rank trained on, in order
+
+    def start_epoch(self, epoch: int) -> None:
+        super().start_epoch(epoch)
+        self.epoch = epoch
 
     def step(self, model, batch):
         loss = nn.functional.cross_entropy(model(batch.x), batch.y)
         return loss, {"train_loss": loss.detach()}
 
     def after_step(self, metrics, batch, skipped) -> None:
+        self.seen.setdefault(self.epoch, []).extend(batch.ids.tolist())
         self.steps += 1
         if self.steps == self.crash_at:
             raise RuntimeError("crash")
@@ -134,10 +142,11 @@ def test_a_fake_task_trains_and_resumes_after_a_crash_exactly(tmp_path):
         assert {k: v for k, v in a.items() if k not in skip} == {k: v for k, v in b.items() if k not in skip}
 
 
-def test_a_mid_epoch_checkpoint_resumed_with_another_shape_is_one_error_naming_the_epoch_checkpoint(tmp_path):
-    """Another per-rank batch size, or another number of processes, cannot continue the rest of an epoch
-    that was dealt to the saved ranks: one InputFileError (exit 2 from the command line) that names the
-    end-of-epoch checkpoint to resume from; nothing is written."""
+def test_a_mid_epoch_checkpoint_resumed_with_another_batch_size_is_one_error_naming_the_epoch_checkpoint(
+        tmp_path):
+    """Another per-rank batch size cannot continue the rest of an epoch (GRIT's groups are batch_size
+    long): one InputFileError (exit 2 from the command line) that names the end-of-epoch checkpoint to
+    resume from; nothing is written."""
     from grit_io import InputFileError
 
     cut = tmp_path / "cut"
@@ -150,16 +159,64 @@ def test_a_mid_epoch_checkpoint_resumed_with_another_shape_is_one_error_naming_t
     with pytest.raises(InputFileError) as err:
         Trainer(wider, FakeTask(wider.config)).fit()
     assert str(err.value) == (
-        f"--resume {step}: saved mid-epoch by 1 process(es) with batch size 4 per process, resumed by 1 "
-        f"with 8; the rest of that epoch continues only on the same processes and batch size: resume with "
-        f"those, or from --resume {epoch_end} (the newest end-of-epoch checkpoint)")
-    two = fake_run(cut, resume="latest")
-    two = Run(two.args, two.config, dataclasses.replace(CPU, world_size=2))
-    with pytest.raises(InputFileError, match=r"batch size 4 per process, resumed by 2 with 4; "):
-        Trainer(two, FakeTask(two.config)).fit()
+        f"--resume {step}: saved mid-epoch with batch size 4 per process, resumed with 8; the rest of that "
+        f"epoch continues on any number of processes but only with the same batch size per process: resume "
+        f"with batch size 4, or from --resume {epoch_end} (the newest end-of-epoch checkpoint)")
     assert sorted(os.listdir(cut)) == before
     Trainer(fake_run(cut, resume=epoch_end), FakeTask(fake_run(cut).config)).fit()  # the way out works
     assert [r["epoch"] for r in read_log(cut)] == [0, 1, 2]
+
+
+def step_lrs(output_dir) -> list[tuple[int, int, float]]:
+    """(epoch, step, lr) of every line of output_dir/metrics.jsonl (print_freq 1: one line a step)."""
+    with open(os.path.join(output_dir, "metrics.jsonl"), encoding="utf-8") as f:
+        return [(r["epoch"], r["step"], r["lr"]) for r in map(json.loads, f)]
+
+
+def test_a_mid_epoch_checkpoint_continues_on_another_number_of_processes(tmp_path, capsys):
+    """One process stops in epoch 1 (checkpoint after 2 of its 10 steps of 4); the resume runs on 2
+    processes (their ranks one after the other here: the trainer's per-rank work, without collectives).
+    The rest of the epoch is dealt over the two ranks: every index of the epoch once over both parts;
+    the warm-up (20 steps of 4 samples) continues from the 48 samples seen, at twice the pace per step,
+    so each resumed step's rate is the one-process run's at the same number of samples: no jump; the
+    next epoch starts on time (5 steps per epoch now) at that epoch's rate."""
+    values = {"print_freq": 1, "schedular": {"epochs": 3, "warmup_steps": 20}}
+    whole = tmp_path / "whole"
+    Trainer(fake_run(whole, **values), FakeTask(fake_run(whole).config)).fit()
+    lr_at = {step: lr for _, step, lr in step_lrs(whole)}  # one process: samples seen = 4 x step
+    cut = tmp_path / "cut"
+    with pytest.raises(RuntimeError, match="crash"):
+        Trainer(fake_run(cut, **values), FakeTask(fake_run(cut).config, crash_at=15)).fit()
+    capsys.readouterr()
+    seen, lines = [], []
+    for rank in (0, 1):
+        out = tmp_path / f"rank{rank}"
+        shutil.copytree(cut, out)
+        run = fake_run(out, resume="latest", **values)
+        info = dataclasses.replace(CPU, rank=rank, world_size=2)
+        task = FakeTask(run.config, info=info)
+        Trainer(Run(run.args, run.config, info), task).fit()
+        seen.append(task.seen)
+        lines.append(step_lrs(out)[len(step_lrs(cut)):])  # the resumed run's lines
+    printed = capsys.readouterr().out
+    assert ("resumed on another number of processes: saved by 1 (global batch 4, 10 steps per epoch), now 2 "
+            "(global batch 8, 5 steps per epoch)") in printed
+    assert "the rest of epoch 1 is re-dealt over 2 process(es): 4 steps from step 6" in printed
+    assert "schedule continues from the 48 samples seen, warm-up in steps of 4 samples" in printed
+    # Epoch 1: the 8 indices of the cut run's first 2 steps, then the two ranks' 16 each: all 40 once.
+    order = torch.randperm(40, generator=torch.Generator().manual_seed(fake_run(cut).config.seed + 1))
+    assert len(seen[0][1]) == len(seen[1][1]) == 16
+    assert sorted(order[:8].tolist() + seen[0][1] + seen[1][1]) == list(range(40))
+    assert all(len(s[2]) == 20 for s in seen)  # epoch 2: 5 steps of 4 on each rank
+    assert sorted(seen[0][2] + seen[1][2]) == list(range(40))
+    # The schedule: resumed step 6 + j has seen 48 + 8j samples = one-process step 12 + 2j.
+    assert lines[0] == lines[1]
+    resumed = lines[0]
+    assert [(e, s) for e, s, _ in resumed] == [(1, s) for s in range(7, 11)] + [(2, s) for s in range(11, 16)]
+    for j, (_, _, lr) in enumerate(resumed[:4]):
+        assert lr == pytest.approx(lr_at[13 + 2 * j], rel=1e-12), j  # metrics.jsonl counts steps from 1
+    assert all(lr == pytest.approx(lr_at[21], rel=1e-12) for _, _, lr in resumed[4:])  # epoch 2's rate
+    assert read_log(tmp_path / "rank0")[-1]["step"] == 15  # 3 epochs of 5 steps, in this run's steps
 
 
 def test_resume_in_an_empty_output_dir_starts_fresh_and_says_so(tmp_path, capsys):

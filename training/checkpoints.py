@@ -173,7 +173,8 @@ def restore_training(path: str, model: nn.Module, optimizer: torch.optim.Optimiz
     """Load a training_state() checkpoint into the run; returns (state, start_epoch, global_step).
 
     The saved counters go back into guard and bad_samples (the bad-sample total onto rank 0, so that
-    the sum over ranks stays exact)."""
+    the sum over ranks stays exact). scheduler None: not restored (the trainer builds its schedule from
+    the resumed position instead, which may be on another number of processes)."""
     state = load_checkpoint(path)
     counters = state.get('counters') or {}
     if guard is not None:
@@ -183,7 +184,8 @@ def restore_training(path: str, model: nn.Module, optimizer: torch.optim.Optimiz
         bad_samples.count = int(counters.get('bad_samples', 0)) if rank == 0 else 0
     model.load_state_dict(state['model'])
     load_optimizer_state(optimizer, state['optimizer'])
-    scheduler.load_state_dict(state['lr_scheduler'])
+    if scheduler is not None:
+        scheduler.load_state_dict(state['lr_scheduler'])
     if state.get('scaler'):
         scaler.load_state_dict(state['scaler'])
     global_step = int(state['step'])
@@ -197,17 +199,16 @@ def restore_training(path: str, model: nn.Module, optimizer: torch.optim.Optimiz
     return state, start_epoch, global_step
 
 
-def check_mid_epoch_resume(saved: Mapping, path: str, world_size: int, batch_size: int) -> None:
-    """InputFileError (one line, exit 2) when a mid-epoch checkpoint is resumed with another number of
-    processes or per-rank batch size: the rest of its epoch was dealt to the saved ranks, so it continues
-    exactly only on them; the message names the newest end-of-epoch checkpoint beside it to resume from
-    instead. Checkpoints without the saved shape (from before it was recorded) pass unchecked."""
+def check_mid_epoch_resume(saved: Mapping, path: str, batch_size: int) -> None:
+    """InputFileError (one line, exit 2) when a mid-epoch checkpoint is resumed with another per-rank batch
+    size: the rest of its epoch continues on any number of processes, but only in batches of the saved size
+    (GRIT's groups are batch_size long); the message names the newest end-of-epoch checkpoint beside it to
+    resume from instead. Checkpoints without the saved size (from before it was recorded) pass unchecked."""
     if saved.get('epoch_complete', True):
         return
     sampler = saved.get('sampler') if isinstance(saved.get('sampler'), Mapping) else {}
-    then = (saved.get('world_size', sampler.get('num_replicas')),
-            saved.get('batch_size', sampler.get('batch_size')))
-    if None in then or (int(then[0]), int(then[1])) == (world_size, batch_size):
+    then = saved.get('batch_size', sampler.get('batch_size'))
+    if then is None or int(then) == batch_size:
         return
     folder = os.path.dirname(os.path.abspath(path))
     # by epoch number, not by name: checkpoint_100.pth sorts before checkpoint_99.pth as text
@@ -216,9 +217,9 @@ def check_mid_epoch_resume(saved: Mapping, path: str, world_size: int, batch_siz
     instead = (f'--resume {os.path.join(folder, ends[-1])} (the newest end-of-epoch checkpoint)' if ends else
                'an end-of-epoch checkpoint (there is none yet)')
     raise InputFileError(
-        f'--resume {path}: saved mid-epoch by {int(then[0])} process(es) with batch size {int(then[1])} per '
-        f'process, resumed by {world_size} with {batch_size}; the rest of that epoch continues only on the '
-        f'same processes and batch size: resume with those, or from {instead}')
+        f'--resume {path}: saved mid-epoch with batch size {int(then)} per process, resumed with '
+        f'{batch_size}; the rest of that epoch continues on any number of processes but only with the same '
+        f'batch size per process: resume with batch size {int(then)}, or from {instead}')
 
 
 # Group settings that choose how the update runs, not what it computes: a run keeps its own.

@@ -23,13 +23,19 @@ def init_worker(worker_id: int) -> None:
 
 
 class ResumableSampler(DistributedSampler):
-    """DistributedSampler for fine-tuning that can start an epoch after `start_batch` batches (resume),
-    with the interface training.trainer.Task expects of a sampler."""
+    """DistributedSampler for fine-tuning that can start an epoch after `start_batch` batches (resume), on
+    the same or another number of ranks, with the interface training.trainer.Task expects of a sampler.
+
+    With drop_last, rank r's k-th index of an epoch is entry r + k*W of the epoch's permutation, so the
+    first s steps of all ranks together used exactly its first s*N*W entries: the rest of an epoch is a
+    suffix of the permutation, which a resume deals over its own ranks the same way."""
 
     def __init__(self, *args: Any, batch_size: int, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self.batch_size = batch_size
         self.start_batch = 0
+        self.left_out_on_resume = 0  # entries of a resumed epoch's rest that no new rank could take
+        self._resume: tuple[int, int, int] | None = None  # (epoch, entries done, entries planned)
         self.loader_generator = torch.Generator()  # for the DataLoader, see set_epoch
 
     @property
@@ -38,23 +44,49 @@ class ResumableSampler(DistributedSampler):
         return self.num_samples // self.batch_size
 
     def state_dict(self) -> dict:
-        """The seed and epoch: the permutation of an epoch follows from them alone."""
-        return {"seed": self.seed, "epoch": self.epoch}
+        """The seed, epoch and shape: the permutation of an epoch follows from the seed and epoch alone;
+        the trainer adds the position (training.trainer.sampler_state_for_resume)."""
+        return {"seed": self.seed, "epoch": self.epoch, "num_replicas": self.num_replicas,
+                "batch_size": self.batch_size}
 
     def load_state_dict(self, state: dict) -> None:
-        """Nothing to restore: set_epoch re-derives the permutation; the trainer sets start_batch."""
+        """Resume the saved epoch after `position` of its steps (`in_progress`), dealing its rest over this
+        run's ranks; an end-of-epoch state restores nothing (set_epoch re-derives the permutation)."""
+        self.start_batch = self.left_out_on_resume = 0
+        self._resume = None
+        if not state.get("in_progress"):
+            return
+        per_step = int(state["batch_size"]) * int(state["num_replicas"])
+        planned = len(self.dataset) // int(state["num_replicas"]) // int(state["batch_size"]) * per_step
+        done = min(int(state["position"]) * per_step, planned)
+        steps = (planned - done) // (self.batch_size * self.num_replicas)
+        self.left_out_on_resume = planned - done - steps * self.batch_size * self.num_replicas
+        self.start_batch = self.batches_per_epoch - steps  # the epoch still ends after batches_per_epoch
+        self._resume = (int(state["epoch"]), done, planned)
 
     def set_epoch(self, epoch: int) -> None:
         super().set_epoch(epoch)
+        if self._resume is not None and self._resume[0] != epoch:
+            self._resume, self.start_batch = None, 0
         # The loader draws its workers' base seed from this generator, reseeded per (epoch, rank), not
         # from the global RNG: a run resumed mid-epoch then sees the same random numbers.
         self.loader_generator.manual_seed(self.seed * 1_000_003 + epoch * 10_007 + self.rank)
 
     def __iter__(self) -> Iterator[int]:
-        return iter(list(super().__iter__())[self.start_batch * self.batch_size:])
+        N, W = self.batch_size, self.num_replicas
+        # Without a resume on other ranks: the batches after start_batch of DistributedSampler's deal.
+        planned = self.batches_per_epoch * N * W
+        _, done, planned = self._resume or (self.epoch, self.start_batch * N * W, planned)
+        if self.shuffle:  # DistributedSampler's permutation of this epoch
+            generator = torch.Generator().manual_seed(self.seed + self.epoch)
+            order = torch.randperm(len(self.dataset), generator=generator)
+        else:
+            order = torch.arange(len(self.dataset))
+        mine = order[done:planned][self.rank::W][:(self.batches_per_epoch - self.start_batch) * N]
+        return iter(mine.tolist())
 
     def __len__(self) -> int:
-        return super().__len__() - self.start_batch * self.batch_size
+        return (self.batches_per_epoch - self.start_batch) * self.batch_size
 
 
 def finetune_sampler(dataset: Dataset, info: DistInfo, *, seed: int, batch_size: int) -> ResumableSampler:

@@ -93,17 +93,23 @@ def clamp_after_steps(model: nn.Module, optimizer: torch.optim.Optimizer) -> Non
 
 
 def schedule_lr(step: int, steps_per_epoch: int, lr: float, epochs: int, min_lr: float = 0.0,
-                warmup_lr: float | None = None, warmup_steps: int = 0) -> float:
-    """Learning rate for optimiser step `step` (0-based): linear warm-up, then per-epoch cosine."""
-    if step < warmup_steps:
+                warmup_lr: float | None = None, warmup_steps: int = 0, warmup_position: float | None = None
+                ) -> float:
+    """Learning rate for optimiser step `step` (0-based): linear warm-up, then per-epoch cosine.
+
+    warmup_position: how far the warm-up has come, in its own steps (default `step`); differs from step
+    only after a resume with another global batch (build_scheduler)."""
+    position = step if warmup_position is None else warmup_position
+    if position < warmup_steps:
         start = min_lr if warmup_lr is None else warmup_lr
-        return start + (lr - start) * step / warmup_steps
+        return start + (lr - start) * position / warmup_steps
     epoch = min(step // steps_per_epoch, epochs)  # past the horizon the rate stays at min_lr
     return min_lr + 0.5 * (lr - min_lr) * (1.0 + math.cos(math.pi * epoch / epochs))
 
 
-def build_scheduler(optimizer: torch.optim.Optimizer, config: Any,
-                    steps_per_epoch: int) -> torch.optim.lr_scheduler.LambdaLR:
+def build_scheduler(optimizer: torch.optim.Optimizer, config: Any, steps_per_epoch: int, *, step: int = 0,
+                    warmup_offset: float = 0.0, warmup_scale: float = 1.0
+                    ) -> torch.optim.lr_scheduler.LambdaLR:
     """LambdaLR stepped once per optimiser step, implementing the authors' warm-up + per-epoch cosine.
 
     config: the resolved `schedular` block (training.config.Schedule: lr, epochs, min_lr, warmup_lr,
@@ -114,6 +120,11 @@ def build_scheduler(optimizer: torch.optim.Optimizer, config: Any,
     they outlast epoch 0 the ramp continues. After the ramp epoch 0 runs at `lr`. ALBEF's warmup_epochs
     is read as warmup_steps (x 100, training.config_albef.ALBEF_KEYS); its decay_rate and cooldown_epochs
     change nothing.
+
+    A resumed run starts at `step` (epoch * steps_per_epoch + the steps done in it). The warm-up counts
+    samples: at step k it has come warmup_offset + warmup_scale * k of its steps, which is k itself unless
+    the run resumed with another global batch (training.trainer: warmup_steps are steps of the global
+    batch the run started with), so the rate continues from the samples seen, without a jump.
     """
     if steps_per_epoch <= 0:
         raise ValueError(f'build_scheduler: steps_per_epoch must be positive, got {steps_per_epoch}')
@@ -124,12 +135,20 @@ def build_scheduler(optimizer: torch.optim.Optimizer, config: Any,
     epochs, min_lr, warmup_steps = config.epochs, config.min_lr, config.warmup_steps
     warmup_lr = min_lr if config.warmup_lr is None else config.warmup_lr
 
-    # A closure (not a callable object) keeps the settings out of state_dict, so a resumed run
-    # uses its own config and steps_per_epoch and only restores the step counter.
-    def factor(step: int) -> float:
-        return schedule_lr(step, steps_per_epoch, lr, epochs, min_lr, warmup_lr, warmup_steps) / lr
+    # A closure (not a callable object) keeps the settings out of state_dict: a resumed run rebuilds its
+    # schedule from its own config, steps_per_epoch and position.
+    def factor(k: int) -> float:
+        return schedule_lr(k, steps_per_epoch, lr, epochs, min_lr, warmup_lr, warmup_steps,
+                           warmup_offset + warmup_scale * k) / lr
 
-    return torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
+    if step:
+        # The constructor set step 0's rate; LambdaLR's rate is a closed form of the step counter.
+        scheduler.last_epoch = step
+        for group, base in zip(optimizer.param_groups, scheduler.base_lrs):
+            group['lr'] = base * factor(step)
+        scheduler._last_lr = [group['lr'] for group in optimizer.param_groups]  # get_last_lr()'s answer
+    return scheduler
 
 
 def autocast_dtype(amp: bool | str | None, device: torch.device) -> torch.dtype | None:

@@ -145,15 +145,18 @@ class Trainer:
                          find_unused_parameters=not getattr(task.model, "uses_every_parameter", True),
                          compile=config.compile_mode)
         optimizer = build_optimizer(task.model, config.optimizer, zero=config.zero, fused=config.fused_adamw)
-        scheduler = build_scheduler(optimizer, config.schedular, steps_per_epoch)
         scaler = build_scaler(config.amp, info.device)
         guard = StepGuard(config.max_skipped_steps)
         bad_log = BadSampleLog(config.max_bad_fraction, output_dir=self.output_dir)
         best = {task.best_key: -float("inf"), "epoch": -1} if task.best_key else None
+        global_batch = task.batch_size * info.world_size
 
         def state(epoch: int, step: int, complete: bool = False, reseed_rng: bool = True) -> dict:
-            # The world size and per-rank batch: a mid-epoch checkpoint continues only with the same ones.
-            extra = {"world_size": info.world_size, "batch_size": task.batch_size}
+            # The shape of the run: a resume on another number of processes re-deals the rest of the epoch
+            # and continues the schedule from the samples seen (_resume_position).
+            extra = {"world_size": info.world_size, "batch_size": task.batch_size,
+                     "steps_per_epoch": steps_per_epoch, "samples_seen": self.samples_seen,
+                     "schedule_batch": self.schedule_batch}
             if best is not None:
                 extra["best"] = best
             return training_state(task.model, optimizer, scheduler, scaler, config=config_to_dict(config),
@@ -161,16 +164,22 @@ class Trainer:
                                   seed=config.seed, rank=info.rank, complete=complete, guard=guard,
                                   bad_samples=bad_log, reseed_rng=reseed_rng, **extra)
 
-        start_epoch, global_step = 0, 0
+        start_epoch, global_step, saved_step = 0, 0, 0
+        self.samples_seen, self.schedule_batch, self.reshaped, self.lr_then = 0, global_batch, None, None
         if self.resume:
-            saved, start_epoch, global_step = restore_training(
-                self.resume, task.model, optimizer, scheduler, scaler, seed=config.seed, rank=info.rank,
+            saved, start_epoch, saved_step = restore_training(
+                self.resume, task.model, optimizer, None, scaler, seed=config.seed, rank=info.rank,
                 guard=guard, bad_samples=bad_log)
-            check_mid_epoch_resume(saved, self.resume, info.world_size, task.batch_size)
-            sampler.load_state_dict(saved["sampler"])
-            sampler.start_batch = global_step - start_epoch * steps_per_epoch  # this epoch's batches done
+            check_mid_epoch_resume(saved, self.resume, task.batch_size)
+            global_step = self._resume_position(saved, start_epoch, steps_per_epoch, optimizer)
             if best is not None:
                 best = dict(saved.get("best", best))
+        # The schedule's warm-up is in steps of the global batch the run started with (schedule_batch), so
+        # after a resume with another global batch it continues from the samples seen (build_scheduler).
+        scale = global_batch / self.schedule_batch
+        offset = self.samples_seen / self.schedule_batch - global_step * scale
+        scheduler = build_scheduler(optimizer, config.schedular, steps_per_epoch, step=global_step,
+                                    warmup_offset=offset, warmup_scale=scale)
         # ALBEF's clamp of the ITC temperature, once before the first step (and after every optimiser step:
         # training.optimizer.clamp_after_steps): a config's or checkpoint's value outside [0.001, 0.5] (an
         # older checkpoint was saved after a step that the next forward's clamp would have corrected).
@@ -182,13 +191,42 @@ class Trainer:
                             config.run_name or os.path.basename(os.path.normpath(self.output_dir)),
                             config.wandb_project)
         try:
-            resumed = {"path": self.resume, "epoch": start_epoch, "step": global_step}
+            resumed = {"path": self.resume, "epoch": start_epoch, "step": saved_step}
+            if global_step != saved_step:  # on another number of processes: its steps are numbered anew
+                resumed["continues_at_step"] = global_step
             reporter.record_start(run_record(info.world_size, resumed if self.resume else None))
             self._print_summary(start_epoch, global_step, steps_per_epoch)
             parts = _Parts(model, loader, optimizer, scheduler, scaler, guard, bad_log, state, reporter)
             return self._epochs(parts, start_epoch, global_step, steps_per_epoch, best)
         finally:
             reporter.close()
+
+    def _resume_position(self, saved: dict, start_epoch: int, steps_per_epoch: int,
+                         optimizer: torch.optim.Optimizer) -> int:
+        """Where a resumed run continues -> its global step: the sampler gets the saved epoch's rest (re-
+        dealt over this run's ranks when their number changed), the samples seen and the warm-up's batch
+        come from the checkpoint, and the learning rate from this run's config."""
+        info, task, sampler = self.info, self.task, self.task.sampler
+        then_world = int(saved.get("world_size", info.world_size))
+        then_batch = int(saved.get("batch_size", task.batch_size))
+        then_steps = int(saved.get("steps_per_epoch", steps_per_epoch))
+        step = int(saved["step"])
+        # What the trainer knows of the saved epoch, for samplers whose own state lacks it (fine-tuning's).
+        known = {"position": step - int(saved["epoch"]) * then_steps, "num_replicas": then_world,
+                 "batch_size": then_batch, "in_progress": int(not saved.get("epoch_complete", True))}
+        sampler.load_state_dict({**known, **saved["sampler"]})
+        self.samples_seen = int(saved.get("samples_seen", step * then_world * then_batch))
+        self.schedule_batch = int(saved.get("schedule_batch", then_world * then_batch))
+        base_lr = [g.get("initial_lr", g["lr"]) for g in optimizer.param_groups]
+        for group in optimizer.param_groups:  # the config's rate: a resume may set another on purpose
+            group["initial_lr"] = self.config.optimizer.lr
+        self.lr_then = base_lr[0]
+        if (then_world, then_batch) != (info.world_size, task.batch_size):
+            self.reshaped = {"world": then_world, "batch": then_batch, "steps": then_steps,
+                             "mid_epoch": bool(known["in_progress"]),
+                             "left_out": getattr(sampler, "left_out_on_resume", 0)}
+        # Steps are numbered epoch * steps_per_epoch + the step within the epoch, in this run's steps.
+        return start_epoch * steps_per_epoch + sampler.start_batch
 
     def _print_summary(self, start_epoch: int, global_step: int, steps_per_epoch: int) -> None:
         """What the run is about to do, before its first step (rank 0)."""
@@ -204,6 +242,7 @@ class Trainer:
             f"and counted as they are read (max_bad_fraction {config.max_bad_fraction:g})",
             f"  {steps_per_epoch:,} steps per epoch, global batch {task.batch_size * info.world_size:,} "
             f"({task.batch_size} per rank x {info.world_size})",
+            *self._reshape_lines(start_epoch, global_step, steps_per_epoch),
             *(f"  {line}" for line in task.summary()),
             f"  epochs {start_epoch}-{config.max_epoch - 1}"
             + (f" (resuming at step {global_step:,})" if global_step else "")
@@ -211,6 +250,30 @@ class Trainer:
                                                    if config.report_to else ""),
         ]
         print_main("\n".join(lines), flush=True)
+
+    def _reshape_lines(self, start_epoch: int, global_step: int, steps_per_epoch: int) -> list[str]:
+        """The summary's lines on a resume with another number of processes (what changed and what not),
+        or with another learning rate in the config."""
+        then, lr, was = self.reshaped, self.config.optimizer.lr, self.lr_then
+        if was is None:  # a fresh start
+            return []
+        rate = f"lr {lr:g} as before" if lr == was else f"lr {lr:g} from the config, was {was:g}"
+        if then is None:
+            return [] if lr == was else [f"  resumed with {rate}"]
+        world, batch, task = self.info.world_size, self.task.batch_size, self.task
+        lines = [f"  resumed on another number of processes: saved by {then['world']} (global batch "
+                 f"{then['world'] * then['batch']:,}, {then['steps']:,} steps per epoch), now {world} "
+                 f"(global batch {batch * world:,}, {steps_per_epoch:,} steps per epoch)"]
+        if then["mid_epoch"]:
+            left = steps_per_epoch - task.sampler.start_batch
+            lines.append(f"  the rest of epoch {start_epoch} is re-dealt over {world} process(es): {left:,} "
+                         f"steps from step {global_step:,}, every index of the epoch still once; "
+                         f"{then['left_out']:,} that fill no whole global batch are left out (back next "
+                         "epoch with GRIT)")
+        lines.append(f"  learning rate not rescaled for the new global batch ({rate}; set optimizer.lr and "
+                     f"schedular.lr to scale it): the schedule continues from the {self.samples_seen:,} "
+                     f"samples seen, warm-up in steps of {self.schedule_batch:,} samples")
+        return lines
 
     def _epochs(self, parts: _Parts, start_epoch: int, global_step: int, steps_per_epoch: int,
                 best: dict | None) -> dict:
@@ -302,6 +365,7 @@ class Trainer:
                 self._update(loss, optimizer, scaler)
             scheduler.step()
             global_step += 1
+            self.samples_seen += task.batch_size * world
             samples += len(batch)
             if not skip:
                 logger.update(lr=lr, **metrics)
