@@ -23,6 +23,7 @@ from dataset import ImageTextCollate, create_dataset
 from dataset.bad_samples import SkipBadCollate, SkipBadSamples
 from grit import GritSampler
 from models.loading import load_weights
+from models.objectives import total_loss
 from models.pretrain import ALBEF_Base
 from models.tokenization import build_tokenizer
 from training.cli import run_main, script_parser, start
@@ -40,7 +41,6 @@ PARSER = script_parser(
                 "`python Retrieval.py --config configs/tiny/Retrieval.yaml --checkpoint CKPT --evaluate "
                 "--output_dir DIR` and its ITM with "
                 "`python -m tools.probe --config CONFIG --checkpoint CKPT`")
-LOSSES = ("loss_itc", "loss_cons", "loss_itm", "loss_mlm")
 
 
 class PretrainTask(Task):
@@ -74,9 +74,9 @@ class PretrainTask(Task):
             self.shown = {"image": batch.image[:8], "ids": batch.text["input_ids"][:8],
                           "image_feat": out["image_feat"][:8].detach().clone(),
                           "text_feat": out["text_feat"][:8].detach().clone()}
-        metrics = {k: out[k].detach() for k in LOSSES}
+        metrics = {k: out[k].detach() for k in ALBEF_Base.loss_names}
         metrics["grit_hardness"] = out["hardness"]
-        return out["loss_itc"] + out["loss_cons"] + out["loss_itm"] + out["loss_mlm"], metrics
+        return total_loss(out, ALBEF_Base.loss_names), metrics
 
     def after_step(self, metrics: dict[str, Tensor], batch, skipped: bool) -> None:
         """GRIT phase 1 (and, when the queue is full, phases 2-3) on the step's detached projections.
@@ -95,6 +95,7 @@ class PretrainTask(Task):
         self.grit_seconds = 0.0
         naive = self.naive_pass if self.config.grit.mode == "naive" else None
         self.sampler.set_epoch(epoch, naive_pass=naive)
+        self.model.start_epoch(epoch)  # the losses' per-epoch settings (S-ITC's start)
         self.grit_seconds += time.perf_counter() - start
 
     def end_epoch(self, epoch: int) -> dict[str, float]:
@@ -111,13 +112,13 @@ class PretrainTask(Task):
         lines = [f"{len(empty)} empty shard{'s' * (len(empty) != 1)} (0 samples) left out: "
                  + ", ".join(empty[:5]) + (", ..." if len(empty) > 5 else "")] if empty else []
         if not self.config.grit_on:
-            return [*lines, "GRIT off: random batches every epoch (the ALBEF baseline)"]
+            return [*lines, "batching.strategy random: random batches every epoch (the ALBEF baseline)"]
         W = self.sampler.num_replicas
         first = "epoch 0 from grit.warmstart_indices" if grit.warmstart_indices else \
             "epoch 0 random, grouped batches from epoch 1"
-        return [*lines, f"GRIT {grit.mode}: groups of N = {N} per rank from sub-queues of M = "
-                f"{grit.search_space} in queues of L = {grit.queue_size}, W = {W} ranks, D = "
-                f"{self.sampler.dataset_len:,}; {first}"]
+        return [*lines, f"batching.strategy {self.config.strategy} ({self.sampler.grouping.describe()}), "
+                f"{grit.mode}: groups of N = {N} per rank from sub-queues of M = {grit.search_space} in "
+                f"queues of L = {grit.queue_size}, W = {W} ranks, D = {self.sampler.dataset_len:,}; {first}"]
 
     def grouped(self, epoch: int) -> bool:
         """True when epoch `epoch`'s batches are GRIT groups (not random)."""
@@ -166,7 +167,7 @@ def main(argv: Sequence[str] | None = None) -> dict:
                        config.train_files + config.train_shard_specs, "batch_size")
     sampler = GritSampler(dataset, num_replicas=info.world_size, rank=info.rank, seed=config.seed,
                           batch_size=config.batch_size, dim=config.embed_dim, device=info.device,
-                          **config.grit.sampler_options())
+                          **config.sampler_options())
     collate = SkipBadCollate(ImageTextCollate(tokenizer, config.max_tokens, config.static_text_on))
 
     model = ALBEF_Base(config, tokenizer).to(info.device)

@@ -29,6 +29,7 @@ from torch import Tensor, nn
 from dataset import ImageCollate, ImageTextCollate, RetrievalEvalDataset, create_dataset
 from dataset.bad_samples import SkipBadCollate, SkipBadSamples
 from models.loading import load_weights, read_checkpoint
+from models.objectives import total_loss
 from models.retrieval import MOMENTUM_PREFIXES, QUEUE_KEYS, RETRIEVAL_IGNORED_PREFIXES, ALBEF_Retrieval
 from models.retrieval_eval import compute_itr_scores, dense_scores, itr_metrics, topk_rankings
 from models.tokenization import build_tokenizer
@@ -48,7 +49,6 @@ PARSER.add_argument("--bench", action="store_true",
                     help="time the ITM re-ranking on the test split, print one JSON line, exit (writes "
                          "nothing: --output_dir is not needed)")
 PARSER.optional_with["output_dir"] |= {"--bench"}
-LOSSES = ("loss_itc", "loss_cons", "loss_itm")
 
 
 def build_model(config: RetrievalConfig, tokenizer, checkpoint: str | None) -> ALBEF_Retrieval:
@@ -154,8 +154,8 @@ class RetrievalTask(Task):
         """The three losses of one batch (ids: image ids, so captions of one image are positives)."""
         out = model(batch.image.to(self.device, non_blocking=True), batch.text.to(self.device),
                     batch.ids.to(self.device, non_blocking=True), valid=batch.valid_on(self.device))
-        loss = out["loss_itc"] + out["loss_cons"] + out["loss_itm"]
-        return loss, {k: out[k].detach() for k in LOSSES}
+        names = ALBEF_Retrieval.loss_names
+        return total_loss(out, names), {k: out[k].detach() for k in names}
 
     def evaluate(self, epoch: int | None, output_dir: str) -> dict:
         """Recall metrics of the val and test splits (rankings_{split}.json written when configured)."""

@@ -18,6 +18,7 @@ import os
 import time
 from collections.abc import Sequence
 
+from models.pretrain import ALBEF_Base
 from tools.compare import (
     ARMS,
     SELECTED_LR,
@@ -34,7 +35,7 @@ from tools.compare import (
 from tools.launch import in_root, run, run_side_by_side
 from training.cli import Parser, run_main
 
-COLUMNS = ('epoch', 'loss_itc', 'loss_cons', 'loss_itm', 'loss_mlm', 'grit_hardness', 'train_seconds')
+COLUMNS = ('epoch', *ALBEF_Base.loss_names, 'grit_hardness', 'train_seconds')
 # The downstream chain's pre-training: the tiny config for 36 epochs, not the demo's 12, as NLVR2 needs a
 # stronger ITM (docs/synthetic-world.md, 'NLVR2 on the synthetic data').
 DOWNSTREAM_PRETRAIN_CONFIG = 'configs/tiny/Pretrain_long.yaml'

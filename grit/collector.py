@@ -1,4 +1,5 @@
-"""Phases 1-3 of GRIT: collect features into queues of size L, shuffle, split into sub-queues, group.
+"""Phases 1-3 of GRIT: collect features into queues of size L, shuffle, split into sub-queues, group (by
+GRIT's greedy chain, or by another batch-construction strategy: grit.strategies).
 
 Queue fills are grouped as soon as they are full; a batch that overflows the queue spills into the next
 fill. The only host synchronisation is one validity check per queue fill (finite features, indices in
@@ -12,7 +13,8 @@ import math
 import torch
 
 from . import dist as gdist
-from .chain import ChainWorkspace, greedy_chain
+from .strategies import Grouping
+from .strategies.grit import GreedyChain
 
 __all__ = ["GritCollector"]
 
@@ -28,7 +30,9 @@ class GritCollector:
 
     def __init__(self, queue_size: int, search_space: int, dim: int, dataset_len: int,
                  device: torch.device | str = "cpu", example_shuffle: bool = True,
-                 shard: bool = True, index_dtype: torch.dtype = torch.int64) -> None:
+                 shard: bool = True, index_dtype: torch.dtype = torch.int64,
+                 grouping: Grouping | None = None) -> None:
+        """grouping: how a sub-queue is ordered into groups (grit.strategies; default GRIT's chain)."""
         self.queue_size = int(queue_size)
         self.search_space = int(search_space)
         self.dim = int(dim)
@@ -44,9 +48,8 @@ class GritCollector:
         self._valid: torch.Tensor | None = None  # (L,) bool
         self.ptr = 0
         self._groups: list[torch.Tensor] = []  # grouped dataset indices, -1 marks an invalid sample
-        # The similarity tables are kept between fills on CPU, where freeing them means page-faulting them
-        # in again next fill; on a GPU the caching allocator reuses the memory and training may use it.
-        self._workspace = ChainWorkspace() if self.device.type == "cpu" else None
+        # GRIT's chain needs no batch size: any N cuts its order into groups.
+        self.grouping = grouping if grouping is not None else GreedyChain(batch_size=1)
 
     def reset(self, seed: int) -> None:
         """Empty the queues and G and re-seed the generator (start of an epoch)."""
@@ -125,10 +128,9 @@ class GritCollector:
         pad = S * M - n  # only the last sub-queue can be short: pad it with invalid entries (position -1)
         pos = torch.cat([perm, perm.new_full((pad,), -1)]).view(S, M)  # queue position of each entry
         valid = (pos >= 0) & self._valid[pos.clamp(min=0)]
-        # Uniform random start among the valid entries of each sub-queue (invalid keys are -1).
-        keys = torch.rand(S, M, generator=self.generator).to(self.device, non_blocking=True)
-        start = torch.where(valid, keys, -1.0).argmax(dim=1)
-        order = self._chain(pos, start, valid)
+        # Every rank draws all sub-queues' random numbers (GRIT: a start key per entry), then orders its own.
+        draws = self.grouping.draw(S, M, self.generator)
+        order = self._chain(pos, draws, valid)
         grouped = torch.where(valid, self._index[pos.clamp(min=0)], -1).gather(1, order).reshape(-1)
         # Invalid and padding entries are chained last, so the `pad` trailing ones are all padding/invalid.
         self._groups.append(grouped[:n].to(self.index_dtype))
@@ -139,21 +141,20 @@ class GritCollector:
         keep = valid[..., None]
         return (torch.where(keep, self._image[rows], 0.0), torch.where(keep, self._text[rows], 0.0))
 
-    def _chain(self, pos: torch.Tensor, start: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
-        """greedy_chain of every sub-queue (positions (S, M)) -> orders (S, M); sharded over ranks when
-        asked, in which case a rank gathers the features of its own sub-queues only."""
+    def _chain(self, pos: torch.Tensor, draws: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
+        """The grouping's order of every sub-queue (positions (S, M)) -> orders (S, M); sharded over ranks
+        when asked, in which case a rank gathers the features of its own sub-queues only."""
         world, rank = gdist.world_info() if self.shard else (1, 0)
         S, M = valid.shape
         if world == 1 or S == 1:
             image, text = self._features(pos, valid)
-            return greedy_chain(image, text, start, valid=valid, workspace=self._workspace)
+            return self.grouping.order(image, text, valid, draws)
         mine = torch.arange(rank, S, world, device=pos.device)  # sub-queues r, r+W, ...
         per_rank = math.ceil(S / world)
         order = torch.zeros(per_rank, M, dtype=torch.long, device=pos.device)
         if mine.numel():
             image, text = self._features(pos[mine], valid[mine])
-            order[:mine.numel()] = greedy_chain(image, text, start[mine], valid=valid[mine],
-                                                workspace=self._workspace)
+            order[:mine.numel()] = self.grouping.order(image, text, valid[mine], draws[mine.cpu()])
         # (W * per_rank, M) in rank order: row r * per_rank + p is sub-queue p * W + r.
         gathered = gdist.all_gather_cat(order).view(world, per_rank, M)
         return gathered.transpose(0, 1).reshape(world * per_rank, M)[:S]

@@ -12,6 +12,7 @@ import torch.distributed as dist
 from . import dist as gdist
 from .collector import GritCollector
 from .config import DEFAULTS, load_index_array, option_problems
+from .strategies import build as build_strategy
 
 __all__ = ["GritSampler"]
 
@@ -50,12 +51,15 @@ class GritSampler(torch.utils.data.Sampler):
                  warmstart_indices: str | None = DEFAULTS["warmstart_indices"],
                  shard_grouping: bool = DEFAULTS["shard_grouping"],
                  dim: int = 256, device: torch.device | str | None = None,
-                 index_dtype: torch.dtype | None = None) -> None:
+                 index_dtype: torch.dtype | None = None, strategy: str = "grit",
+                 strategy_options: dict | None = None) -> None:
         """dataset: a sized dataset or its length D; batch_size N per rank; queue_size L and search_space M
         (N <= M <= L); the switches default to the paper's (grit.config.DEFAULTS) and are the `grit` block's
         keys (training.config.Grit says what each means; the scripts pass config.grit.sampler_options());
-        dim: the feature size collect() gets; device: where the queues and the grouping live. ValueError
-        when the options break grit.config.option_problems."""
+        dim: the feature size collect() gets; device: where the queues and the grouping live; strategy: how
+        a sub-queue is grouped (grit.strategies: 'grit', the paper's chain; 'random' = enabled False;
+        'b3', 'gcbs', 'rwr') with its keyword options. ValueError when the options break
+        grit.config.option_problems."""
         self.dataset_len = int(dataset) if isinstance(dataset, numbers.Integral) else len(dataset)
         # The epoch arrays hold D indices on every rank (3.2 GB as int64 for LAION-400M): int32 whenever
         # the dataset fits, int64 beyond 2**31 - 1 entries or when asked. The batches are the same.
@@ -81,6 +85,8 @@ class GritSampler(torch.utils.data.Sampler):
         self.drop_last = True
         self.dim = int(dim)
         self.device = torch.device(device) if device is not None else torch.device("cpu")
+        if strategy == "random":  # the strategy that groups nothing: DistributedSampler's order
+            enabled = False
         problems = option_problems(batch_size=batch_size, enabled=enabled, queue_size=queue_size,
                                    search_space=search_space, mode=mode)
         if problems:
@@ -99,10 +105,13 @@ class GritSampler(torch.utils.data.Sampler):
         if self.grit["enabled"] and self.grit["warmstart_indices"]:
             self.warmstart = load_index_array(str(self.grit["warmstart_indices"]), self.dataset_len)
         self.collector = None
+        self.strategy = strategy if self.grit["enabled"] else "random"
+        self.grouping = build_strategy(self.strategy, batch_size, **(strategy_options or {}))
         if self.grit["enabled"]:
             self.collector = GritCollector(self.grit["queue_size"], self.grit["search_space"], self.dim,
                                            self.dataset_len, self.device, self.grit["example_shuffle"],
-                                           shard=self.grit["shard_grouping"], index_dtype=self.index_dtype)
+                                           shard=self.grit["shard_grouping"], index_dtype=self.index_dtype,
+                                           grouping=self.grouping)
         self.epoch: int | None = None
         self.in_progress = False
         self.position = 0  # batches consumed this epoch = collect() calls since set_epoch
@@ -335,6 +344,7 @@ class GritSampler(torch.utils.data.Sampler):
             "num_replicas": self.num_replicas,
             "seed": self.seed,
             "mode": self.grit["mode"] if self.grit["enabled"] else "disabled",
+            "strategy": self.strategy,
             "epoch_indices": self._epoch_array.clone() if in_progress else self._epoch_array.new_empty(0),
             # rows of epoch_indices already dealt, so that a resume on any number of ranks knows the rest
             "rows_done": self._offset_rows + (self.position - self.start_batch) * self.global_batch
@@ -358,10 +368,11 @@ class GritSampler(torch.utils.data.Sampler):
         if in_progress:
             # The rest of an epoch can be re-dealt over another number of ranks, but only in batches of the
             # same size and from the same kind of array.
-            same = (int(state["batch_size"]), state["mode"])
-            if same != (self.batch_size, mode):
-                raise bad(f"mid-epoch state saved with (batch_size, mode) = {same}, now "
-                          f"{(self.batch_size, mode)}; resume from an end-of-epoch checkpoint")
+            saved_strategy = state.get("strategy", "random" if state["mode"] == "disabled" else "grit")
+            same = (int(state["batch_size"]), state["mode"], saved_strategy)
+            if same != (self.batch_size, mode, self.strategy):
+                raise bad(f"mid-epoch state saved with (batch_size, mode, strategy) = {same}, now "
+                          f"{(self.batch_size, mode, self.strategy)}; resume from an end-of-epoch checkpoint")
         self.seed = int(state["seed"])  # the saved seed keeps the resumed run identical
         self.epoch = None if int(state["epoch"]) < 0 else int(state["epoch"])
         self._epochs_started = int(state["epochs_started"])

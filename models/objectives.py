@@ -8,6 +8,8 @@ pre-training and every fine-tuning model compose the same code. Paper: Eq. 1-2 (
 
 from __future__ import annotations
 
+from collections.abc import Mapping, Sequence
+
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
@@ -105,6 +107,8 @@ def itc_loss(
     text_bank: Tensor | None = None,
     valid: Tensor | None = None,
     valid_columns: Tensor | None = None,
+    hn_beta: float = 0.0,
+    smoothing: float = 0.0,
 ) -> dict[str, Tensor]:
     """ITC (Eq. 1-2) + consistency (Eq. 6); feats (B, d) L2-normalised -> losses (0-dim), sims (B, N).
 
@@ -136,6 +140,14 @@ def itc_loss(
     where p_v2t_i = softmax(sim_i2t[i]) (image i over texts) and p_t2v_i = softmax(sim_t2i[i])
     (text i over images). lambda_cons == 0 -> loss_cons is an exact zero and costs nothing.
     Returned sims keep their graph (use .detach() for mining).
+
+    Loss-side answers to hard and false negatives (not in GRIT-VLP; 0 = off, exactly the paper's ITC):
+      * hn_beta: HN-NCE (Radenovic et al., CVPR 2023): in both directions every negative's exp-logit in
+        the denominator is weighted by w_ij = n_i softmax_j(hn_beta * logit_ij) over the row's n_i
+        negatives (weights detached; the positive's weight alpha = 1), so that the hardest negatives
+        count more and the weights still sum to n_i; the consistency term keeps the plain softmaxes.
+      * smoothing: MAFA's smoothed ITC targets (S-ITC, CVPR 2024): each row's target becomes
+        (1 - smoothing) * target + smoothing * uniform over the row's valid columns.
     """
     if image_feat.dim() != 2 or image_feat.shape != text_feat.shape:
         raise ValueError(
@@ -176,9 +188,14 @@ def itc_loss(
                 f"{positive.dtype} {tuple(positive.shape)}"
             )
         _check_rows(positive, "itc_loss: every row of `positive` needs at least one True (its own pair)")
-    if valid is not None:
+    if hn_beta < 0 or not 0 <= smoothing < 1:
+        raise ValueError(f"itc_loss: hn_beta must be >= 0 and 0 <= smoothing < 1, got {hn_beta}, {smoothing}")
+    if valid is not None or hn_beta or smoothing:
+        if valid is None:
+            valid = torch.ones(b, dtype=torch.bool, device=sim_i2t.device)
+            valid_columns = torch.ones(n, dtype=torch.bool, device=sim_i2t.device)
         return _itc_loss_valid(sim_i2t, sim_t2i, lambda_cons, positive, offset, valid,
-                               valid_columns, gather)
+                               valid_columns, gather, hn_beta, smoothing)
     # Losses in fp32: under autocast the sims may be fp16 and log-softmax over a large bank loses bits.
     log_p_v2t = F.log_softmax(_fp32(sim_i2t), dim=1)
     log_p_t2v = F.log_softmax(_fp32(sim_t2i), dim=1)
@@ -208,16 +225,38 @@ def itc_loss(
 _MASKED_LOGIT = -1e9
 
 
+def total_loss(out: Mapping[str, Tensor], names: Sequence[str]) -> Tensor:
+    """The training loss: a model's named losses summed in `names`' order (model.loss_names), each
+    already weighted as its config says (loss_cons by lambda_cons) -> 0-dim. The one place losses meet:
+    the scripts, tools.step_bench and the logs all read a model's loss_names."""
+    total = out[names[0]]
+    for name in names[1:]:
+        total = total + out[name]
+    return total
+
+
 def masked_mean(values: Tensor, weight: Tensor) -> Tensor:
     """values (B,), weight (B,) bool/float -> 0-dim weighted mean; 0 (with a graph) when the weight is 0."""
     weight = weight.to(values.dtype)
     return (values * weight).sum() / weight.sum().clamp(min=1)
 
 
+def hard_negative_logits(logits: Tensor, negative: Tensor, beta: float) -> Tensor:
+    """HN-NCE's logits (B, N): each negative's logit plus log w_ij, w_ij = n_i softmax_j(beta * logit_ij)
+    over the row's n_i negatives (`negative` (B, N) bool), the weights detached; other entries unchanged.
+    beta = 0 gives w = 1: the plain logits."""
+    with torch.no_grad():
+        scaled = (beta * logits).masked_fill(~negative, float("-inf"))
+        count = negative.sum(dim=1, keepdim=True).clamp(min=1).to(logits.dtype)
+        log_w = count.log() + scaled - torch.logsumexp(scaled, dim=1, keepdim=True)
+    return logits + torch.where(negative, log_w, torch.zeros_like(logits))
+
+
 def _itc_loss_valid(sim_i2t: Tensor, sim_t2i: Tensor, lambda_cons: float, positive: Tensor | None,
-                    offset: int, valid: Tensor, valid_columns: Tensor | None, gather: bool
-                    ) -> dict[str, Tensor]:
-    """itc_loss with bad samples: invalid rows weigh 0, invalid columns are masked out of the softmax."""
+                    offset: int, valid: Tensor, valid_columns: Tensor | None, gather: bool,
+                    hn_beta: float = 0.0, smoothing: float = 0.0) -> dict[str, Tensor]:
+    """itc_loss with bad samples (invalid rows weigh 0, invalid columns are masked out of the softmax),
+    HN-NCE's weights or smoothed targets."""
     b, n = sim_i2t.shape
     if valid.shape != (b,) or valid.dtype != torch.bool:
         raise ValueError(
@@ -237,10 +276,20 @@ def _itc_loss_valid(sim_i2t: Tensor, sim_t2i: Tensor, lambda_cons: float, positi
     else:
         # An invalid row keeps its own (masked) column as target so its weight-0 loss stays finite.
         target = torch.where(valid[:, None], positive & valid_columns, own)
+    ce_v2t, ce_t2v = log_p_v2t, log_p_t2v
+    if hn_beta:
+        negative = valid_columns[None, :] & ~target
+        ce_v2t = F.log_softmax(hard_negative_logits(
+            _fp32(sim_i2t).masked_fill(~valid_columns, _MASKED_LOGIT), negative, hn_beta), dim=1)
+        ce_t2v = F.log_softmax(hard_negative_logits(
+            _fp32(sim_t2i).masked_fill(~valid_columns, _MASKED_LOGIT), negative, hn_beta), dim=1)
     target = target.to(log_p_v2t.dtype)
     target = target / target.sum(dim=1, keepdim=True)
-    loss_i2t = masked_mean(-(target * log_p_v2t).sum(dim=1), valid)
-    loss_t2i = masked_mean(-(target * log_p_t2v).sum(dim=1), valid)
+    if smoothing:
+        uniform = valid_columns.to(target.dtype) / valid_columns.sum().clamp(min=1)
+        target = (1 - smoothing) * target + smoothing * uniform[None, :]
+    loss_i2t = masked_mean(-(target * ce_v2t).sum(dim=1), valid)
+    loss_t2i = masked_mean(-(target * ce_t2v).sum(dim=1), valid)
     loss_itc = (loss_i2t + loss_t2i) / 2
     if lambda_cons == 0:
         loss_cons = loss_itc.new_zeros(())

@@ -17,13 +17,17 @@ from models.objectives import concat_all_gather, hardest_negative_similarity, it
 class ALBEF_Base(ImageTextModel):  # noqa: N801 (the paper's name)
     """ViT image encoder, split BERT (text + fusion encoder, MLM head), ITC projections, ITM head."""
 
+    # The losses forward() returns, each weighted (loss_cons by lambda_cons): models.objectives.total_loss
+    # sums them; the logs, tools.step_bench and demo.py read the names from here.
+    loss_names = ("loss_itc", "loss_cons", "loss_itm", "loss_mlm")
+
     def __init__(self, config: Any, tokenizer: Any) -> None:
         """Build the model; text weights from config.text_encoder (null: random init).
 
         config: the resolved pre-training config (training.config.PretrainConfig); reads itc, itm, mlm,
         itm_negatives, hard_sampling, lambda_cons, itc_gather, guard_false_negatives, mlm_probability,
-        mlm_masked_only, share_image_kv, embed_dim, temp and the encoders' keys. tokenizer: vocabulary size
-        and MLM special tokens.
+        mlm_masked_only, itc_hn_beta, itc_smoothing(_epoch), share_image_kv, embed_dim, temp and the
+        encoders' keys. tokenizer: vocabulary size and MLM special tokens.
         """
         super().__init__(config, tokenizer, mlm_head=True)
         self.use_itc = config.itc
@@ -42,12 +46,21 @@ class ALBEF_Base(ImageTextModel):  # noqa: N801 (the paper's name)
         positions = self.text_encoder.config.max_position_embeddings
         self.register_buffer("caption_constants", odd_constants(positions), persistent=False)
         self.mlm_probability = config.mlm_probability
+        # Loss-side switches (not in GRIT-VLP; 0 = the paper's ITC): HN-NCE's beta and MAFA's S-ITC, whose
+        # smoothing starts at epoch itc_smoothing_epoch (start_epoch).
+        self.itc_hn_beta = config.itc_hn_beta
+        self.itc_smoothing_value, self.itc_smoothing_epoch = config.itc_smoothing, config.itc_smoothing_epoch
+        self.itc_smoothing = 0.0 if config.itc_smoothing_epoch else config.itc_smoothing
         self.mlm_masked_only = config.mlm_masked_only
 
         self.vocab_size = self.text_encoder.config.vocab_size
         self.mask_token_id = tokenizer.mask_token_id
         # ALBEF never masks [PAD] or [CLS]; [SEP] stays maskable.
         self.special_ids = [tokenizer.pad_token_id, tokenizer.cls_token_id]
+
+    def start_epoch(self, epoch: int) -> None:
+        """Per-epoch settings of the losses: S-ITC's smoothing from epoch itc_smoothing_epoch on."""
+        self.itc_smoothing = self.itc_smoothing_value if epoch >= self.itc_smoothing_epoch else 0.0
 
     @property
     def uses_every_parameter(self) -> bool:
@@ -157,7 +170,8 @@ class ALBEF_Base(ImageTextModel):  # noqa: N801 (the paper's name)
                 # the all_gather would desynchronise the collectives (our extension, not the paper's).
                 valid_itc = torch.ones(image_feat.shape[0], dtype=torch.bool, device=image_feat.device)
             itc = itc_loss(image_feat, text_feat, self.temp, self.lambda_cons,
-                           positive=positive_itc, gather=self.itc_gather, valid=valid_itc)
+                           positive=positive_itc, gather=self.itc_gather, valid=valid_itc,
+                           hn_beta=self.itc_hn_beta, smoothing=self.itc_smoothing)
             loss_itc, loss_cons = itc["loss_itc"], itc["loss_cons"]
         else:
             loss_itc, loss_cons = zero, zero

@@ -50,6 +50,8 @@ class ALBEF_Retrieval(ImageTextModel, FeatureQueue):  # noqa: N801 (ALBEF's nami
     similarities excluding same-image pairs; no momentum distillation.
     """
 
+    loss_names = ("loss_itc", "loss_cons", "loss_itm")  # forward()'s weighted losses (total_loss sums them)
+
     def __init__(self, config: Any, tokenizer: Any) -> None:
         """Build the model; text weights from config.text_encoder (null: random init).
 

@@ -28,9 +28,13 @@ def _features() -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     return image, text, valid
 
 
-def _grouping(shard: bool) -> torch.Tensor:
+def _grouping(shard: bool, strategy: str = "grit") -> torch.Tensor:
+    from grit.strategies import build
+
     image, text, valid = _features()
-    collector = GritCollector(QUEUE, SEARCH, DIM, N_SAMPLES, shard=shard)
+    options = {"b3": {"rank_skip": 1, "rank_window": 4}, "rwr": {"neighbours": 4}}.get(strategy, {})
+    collector = GritCollector(QUEUE, SEARCH, DIM, N_SAMPLES, shard=shard,
+                              grouping=build(strategy, BATCH // 2, **options))
     collector.reset(seed=11)
     for start in range(0, N_SAMPLES, BATCH):
         part = slice(start, start + BATCH)
@@ -38,20 +42,22 @@ def _grouping(shard: bool) -> torch.Tensor:
     return collector.finalize()
 
 
-def _worker(rank: int, world: int, init_file: str, out_dir: str) -> None:
+def _worker(rank: int, world: int, init_file: str, out_dir: str, strategy: str) -> None:
     dist.init_process_group('gloo', init_method=f'file://{init_file}', rank=rank, world_size=world)
     try:
-        torch.save(_grouping(shard=True), os.path.join(out_dir, f'G{rank}.pt'))
+        torch.save(_grouping(shard=True, strategy=strategy), os.path.join(out_dir, f'G{rank}.pt'))
     finally:
         dist.destroy_process_group()
 
 
-@pytest.mark.parametrize('world', [1, 2, 3])
-def test_sharded_grouping_equals_unsharded(tmp_path, world):
+@pytest.mark.parametrize('world, strategy', [(1, 'grit'), (2, 'grit'), (3, 'grit'), (2, 'b3'), (3, 'rwr')])
+def test_sharded_grouping_equals_unsharded(tmp_path, world, strategy):
+    """Every strategy's random numbers are drawn for all sub-queues on every rank, so a sub-queue's order
+    is the same whichever rank computes it."""
     torch.set_num_threads(1)
-    reference = _grouping(shard=False)
+    reference = _grouping(shard=False, strategy=strategy)
     assert reference.numel() == int(_features()[2].sum())  # every valid sample grouped once
-    mp.spawn(_worker, args=(world, str(tmp_path / 'init'), str(tmp_path)), nprocs=world, join=True)
+    mp.spawn(_worker, args=(world, str(tmp_path / 'init'), str(tmp_path), strategy), nprocs=world, join=True)
     for rank in range(world):
         assert torch.equal(torch.load(tmp_path / f'G{rank}.pt', weights_only=True), reference), rank
 
@@ -59,9 +65,10 @@ def test_sharded_grouping_equals_unsharded(tmp_path, world):
 def test_sharding_changes_the_work_not_the_result(monkeypatch):
     """With W ranks, a rank's greedy_chain calls see only every W-th sub-queue (here W faked as 3)."""
     import grit.collector as collector_module
+    import grit.strategies.grit as chain_module
 
     seen = []
-    chain = collector_module.greedy_chain
+    chain = chain_module.greedy_chain
 
     def counting_chain(image, *args, **kwargs):
         seen.append(image.shape[0])
@@ -70,7 +77,7 @@ def test_sharding_changes_the_work_not_the_result(monkeypatch):
     def fake_gather(x):  # this rank's chains, repeated as if the other ranks had sent the same shape
         return torch.cat([x] * 3)
 
-    monkeypatch.setattr(collector_module, 'greedy_chain', counting_chain)
+    monkeypatch.setattr(chain_module, 'greedy_chain', counting_chain)
     monkeypatch.setattr(collector_module.gdist, 'world_info', lambda: (3, 0))
     monkeypatch.setattr(collector_module.gdist, 'all_gather_cat', fake_gather)
     _grouping(shard=True)

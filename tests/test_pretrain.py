@@ -152,3 +152,31 @@ def test_resume_equals_uninterrupted(data_dir, tmp_path):
     assert a['step'] == b['step']
     for key, value in a['model'].items():  # exact: the same operations on the same numbers
         assert torch.equal(value, b['model'][key]), key
+
+
+@pytest.mark.parametrize('sets', [
+    ['batching.strategy=b3', 'itc_hn_beta=0.5'],
+    ['batching.strategy=gcbs', 'itc_smoothing=0.1', 'itc_smoothing_epoch=1'],
+    ['batching.strategy=rwr'],
+    ['batching.strategy=random'],
+], ids=['b3+hn_nce', 'gcbs+s_itc', 'rwr', 'random'])
+def test_each_strategy_and_loss_switch_by_one_key(data_dir, tmp_path, capsys, sets):
+    """A tiny pre-training with each batch-construction strategy (and each loss switch), chosen by one
+    config key: it says which in its summary, its losses stay finite, and its checkpoint holds the
+    strategy's next-epoch array under 'indices' (empty for random batches, which group nothing)."""
+    import Pretrain
+
+    out = str(tmp_path / 'run')
+    run_here(Pretrain, ['--config', 'configs/tiny/Pretrain.yaml', '--output_dir', out, '--device', 'cpu',
+                        *overrides(data_dir, max_epoch=2), *sets])
+    strategy = sets[0].split('=')[1]
+    assert f'batching.strategy {strategy}' in capsys.readouterr().out
+    log = read_log(out)
+    assert [r['epoch'] for r in log] == [0, 1]
+    assert all(torch.isfinite(torch.tensor(float(r[k]))) for r in log for k in LOG_KEYS)
+    state = torch.load(os.path.join(out, 'checkpoint_01.pth'), map_location='cpu', weights_only=True)
+    assert state['sampler']['strategy'] == strategy
+    if strategy == 'random':
+        assert state['sampler']['indices'].numel() == 0
+    else:
+        assert_valid_next_epoch(state['sampler']['indices'], n_entries(data_dir), 8)

@@ -139,7 +139,8 @@ def test_pretrain_pictures_a_random_and_a_grit_batch_and_logs_them(tmp_path):
                            "--set", *small_pretrain_sets(data, **values)], cwd=ROOT, capture_output=True,
                           text=True, env=env, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    assert "GRIT concurrent: groups of N = 8 per rank from sub-queues of M = 16" in proc.stdout
+    assert ("batching.strategy grit (GRIT's greedy alternating chain), concurrent: groups of N = 8 per rank "
+            "from sub-queues of M = 16") in proc.stdout
     assert sorted(os.listdir(out / "batches")) == ["epoch_00_random.png", "epoch_01_grit.png"]
     events = _events(str(out / "tensorboard"))
     assert set(events.Tags()["images"]) == {"batches/random", "batches/grit"}

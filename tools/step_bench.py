@@ -59,7 +59,6 @@ CHANGES_OFF: dict[str, dict] = {
     'no_mlm_masked_only': {'mlm_masked_only': False}, 'fp32_layer_norm': {'amp_layer_norm': 'float32'},
 }
 DEFAULT_VARIANTS = ('default', 'bf16', 'grad_checkpointing', 'compile')
-LOSSES = ('loss_itc', 'loss_cons', 'loss_itm', 'loss_mlm')
 
 
 def variant_switches(name: str) -> frozenset[str]:
@@ -129,10 +128,13 @@ def synthetic_batch(config: PretrainConfig, tokenizer, batch_size: int, device: 
 
 def forward_loss(model, batch, device: torch.device, dtype: torch.dtype | None) -> dict:
     """Pretrain.py's forward under autocast(dtype) (None: fp32); adds 'loss', the sum of the four."""
+    from models.objectives import total_loss
+    from models.pretrain import ALBEF_Base
+
     image, text, image_key = batch
     with torch.autocast(device.type, dtype=dtype or torch.float32, enabled=dtype is not None):
         out = model(image, text, image_key=image_key)
-        out['loss'] = out['loss_itc'] + out['loss_cons'] + out['loss_itm'] + out['loss_mlm']
+        out['loss'] = total_loss(out, ALBEF_Base.loss_names)
     return out
 
 
@@ -259,7 +261,7 @@ def run_variant(args: argparse.Namespace, variant: str) -> dict:
     fields['peak_memory_bytes'] = peak_memory_bytes(device)
     if device.type != 'cuda':
         fields['baseline_rss_bytes'] = baseline_rss  # Python + torch + the batch, before the model
-    losses = {k: float(out[k].detach()) for k in (*LOSSES, 'loss')}
+    losses = {k: float(out[k].detach()) for k in (*ALBEF_Base.loss_names, 'loss')}
 
     flops, by_op = count_flops(model, batch, device, dtype)  # eager, also for compile
     peak = matmul_peak(device, dtype or torch.float32, args.peak_sizes)

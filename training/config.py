@@ -20,7 +20,7 @@ from typing import Any, Literal
 from grit.config import DEFAULTS as GRIT_DEFAULTS  # the sampler's defaults (the paper's), one place
 from grit.config import option_problems  # the sampler's own rules, asked at start-up
 
-__all__ = ["REQUIRED", "TASK_CONFIGS", "Grit", "NLVRConfig", "Optimizer",
+__all__ = ["REQUIRED", "TASK_CONFIGS", "B3", "Batching", "GCBS", "Grit", "RWR", "NLVRConfig", "Optimizer",
            "PretrainConfig", "RetrievalConfig", "Schedule", "TaskConfig", "VQAConfig", "config_class", "key",
            "meaning"]
 
@@ -111,15 +111,66 @@ class Grit:
                                                                 "(the same G everywhere, W times less work "
                                                                 "each)")
 
-    def problems(self, batch_size: int) -> list[str]:
-        """GRIT's size rules (grit.config.option_problems), when it is on: batch_size <= search_space <=
-        queue_size."""
-        return option_problems(batch_size=batch_size, enabled=self.enabled, queue_size=self.queue_size,
+    def problems(self, batch_size: int, enabled: bool | None = None) -> list[str]:
+        """GRIT's size rules (grit.config.option_problems), when grouping is on (`enabled`, default this
+        block's): batch_size <= search_space <= queue_size."""
+        enabled = self.enabled if enabled is None else enabled
+        return option_problems(batch_size=batch_size, enabled=enabled, queue_size=self.queue_size,
                                search_space=self.search_space, mode=self.mode)
 
     def sampler_options(self) -> dict[str, Any]:
         """The block as grit.GritSampler's keyword arguments."""
         return {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+
+
+@dataclass(frozen=True, kw_only=True)
+class B3:
+    """The `batching.b3` block (grit.strategies.b3): B3's rank window and METIS communities."""
+
+    rank_skip: int = key(10, "p: each example's p most similar are passed over (likely false negatives)",
+                         low=0)
+    rank_window: int = key(30, "m: each example is linked to the next m it ranks (ranks p+1 .. p+m)", low=1)
+
+
+@dataclass(frozen=True, kw_only=True)
+class GCBS:
+    """The `batching.gcbs` block (grit.strategies.gcbs): reverse Cuthill-McKee order of a k-NN graph."""
+
+    neighbours: int = key(10, "k: each example is linked to its k most similar in its sub-queue", low=1)
+
+
+@dataclass(frozen=True, kw_only=True)
+class RWR:
+    """The `batching.rwr` block (grit.strategies.rwr): BatchSampler's random walks with restart."""
+
+    neighbours: int = key(10, "k: each example is linked to its k most similar in its sub-queue", low=1)
+    restart: float = key(0.1, "probability of returning to the walk's start at each step (BatchSampler: "
+                              "0.1)", low=0, high=0.99)
+
+
+@dataclass(frozen=True, kw_only=True)
+class Batching:
+    """The `batching` block: how the next epoch's batches are formed (grit.strategies). Every strategy but
+    `random` collects into the `grit` block's queues (L = grit.queue_size) and orders each sub-queue of
+    M = grit.search_space; the sampler's guarantees are the same for all (docs/batch-construction.md)."""
+
+    strategy: Literal["grit", "random", "b3", "gcbs", "rwr"] | None = key(
+        None, "grit (the paper), random (ALBEF), b3, gcbs or rwr (random walks); null: grit when "
+              "grit.enabled, else random (when set, grit.enabled is not read)")
+    b3: B3 = key(B3(), "options of strategy b3")
+    gcbs: GCBS = key(GCBS(), "options of strategy gcbs")
+    rwr: RWR = key(RWR(), "options of strategy rwr")
+
+    def name(self, grit: Grit) -> str:
+        """The strategy this run uses, given the `grit` block."""
+        if self.strategy is not None:
+            return self.strategy
+        return "grit" if grit.enabled else "random"
+
+    def options(self, name: str) -> dict[str, Any]:
+        """Strategy `name`'s block as keyword arguments ({} for grit and random)."""
+        block = getattr(self, name, None)
+        return {} if block is None else {f.name: getattr(block, f.name) for f in dataclasses.fields(block)}
 
 
 # ------------------------------------------------------------------------------------------ tasks
@@ -248,9 +299,12 @@ class TaskConfig:
 
     @property
     def grit_on(self) -> bool:
-        """True when this run deals GRIT batches."""
+        """True when this run deals grouped batches (GRIT's or another strategy's: batching.strategy)."""
         grit = getattr(self, "grit", None)
-        return bool(grit is not None and grit.enabled)
+        batching = getattr(self, "batching", None)
+        if grit is None or batching is None:
+            return bool(grit is not None and grit.enabled)
+        return batching.name(grit) != "random"
 
     @property
     def train_files(self) -> list[str]:
@@ -296,10 +350,16 @@ class PretrainConfig(_Objectives, TaskConfig):
     guard_false_negatives: bool = key(False, "pairs of one image or with identical captions in a batch are "
                                              "ITC positives, never ITM negatives (not in the paper)")
     mlm_probability: float = key(0.15, "MLM masking rate (ALBEF: 0.15; GRIT-VLP: 0.5)", above=0, high=1)
+    itc_hn_beta: float = key(0.0, "HN-NCE (Radenovic et al. 2023): ITC's negatives weighted by exp(beta x "
+                                  "logit), normalised; 0: the paper's ITC", low=0)
+    itc_smoothing: float = key(0.0, "MAFA's S-ITC: ITC targets smoothed towards uniform by this much; 0: the "
+                                    "paper's one-hot targets", low=0, high=0.99)
+    itc_smoothing_epoch: int = key(0, "the first epoch S-ITC smooths (before it: the paper's targets)", low=0)
     mlm_masked_only: bool = key(True, "MLM vocabulary logits only at the masked positions (a fixed-size "
                                       "selection, no host sync); false: at every position, as ALBEF")
     batch_size: int = key(REQUIRED, "per-rank batch N: one GRIT group per local batch", low=1)
     grit: Grit = key(Grit(enabled=False), "the GRIT sampler block; null: GRIT off")
+    batching: Batching = key(Batching(), "how batches are formed: GRIT, random or a later strategy")
 
     # --- web-scale data (dataset.shards, dataset.corpus) ------------------------------------------------
     train_file: str | list[str] | None = key(None, "json list(s) of training entries (ALBEF's format); "
@@ -317,9 +377,20 @@ class PretrainConfig(_Objectives, TaskConfig):
                                   "than 100 open files); GRIT's order visits shards at random",
                               low=1, high=100)
 
+    @property
+    def strategy(self) -> str:
+        """The batch-construction strategy this run uses (batching.strategy, or from grit.enabled)."""
+        return self.batching.name(self.grit)
+
+    def sampler_options(self) -> dict[str, Any]:
+        """grit.GritSampler's keyword arguments: the grit block with the strategy and its options."""
+        name = self.strategy
+        return {**self.grit.sampler_options(), "enabled": name != "random", "strategy": name,
+                "strategy_options": self.batching.options(name)}
+
     def problems(self) -> list[str]:
         """TaskConfig's rules, the objectives' and GRIT's sizes."""
-        out = super().problems() + self.grit.problems(self.batch_size)
+        out = super().problems() + self.grit.problems(self.batch_size, enabled=self.grit_on)
         if not (self.train_file or self.train_shards):
             out.append("no training data: set train_file (json lists) or train_shards (tar shards), or both")
         sources = self.train_files + self.train_shard_specs
