@@ -15,8 +15,8 @@ import torch
 from grit_sim import clustered_features, hardness, make_samplers, run_epoch
 
 from grit.strategies import NAMES, build
+from grit.strategies._graph import cross_similarity, knn_graph, symmetric_csr
 from grit.strategies.b3 import exact_parts
-from grit.strategies.graph import cross_similarity, knn_graph, symmetric_csr
 
 GROUPING = ["grit", "b3", "gcbs", "rwr"]
 OPTIONS = {"grit": {}, "b3": {"rank_skip": 1, "rank_window": 4}, "gcbs": {"neighbours": 4},
@@ -164,7 +164,7 @@ def test_b3_communities_are_exactly_the_batch_size(metis, monkeypatch):
 
 def test_b3_links_each_example_to_its_rank_window():
     """rank_skip p passes over each example's p most similar; the graph links ranks p+1 .. p+m."""
-    from grit.strategies.graph import rank_window
+    from grit.strategies._graph import rank_window
 
     x = -np.inf
     sim = torch.tensor([[x, 0.9, 0.8, 0.7, 0.1], [0.9, x, 0.5, 0.4, 0.3], [0.8, 0.5, x, 0.2, 0.6],
@@ -221,7 +221,17 @@ def test_invalid_entries_come_last_in_every_strategy():
 
 
 def test_strategy_names_and_a_missing_one():
-    assert NAMES == ("grit", "random", "b3", "gcbs", "rwr") and build("random", 4) is None
+    assert NAMES == ("random", "b3", "gcbs", "grit", "rwr") and build("random", 4) is None
+    # the config's allowed values are exactly the strategies there are, each block a strategy's options
+    import typing
+
+    from training.config import Batching
+
+    hint = typing.get_type_hints(Batching)["strategy"]
+    literal = next(a for a in typing.get_args(hint) if a is not type(None))
+    assert set(typing.get_args(literal)) == set(NAMES)
+    for name in NAMES[1:]:
+        assert build(name, 4, **Batching().options(name)).name == name
     with pytest.raises(ValueError, match="batching.strategy must be one of"):
         build("greedy", 4)
 

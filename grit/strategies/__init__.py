@@ -20,7 +20,8 @@ an outside model. `batching.strategy` (training.config.Batching) names one:
     rwr     BatchSampler's random walks with restart on the same k-nearest-neighbour graph
 
 Adding one means a module grit/strategies/<name>.py that defines GROUPING (a Grouping subclass whose
-keyword options are its config block's keys) and that block in training/config.py; nothing else.
+keyword options are its config block's keys), found here by its name, and its block (and name among
+batching.strategy's values) in training/config.py; nothing else.
 Importable with torch and numpy only: a strategy's own dependencies (scipy, pymetis) are imported when it
 is built, with a message naming the package when one is missing.
 """
@@ -28,6 +29,7 @@ is built, with a message naming the package when one is missing.
 from __future__ import annotations
 
 import importlib
+import pkgutil
 from abc import ABC, abstractmethod
 from typing import Any
 
@@ -35,7 +37,14 @@ import torch
 
 __all__ = ["Grouping", "NAMES", "build"]
 
-NAMES = ("grit", "random", "b3", "gcbs", "rwr")  # `random` has no module: the sampler groups nothing
+
+
+def _names() -> tuple[str, ...]:
+    """'random' (no module: the sampler groups nothing) and every public module of this package."""
+    return ("random", *sorted(m.name for m in pkgutil.iter_modules(__path__) if not m.name.startswith("_")))
+
+
+NAMES = _names()  # ('random', 'b3', 'gcbs', 'grit', 'rwr')
 
 
 class Grouping(ABC):

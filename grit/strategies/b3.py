@@ -21,7 +21,7 @@ import numpy as np
 import torch
 
 from . import Grouping
-from .graph import order_each, rank_window, require, symmetric_csr
+from ._graph import order_each, rank_window, require, symmetric_csr
 
 _warned = False
 

@@ -14,7 +14,7 @@ import numpy as np
 import torch
 
 from . import Grouping
-from .graph import knn_graph, order_each, require, symmetric_csr
+from ._graph import knn_graph, order_each, require, symmetric_csr
 
 
 class GCBSGrouping(Grouping):

@@ -18,7 +18,7 @@ import numpy as np
 import torch
 
 from . import Grouping
-from .graph import knn_graph, order_each
+from ._graph import knn_graph, order_each
 
 
 class RandomWalkGrouping(Grouping):
