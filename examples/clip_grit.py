@@ -5,6 +5,10 @@ measured with the epoch's final weights: the mean ITC similarity of every anchor
 negative, both directions (the harder, the more ITC learns from a batch: paper Sec. 3.1).
 
     python examples/clip_grit.py --data data/synthetic [--epochs 8] [--batch_size 8]
+    python examples/clip_grit.py --data data/synthetic --strategy b3    # B3's communities instead
+
+--strategy picks how the sampler forms the next epoch's batches (grit.strategies: grit, the paper's;
+random; b3; gcbs; rwr), each with its defaults; the loop is the same for all of them.
 
 --data is a folder with pretrain.json ([{"image", "caption": str | [str, ...]}], ALBEF's format), the
 images it names and a vocab.txt: the synthetic world (`python -m tools.make_synthetic`) is one.
@@ -24,6 +28,7 @@ from torch import nn
 from torch.utils.data import DataLoader, Dataset
 
 from grit import GritSampler
+from grit.strategies import NAMES
 
 
 class Pairs(Dataset):
@@ -100,8 +105,9 @@ def train(data: Pairs, args) -> list[dict]:
     model = DualEncoder(len(data.vocab))
     opt = torch.optim.AdamW(model.parameters(), lr=args.lr)
     # The sampler replaces DistributedSampler; with torch.distributed it takes its ranks from the group.
+    # strategy: which examples share a batch (grit.strategies); everything else is the same for all.
     sampler = GritSampler(data, batch_size=args.batch_size, queue_size=args.queue_size,
-                          search_space=args.search_space, seed=args.seed, dim=64)
+                          search_space=args.search_space, seed=args.seed, dim=64, strategy=args.strategy)
     loader = DataLoader(data, batch_size=args.batch_size, sampler=sampler, drop_last=True)
     rows = []
     for epoch in range(args.epochs):
@@ -133,6 +139,8 @@ def main(argv=None) -> dict:
     p.add_argument("--queue_size", type=int, default=512, help="L")
     p.add_argument("--lr", type=float, default=1e-3)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--strategy", default="grit", choices=NAMES,
+                   help="how batches are formed (grit.strategies; default: grit, the paper's)")
     args = p.parse_args(argv)
     if not os.path.isfile(os.path.join(args.data, "pretrain.json")):
         p.error(f"{args.data}/pretrain.json not found (make the synthetic world: python -m "
@@ -140,8 +148,8 @@ def main(argv=None) -> dict:
     torch.set_num_threads(1)
     data = Pairs(args.data)
     rows = train(data, args)
-    print(json.dumps({"batch_hardness": rows}))
-    return {"batch_hardness": rows}
+    print(json.dumps({"strategy": args.strategy, "batch_hardness": rows}))
+    return {"strategy": args.strategy, "batch_hardness": rows}
 
 
 if __name__ == "__main__":

@@ -186,8 +186,11 @@ class ALBEF_Base(ImageTextModel):  # noqa: N801 (the paper's name)
                 if positive_mining is not None:
                     excluded = excluded | positive_mining
             hardness = hardest_negative_similarity(cosine, excluded)
+            # the same from the captions' side: each text's hardest in-batch image negative
+            hardness_t2i = hardest_negative_similarity(cosine.t(), None if excluded is None else excluded.t())
             if valid is not None:  # at most one good sample: no negative to measure; logged as 0
                 hardness = torch.nan_to_num(hardness, nan=0.0)
+                hardness_t2i = torch.nan_to_num(hardness_t2i, nan=0.0)
         if self.use_itm:
             with torch.no_grad():
                 logits_i2t = cosine / self.temp
@@ -231,6 +234,10 @@ class ALBEF_Base(ImageTextModel):  # noqa: N801 (the paper's name)
             "image_feat": image_feat.detach().float(),
             "text_feat": text_feat.detach().float(),
             "hardness": hardness,
+            "hardness_t2i": hardness_t2i,
+            # the mined ITM negatives (None without ITM): text of image i, image of text i (batch positions)
+            "neg_text_idx": neg_text_idx if self.use_itm else None,
+            "neg_image_idx": neg_image_idx if self.use_itm else None,
         }
 
 

@@ -114,3 +114,17 @@ def test_clip_example_runs_after_install_and_its_grit_batches_are_harder(install
     # from the third epoch on, the groups GRIT formed are harder than random batches under the same weights
     for row in rows[3:]:
         assert row["grit_batches"] > row["random_batches"] + 0.05, row
+
+
+def test_the_clip_example_takes_another_strategy_by_one_flag(installed, tmp_path, in_repo):
+    """The same loop with B3's communities (grit.strategies.b3, scipy and pymetis from the environment):
+    its batches too are harder than random ones under the same weights once the features carry
+    information."""
+    proc = subprocess.run([sys.executable, os.path.join(ROOT, "examples", "clip_grit.py"), "--data",
+                           os.path.join(ROOT, "data", "synthetic"), "--strategy", "b3", "--epochs", "5"],
+                          cwd=str(tmp_path), env=_env(installed), capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    out = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert out["strategy"] == "b3"
+    for row in out["batch_hardness"][3:]:
+        assert row["grit_batches"] > row["random_batches"] + 0.03, row

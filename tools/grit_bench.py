@@ -105,6 +105,9 @@ def build_parser() -> Parser:
     p.add_argument("--scale", type=int, nargs="*", default=None, metavar="D",
                    help="instead: GritSampler's memory and end_epoch time for datasets of D examples (e.g. "
                         "10000000 100000000), each in a fresh process")
+    p.add_argument("--strategy", default="grit", help="with --scale: the batch-construction strategy whose "
+                                                      "end of epoch is measured (grit.strategies; default: "
+                                                      "grit)")
     p.add_argument("--one_scale", type=int, default=None, help=argparse.SUPPRESS)
     add_output_dir(p, "grit_bench.json (the printed record)")
     return p
@@ -331,12 +334,16 @@ def one_scale(args: argparse.Namespace) -> dict:
     D, L, M, d, N = args.one_scale, args.queue_size, args.search_space, args.dim, args.batch_size
     grit = dict(enabled=True, queue_size=L, search_space=M, example_shuffle=True, batch_shuffle=True,
                 mode="concurrent", warmstart_indices=None, shard_grouping=True)
-    sampler = GritSampler(D, num_replicas=1, rank=0, seed=args.seed, batch_size=N, dim=d, **grit)
+    from training.config import Batching
+
+    sampler = GritSampler(D, num_replicas=1, rank=0, seed=args.seed, batch_size=N, dim=d, **grit,
+                          strategy=args.strategy, strategy_options=Batching().options(args.strategy))
     T = sampler.batches_per_epoch
     half = L // 2
     perm = torch.randperm(D)
     state = {"version": 1, "epoch": 0, "in_progress": 1, "position": T, "has_next": 0, "epochs_started": 1,
              "dataset_len": D, "batch_size": N, "num_replicas": 1, "seed": args.seed, "mode": "concurrent",
+             "strategy": args.strategy,
              "epoch_indices": perm[:T * N].to(sampler.index_dtype), "indices": perm[half:],
              "collector": {"ptr": half, "image": F.normalize(torch.randn(half, d), dim=-1),
                            "text": F.normalize(torch.randn(half, d), dim=-1), "index": perm[:half].clone(),
@@ -376,14 +383,16 @@ def at_scale(args: argparse.Namespace) -> dict:
     rows = []
     for D in args.scale:
         sizes = ["--queue_size", args.queue_size, "--search_space", args.search_space, "--dim", args.dim,
-                 "--batch_size", args.batch_size, "--seed", args.seed, "--one_scale", D]
+                 "--batch_size", args.batch_size, "--seed", args.seed, "--one_scale", D,
+                 "--strategy", args.strategy]
         proc = subprocess.run(python_command(["tools.grit_bench", *map(str, sizes)]),
                               capture_output=True, text=True, env=child_env(threads=1))
         if proc.returncode != 0:
             rows.append({"dataset": D, "error": proc.stderr.strip()[-800:]})
             continue
         rows.append(json.loads(proc.stdout.strip().splitlines()[-1]))
-    out = {"mode": "GritSampler at scale (random features, no training)", "queue_size": args.queue_size,
+    out = {"mode": "GritSampler at scale (random features, no training)", "strategy": args.strategy,
+           "queue_size": args.queue_size,
            "search_space": args.search_space, "dim": args.dim, "batch_size": args.batch_size,
            "threads": 1, "rows": rows}
     done = [r for r in rows if "error" not in r]

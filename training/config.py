@@ -130,6 +130,7 @@ class B3:
     rank_skip: int = key(10, "p: each example's p most similar are passed over (likely false negatives)",
                          low=0)
     rank_window: int = key(30, "m: each example is linked to the next m it ranks (ranks p+1 .. p+m)", low=1)
+    recursive: bool = key(True, "METIS's recursive bisection (faster); false: its k-way partition")
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -2,8 +2,9 @@
 k-nearest-neighbour graph over it (GCBS and the random walk's proximity graph; B3 takes a rank window).
 
 The teacher is the model being trained: its ITC projections from this epoch's steps, as GRIT uses them.
-Two examples are as similar as their cross-modal matches: s_ij = (v_i . t_j + v_j . t_i) / 2, symmetric,
-so that a neighbour is a hard negative in both directions of ITC.
+Example i ranks example j by s_ij = v_i . t_j, its image as the query and j's caption as the target (a
+retrieval teacher's ranking, as B3's); the graphs built from the ranks are symmetrised, so a neighbour in
+either direction is linked.
 """
 
 from __future__ import annotations
@@ -15,22 +16,23 @@ __all__ = ["cross_similarity", "knn_graph", "rank_window", "symmetric_csr"]
 
 
 def cross_similarity(image: torch.Tensor, text: torch.Tensor) -> torch.Tensor:
-    """image, text (v, d) of the valid entries of one sub-queue -> s (v, v) float32, the diagonal -inf."""
+    """image, text (v, d) of the valid entries of one sub-queue -> s (v, v) float32, s_ij = v_i . t_j,
+    the diagonal (each example's own pair) -inf."""
     sim = image.float() @ text.float().T
-    sim = 0.5 * (sim + sim.T)
     sim.fill_diagonal_(float("-inf"))
     return sim
 
 
 def rank_window(sim: torch.Tensor, skip: int, width: int) -> np.ndarray:
-    """Each row's examples ranked skip+1 .. skip+width by similarity (ties: lower index first) -> (v, w)
-    int64 with w = min(width, v - 1 - skip) (possibly 0): the top `skip` are passed over."""
+    """Each row's examples ranked skip+1 .. skip+width by similarity -> (v, w) int64 with
+    w = min(width, v - 1 - skip) (possibly 0): the top `skip` are passed over. topk, not a full sort:
+    only skip + width of the M ranks are needed (exact ties, which continuous features do not produce,
+    are broken by topk's own rule)."""
     v = sim.shape[0]
     take = min(skip + width, v - 1)
     if take <= skip:
         return np.zeros((v, 0), dtype=np.int64)
-    # A stable descending sort gives ties to the lower index, whatever the device.
-    top = torch.sort(sim, dim=1, descending=True, stable=True).indices[:, :take]
+    top = torch.topk(sim, take, dim=1, sorted=True).indices
     return top[:, skip:].cpu().numpy().astype(np.int64)
 
 
