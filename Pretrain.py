@@ -5,8 +5,11 @@
     python -m torch.distributed.launch --nproc_per_node=4 --use_env Pretrain.py \
         --config configs/Pretrain.yaml --output_dir output/Pretrain
 
-log.txt gets one JSON line per epoch (training.trainer): the four losses, grit_hardness (mean ITC
-similarity of the hardest in-batch ITM negative) and grit_seconds (GRIT's collection and grouping).
+log.txt gets one JSON line per epoch (training.trainer): the four losses, grit_hardness and
+grit_hardness_t2i (mean ITC similarity of each image's hardest in-batch text negative, and of each
+text's hardest image negative), itm_false_negatives (where the data has a scene table: the share of
+mined ITM negatives that show the anchor's scene), batch_groups (grouped epochs: how many sub-queues a
+batch draws from) and grit_seconds (the batching strategy's collection and grouping).
 """
 
 from __future__ import annotations
@@ -22,6 +25,7 @@ from torch.utils.data import DataLoader, Subset
 from dataset import ImageTextCollate, create_dataset
 from dataset.bad_samples import SkipBadCollate, SkipBadSamples
 from grit import GritSampler
+from models.false_negatives import mined_false_negative_rate
 from models.loading import load_weights
 from models.objectives import total_loss
 from models.pretrain import ALBEF_Base
@@ -59,6 +63,10 @@ class PretrainTask(Task):
         # (the model's false-negative guard, config key guard_false_negatives; D int64s, so only with it).
         self.image_keys = (torch.as_tensor(dataset.image_keys, dtype=torch.long, device=device)
                            if config.guard_false_negatives else None)
+        # The scene each entry shows, where the data has a scene table (the synthetic world): the truth
+        # behind itm_false_negatives, the share of mined ITM negatives that show the anchor's scene.
+        scenes = getattr(dataset, "scene_ids", None) if config.itm else None
+        self.scene_ids = None if scenes is None else scenes.to(device)
         self.grit_seconds = 0.0
         self.features: dict[str, Tensor | None] = {}
 
@@ -76,6 +84,10 @@ class PretrainTask(Task):
                           "text_feat": out["text_feat"][:8].detach().clone()}
         metrics = {k: out[k].detach() for k in ALBEF_Base.loss_names}
         metrics["grit_hardness"] = out["hardness"]
+        metrics["grit_hardness_t2i"] = out["hardness_t2i"]
+        if self.scene_ids is not None:
+            metrics["itm_false_negatives"] = mined_false_negative_rate(
+                self.scene_ids[idx], out["neg_text_idx"], out["neg_image_idx"], valid)
         return total_loss(out, ALBEF_Base.loss_names), metrics
 
     def after_step(self, metrics: dict[str, Tensor], batch, skipped: bool) -> None:
@@ -101,9 +113,11 @@ class PretrainTask(Task):
     def end_epoch(self, epoch: int) -> dict[str, float]:
         """Group the partial queue and compose the next epoch's batches; log GRIT's time this epoch."""
         start = time.perf_counter()
+        groups = self.sampler.groups_per_batch  # of this epoch's batches (before end_epoch composes the next)
         self.sampler.end_epoch()
         self.grit_seconds += time.perf_counter() - start
-        return {"grit_seconds": round(self.grit_seconds, 3)}
+        extra = {} if groups is None else {"batch_groups": round(groups, 4)}
+        return {"grit_seconds": round(self.grit_seconds, 3), **extra}
 
     def summary(self) -> list[str]:
         """The start-up summary's task lines: empty tar shards, if any, and GRIT's sizes."""

@@ -14,6 +14,7 @@ a repeated source; every shard sample is an image of its own.
 from __future__ import annotations
 
 import bisect
+import os
 from collections.abc import Mapping, Sequence
 from functools import cached_property
 
@@ -21,9 +22,13 @@ import torch
 from torch import Tensor
 from torch.utils.data import ConcatDataset, Dataset
 
+from grit_io import read_json
+
 from .pretrain import PretrainDataset, first_seen_keys
 
-__all__ = ["PretrainCorpus"]
+__all__ = ["SCENE_TABLE", "PretrainCorpus"]
+
+SCENE_TABLE = "scenes.json"  # beside a json list: the scene each of its images shows (the synthetic world)
 
 
 class PretrainCorpus(ConcatDataset):
@@ -81,3 +86,25 @@ class PretrainCorpus(ConcatDataset):
                 keys[id(ds)] = own + offset
                 offset += int(own.max()) + 1 if own.numel() else 0
         return torch.cat([keys[id(ds)] for _, ds in self.copies])
+
+    @cached_property
+    def scene_ids(self) -> Tensor | None:
+        """(len,) int64: which scene each example shows, equal for equal scenes, from the scene table
+        (scenes.json: {image path relative to its folder: scene}) beside every json list, as the synthetic
+        world writes one; None when a source has none (real corpora): the truth behind the false-negative
+        rate of the mined ITM negatives (Pretrain.py's itm_false_negatives)."""
+        tables: dict[int, list[str]] = {}
+        for name, ds in self.sources:
+            path = os.path.join(os.path.dirname(os.path.abspath(name)), SCENE_TABLE)
+            if not isinstance(ds, PretrainDataset) or not os.path.isfile(path):
+                return None
+            folder = os.path.dirname(path)
+            table = {os.path.normpath(os.path.join(folder, k)): v
+                     for k, v in read_json(path, "scene table").items()}
+            scenes = [table.get(os.path.abspath(f)) for f in ds.image_files()]
+            if None in scenes:  # an image the table does not know: no truth for this corpus
+                return None
+            tables[id(ds)] = scenes
+        keys = first_seen_keys(scene for _, ds in self.copies for scene in tables[id(ds)])
+        return torch.tensor(keys, dtype=torch.long)
+

@@ -16,7 +16,7 @@ from . import dist as gdist
 from .strategies import Grouping
 from .strategies.grit import GreedyChain
 
-__all__ = ["GritCollector"]
+__all__ = ["GritCollector", "groups_per_batch"]
 
 
 class GritCollector:
@@ -48,6 +48,10 @@ class GritCollector:
         self._valid: torch.Tensor | None = None  # (L,) bool
         self.ptr = 0
         self._groups: list[torch.Tensor] = []  # grouped dataset indices, -1 marks an invalid sample
+        # Valid entries of every grouped sub-queue, in G's order (device tensors, read at epoch end): each
+        # sub-queue's entries are one run of G, so these give how many groups a batch of G draws from.
+        self._segments: list[torch.Tensor] = []
+        self.segments = torch.zeros(0, dtype=torch.long)  # the last finalized G's, on the CPU
         # GRIT's chain needs no batch size: any N cuts its order into groups.
         self.grouping = grouping if grouping is not None else GreedyChain(batch_size=1)
 
@@ -56,6 +60,7 @@ class GritCollector:
         self.generator.manual_seed(int(seed))
         self.ptr = 0
         self._groups = []
+        self._segments = []
 
     def _allocate(self) -> None:
         L, d = self.queue_size, self.dim
@@ -134,6 +139,7 @@ class GritCollector:
         grouped = torch.where(valid, self._index[pos.clamp(min=0)], -1).gather(1, order).reshape(-1)
         # Invalid and padding entries are chained last, so the `pad` trailing ones are all padding/invalid.
         self._groups.append(grouped[:n].to(self.index_dtype))
+        self._segments.append(valid.sum(dim=1))
 
     def _features(self, pos: torch.Tensor, valid: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Queue positions (k, M) -> image and text features (k, M, d); padding and invalid entries zero."""
@@ -174,7 +180,8 @@ class GritCollector:
             self._group(self.ptr)
             self.ptr = 0
         G = self.partial_groups()
-        self._groups = []
+        self.segments = self._partial_segments()
+        self._groups, self._segments = [], []
         if G.numel():
             # One byte per example, not bincount's eight: D is up to 400M (grit_bench --scale).
             seen = torch.zeros(self.dataset_len, dtype=torch.bool)
@@ -198,7 +205,12 @@ class GritCollector:
             "index": self._index[:n].cpu().clone() if n else torch.zeros(0, dtype=torch.long),
             "valid": self._valid[:n].cpu().clone() if n else torch.zeros(0, dtype=torch.bool),
             "rng": self.generator.get_state(),
+            "segments": self._partial_segments(),
         }
+
+    def _partial_segments(self) -> torch.Tensor:
+        """The valid counts of the sub-queues grouped so far (CPU LongTensor)."""
+        return torch.cat(self._segments).cpu() if self._segments else torch.zeros(0, dtype=torch.long)
 
     def load_state_dict(self, state: dict, groups: torch.Tensor) -> None:
         """Restore queues, pointer and generator from `state_dict()`; groups: the partial G (LongTensor)."""
@@ -217,3 +229,20 @@ class GritCollector:
             self._valid[:n] = state["valid"].to(self.device)
         self.generator.set_state(state["rng"].cpu())
         self._groups = [groups.to(self.device, self.index_dtype)] if groups.numel() else []
+        # States from before segments were kept: G so far as one run (its batch_groups undercounted).
+        segments = state.get("segments", torch.tensor([groups.numel()]) if groups.numel() else None)
+        self._segments = [segments.to(self.device)] if segments is not None and segments.numel() else []
+
+
+def groups_per_batch(segments: torch.Tensor, batch_size: int) -> float | None:
+    """Mean number of groups (sub-queues) a batch of N consecutive entries of G draws from: segments (K,)
+    the valid entries of each grouped sub-queue in G's order -> 1.0 when every batch lies in one group;
+    None when G holds no whole batch. A batch crosses a boundary between two groups unless the boundary
+    falls on a multiple of N."""
+    lengths = segments[segments > 0].long()
+    chunks = int(lengths.sum()) // batch_size
+    if chunks == 0:
+        return None
+    boundaries = torch.cumsum(lengths, 0)[:-1]
+    inside = boundaries[(boundaries % batch_size != 0) & (boundaries < chunks * batch_size)]
+    return 1.0 + inside.numel() / chunks

@@ -10,7 +10,7 @@ import torch
 import torch.distributed as dist
 
 from . import dist as gdist
-from .collector import GritCollector
+from .collector import GritCollector, groups_per_batch
 from .config import DEFAULTS, load_index_array, option_problems
 from .strategies import build as build_strategy
 
@@ -124,6 +124,10 @@ class GritSampler(torch.utils.data.Sampler):
         self._epoch_array = torch.empty(0, dtype=self.index_dtype)  # (T*B,) global order, chunk k = k-th N
         self._next_array: torch.Tensor | None = None  # next epoch's array, composed by end_epoch()
         self._check_pending = False  # a loaded mid-epoch array is compared across ranks at set_epoch
+        # How many groups (sub-queues) a batch of this epoch draws from on average (1: each batch one
+        # group); None for an epoch that was not grouped. The next epoch's, composed at end_epoch, waits.
+        self.groups_per_batch: float | None = None
+        self._next_groups: float | None = None
 
     # ----------------------------------------------------------------------------------------- epochs
     @property
@@ -149,10 +153,10 @@ class GritSampler(torch.utils.data.Sampler):
                           "ending it now", stacklevel=2)
             self.end_epoch()
         cfg = self.grit
-        array = None
+        array, groups = None, None
         if cfg["enabled"]:
             if self._next_array is not None:
-                array, self._next_array = self._next_array, None
+                array, self._next_array, groups = self._next_array, None, self._next_groups
                 if array.numel() != self.batches_per_epoch * self.global_batch:  # e.g. world size changed
                     array = self._compose(array, epoch)
             elif self.warmstart is not None and self._epochs_started == 0:
@@ -162,10 +166,12 @@ class GritSampler(torch.utils.data.Sampler):
                     raise ValueError(
                         "grit.mode 'naive' needs set_epoch(epoch, naive_pass=fn), see grit/__init__.py")
                 array = self._compose(self._run_naive_pass(epoch, naive_pass), epoch)
+                groups = groups_per_batch(self.collector.segments, self.batch_size)
         if array is None:
             array = self._plain(epoch)
         gdist.assert_same_on_all_ranks(array, f"index array of epoch {epoch}", self._comm_device())
         self.epoch = epoch
+        self.groups_per_batch, self._next_groups = groups, None
         self._epochs_started += 1
         self.position = self.start_batch = self._offset_rows = 0
         self._check_pending = False
@@ -188,6 +194,7 @@ class GritSampler(torch.utils.data.Sampler):
             gdist.assert_same_on_all_ranks(G, f"GRIT index array G built in epoch {self.epoch}",
                                            self._comm_device())
             self._next_array = self._compose(G, self.epoch + 1)
+            self._next_groups = groups_per_batch(self.collector.segments, self.batch_size)
         self.in_progress = False
 
     def _run_naive_pass(self, epoch: int, naive_pass: NaivePass) -> torch.Tensor:
@@ -351,6 +358,8 @@ class GritSampler(torch.utils.data.Sampler):
             if in_progress else 0,
             "indices": indices.cpu().clone(),
             "collector": collector,
+            "groups_per_batch": -1.0 if self.groups_per_batch is None else float(self.groups_per_batch),
+            "next_groups_per_batch": -1.0 if self._next_groups is None else float(self._next_groups),
         }
 
     def load_state_dict(self, state: dict) -> None:
@@ -382,6 +391,10 @@ class GritSampler(torch.utils.data.Sampler):
         if indices.numel() and (int(indices.min()) < 0 or int(indices.max()) >= self.dataset_len):
             raise bad(f"'indices' has values outside [0, {self.dataset_len})")
         self.left_out_on_resume = 0
+        groups = float(state.get("groups_per_batch", -1))
+        next_groups = float(state.get("next_groups_per_batch", -1))
+        self.groups_per_batch = None if groups < 0 else groups
+        self._next_groups = None if next_groups < 0 else next_groups
         if in_progress:
             self._resume_epoch_array(state, bad)
             self._check_pending = True

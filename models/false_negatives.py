@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-__all__ = ["caption_keys", "false_negative_mask", "odd_constants"]
+__all__ = ["caption_keys", "false_negative_mask", "mined_false_negative_rate", "odd_constants"]
 
 
 # Run eagerly under torch.compile (one graph break) when a caller compiles caption_keys without a table:
@@ -81,3 +81,16 @@ def false_negative_mask(
     same_image = image_keys[:, None] == image_keys_all[None, :]
     same_caption = caption_keys[:, None] == caption_keys_all[None, :]
     return same_image | same_caption
+
+
+def mined_false_negative_rate(group: Tensor, neg_text_idx: Tensor, neg_image_idx: Tensor,
+                              valid: Tensor | None = None) -> Tensor:
+    """How often a mined ITM negative is a false one: group (B,) int (e.g. the scene each pair shows;
+    equal = the same content), the mined negatives' batch positions (B,) each -> 0-dim float, the share
+    of anchors in both directions (image i with text neg_text_idx[i], text i with image neg_image_idx[i])
+    whose negative has the anchor's group; invalid anchors (valid (B,) False) are left out. No host sync."""
+    false = torch.cat([group[neg_text_idx] == group, group[neg_image_idx] == group]).float()
+    if valid is None:
+        return false.mean()
+    weight = torch.cat([valid, valid]).float()
+    return (false * weight).sum() / weight.sum().clamp(min=1)

@@ -260,3 +260,20 @@ def test_the_sampler_deals_the_strategys_own_order():
         run_epoch([t], 0, feats)
         dealt[name] = t.state_dict()["indices"].tolist()
     assert len({tuple(v) for v in dealt.values()}) == len(GROUPING)
+
+
+def test_strategy_bench_measures_every_strategy(capsys):
+    """tools.strategy_bench at small sizes: one JSON line, a row per strategy with its fill time, its share
+    of the step by the documented arithmetic, and batches harder than random ones."""
+    import json
+
+    from tools.strategy_bench import main
+
+    record = main(["--queue_size", "480", "--search_space", "240", "--batch_size", "8", "--dim", "16",
+                   "--clusters", "24", "--repeats", "1", "--step_seconds", "0.5"])
+    assert json.loads(capsys.readouterr().out.strip().splitlines()[-1]) == record
+    assert [r["strategy"] for r in record["strategies"]] == ["b3", "gcbs", "grit", "rwr"]
+    for row in record["strategies"]:
+        # both rounded in the record (fill to 1 ms, share to 1e-5): equal within that rounding
+        assert row["share_of_step"] == pytest.approx(8 * row["fill_seconds"] / 480 / 0.5, rel=0, abs=3e-5)
+        assert row["hardness"] > record["random_hardness"], row

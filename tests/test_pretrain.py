@@ -174,6 +174,14 @@ def test_each_strategy_and_loss_switch_by_one_key(data_dir, tmp_path, capsys, se
     log = read_log(out)
     assert [r['epoch'] for r in log] == [0, 1]
     assert all(torch.isfinite(torch.tensor(float(r[k]))) for r in log for k in LOG_KEYS)
+    # the batch figures (issue 37): both directions' hardness, the mined negatives' false-negative rate
+    # (the synthetic world has a scene table; the tiny config's guard keeps same-image pairs out: 0),
+    # and, for a grouped epoch, how many sub-queues a batch draws from
+    for record in log:
+        assert 0 < record['grit_hardness_t2i'] < 1 and record['itm_false_negatives'] == 0.0
+    assert 'batch_groups' not in log[0]  # epoch 0 is random in every strategy
+    assert ('batch_groups' in log[1]) == (strategy != 'random')
+    assert log[1].get('batch_groups', 1.0) >= 1.0
     state = torch.load(os.path.join(out, 'checkpoint_01.pth'), map_location='cpu', weights_only=True)
     assert state['sampler']['strategy'] == strategy
     if strategy == 'random':
