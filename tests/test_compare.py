@@ -166,3 +166,48 @@ def test_a_reused_run_is_read_back_and_keeps_its_log(tmp_path, monkeypatch):
     out = compare.run_pairs({"GRIT-VLP": (directory, args, [])}, reuse=True)
     assert out == {"GRIT-VLP": ([{"epoch": 0}], {"r": 1}, {"p": 2})}
     assert os.path.isfile(log)  # tools.efficiency reads the epochs of a reused run from it
+
+
+def test_new_arms_sweep_their_grid_with_the_rate_and_are_selected_on_val(monkeypatch):
+    """Each strategy or loss switch is an arm; an arm with a hyper-parameter gets a grid of the same size
+    as every other such arm, each setting swept with every rate, the pair selected on val alone; the test
+    rows at the selection get mean, sample std, median and range, and gaps to GRIT-VLP and to random
+    batches paired by seed."""
+    from tools.compare import GRIDS, grid_overrides, setting_label
+
+    monkeypatch.chdir(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    assert {len(g) for g in GRIDS.values()} == {2}  # the same tuning budget for every arm with a grid
+    assert grid_overrides("B3", "p=2,m=20") == ["batching.b3.rank_skip=2", "batching.b3.rank_window=20"]
+    assert grid_overrides("GCBS", "k=5") == ["batching.gcbs.neighbours=5"]
+    assert grid_overrides("random walk", "k=10,restart=0.3") == ["batching.rwr.neighbours=10",
+                                                                 "batching.rwr.restart=0.3"]
+    assert grid_overrides("GRIT-VLP + HN-NCE", "beta=1") == ["itc_hn_beta=1"]
+    assert grid_overrides("GRIT-VLP + S-ITC", "s=0.1") == ["itc_smoothing=0.1"]
+    for arm, settings in GRIDS.items():  # every arm and setting is a config the pre-training accepts
+        for setting in settings:
+            config = resolve_config("pretrain", PRETRAIN_CONFIG, ARMS[arm] + grid_overrides(arm, setting),
+                                    check_paths=False)
+            assert config.strategy == {"B3": "b3", "GCBS": "gcbs", "random walk": "rwr",
+                                       "random + HN-NCE": "random"}.get(arm, "grit"), arm
+    assert run_dir("/o", "B3", 1, 5e-4, "p=2,m=20") == "/o/seed1/b3_lr0.0005_p_2_m_20"
+
+    def row(val: float, test: float) -> dict:
+        return {c: 0.5 for c in COLUMNS} | {"val_mean_r1": val, "mean_r1": test, "itc_mean_r1": test,
+                                            "val_itc_mean_r1": val, "probe": 0.5}
+
+    seeds = [1, 2, 3]
+    sweep = {"GRIT-VLP": {5e-4: {s: row(50.0, 60.0 + s) for s in seeds}},
+             "random batches": {2.5e-4: {s: row(40.0, 50.0) for s in seeds}},
+             # B3: (5e-4, p=2) is best on test, (2.5e-4, p=10) on val: val decides
+             "B3": {(5e-4, "p=2,m=20"): {s: row(45.0, 90.0) for s in seeds},
+                    (2.5e-4, "p=10,m=30"): {s: row(47.0, 55.0 + 2 * s) for s in seeds}}}
+    text, record = report(sweep, seeds)
+    assert record["selected_lr"]["B3"] == [2.5e-4, "p=10,m=30"]
+    b3 = record["summary"]["B3"]
+    assert b3["setting"] == "p=10,m=30" and b3["lr"] == 2.5e-4
+    assert (b3["mean_r1"]["median"], b3["mean_r1"]["min"], b3["mean_r1"]["max"]) == (59.0, 57.0, 61.0)
+    assert record["gaps_to"]["GRIT-VLP"]["B3"]["mean_r1"]["per_seed"] == [-4.0, -3.0, -2.0]
+    assert record["gaps"]["B3"]["mean_r1"]["per_seed"] == [7.0, 9.0, 11.0]  # to random batches
+    assert setting_label((2.5e-4, "p=10,m=30")) == "0.00025 p=10,m=30" and setting_label(5e-4) == "0.0005"
+    marked = [line for line in text.splitlines() if line.rstrip().endswith("<")]
+    assert any(line.split()[0] == "B3" and "p=10,m=30" in line for line in marked), marked

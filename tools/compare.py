@@ -7,17 +7,19 @@ test split reported at that selection, per seed, re-ranked and ITC-only, with th
     python -m tools.compare --seeds 11 12 13 --selected     # each arm at its selected rate only
 
 Every arm (ARMS: GRIT-VLP at the paper's ratio of search space to batch, M/N = 120/8 = 15, which is the
-tiny config's; GRIT-VLP at the earlier tiny config's M/N = 768/8 = 96; random batches, grit.enabled=false)
-pre-trains configs/tiny/Pretrain.yaml once per learning rate and seed (the schedule's floor and warm-up
-start scaled with it) and is evaluated zero-shot with `python -m Retrieval --evaluate`
+tiny config's; GRIT-VLP at the earlier tiny config's M/N = 768/8 = 96; random batches, grit.enabled=false;
+the batch-construction strategies B3, GCBS and random walk; HN-NCE on random and on GRIT batches; GRIT with
+S-ITC) pre-trains configs/tiny/Pretrain.yaml once per learning rate and seed (the schedule's floor and
+warm-up start scaled with it), and an arm with a hyper-parameter (GRIDS: the same two-setting grid size
+for every such arm) once per setting too, and is evaluated zero-shot with `python -m Retrieval --evaluate`
 (configs/tiny/Retrieval.yaml: val and test, ITM re-ranked and by the ITC cosine alone) and tools.probe.
-Each arm's learning rate is the one with the best mean val R@1 (re-ranked) over the seeds (select_lr: the
-test split is never read to select); the per-seed test rows at that rate, their mean and sample std, and
-the GRIT-minus-random gap per seed are printed, then a JSON object with every run (also
-<output_dir>/compare.json). Runs go two side by side, one thread each (tools.launch.run_side_by_side):
-about 2 minutes per run on a 2-core CPU. --reuse keeps a run whose result.json records the same command
-(the code is not compared: reuse within one checkout). `make demo` runs one seed of two arms at their
-selected rates (SELECTED_LR).
+Each arm's learning rate (and grid setting) is the one with the best mean val R@1 (re-ranked) over the
+seeds (select_lr: the test split is never read to select); the per-seed test rows at it, their mean,
+sample std, median and range, and the gaps to random batches and to GRIT-VLP per seed are printed, then a
+JSON object with every run (also <output_dir>/compare.json). Runs go two side by side, one thread each
+(tools.launch.run_side_by_side): about 2 minutes per run on a 2-core CPU. --reuse keeps a run whose
+result.json records the same command (the code is not compared: reuse within one checkout). `make demo`
+runs one seed of two arms at their selected rates (SELECTED_LR).
 """
 
 from __future__ import annotations
@@ -35,11 +37,11 @@ from tools.launch import in_root, run_side_by_side
 from training.cli import Parser, run_main
 from training.config_resolve import known_keys, resolve_config
 
-__all__ = ["ARMS", "PRETRAIN_CONFIG", "RETRIEVAL_CONFIG", "SELECTED_LR", "build_parser",
+__all__ = ["ARMS", "GRIDS", "PRETRAIN_CONFIG", "RETRIEVAL_CONFIG", "SELECTED_LR", "build_parser",
            "evaluation_commands", "fresh", "last_checkpoint", "lr_overrides", "main", "mean_std",
            "overrides_for", "prepare_pretraining", "pretrain_command", "read_evaluation", "read_log",
-           "read_retrieval", "report", "run_dir", "run_pairs", "select_lr", "side_by_side", "slug",
-           "summary_row"]
+           "read_retrieval", "report", "run_dir", "run_pairs", "select_lr", "setting_label", "side_by_side",
+           "slug", "spread", "summary_row", "grid_overrides"]
 
 # Repository-relative, as the shipped configs' own paths: the tools and their children work in the root.
 PRETRAIN_CONFIG = 'configs/tiny/Pretrain.yaml'
@@ -51,10 +53,42 @@ ARMS = {'GRIT-VLP': [],  # the tiny config: N = 8, M = 120, L = 1440 (M/N = 15, 
         'random batches': ['grit.enabled=false'],
         # Tables 2 and 4's baselines (configs/ablation/tiny/albef_base*.yaml), for tools.efficiency
         'ALBEF_Base': ['grit.enabled=false', 'lambda_cons=0.0', 'mlm_probability=0.15'],
-        'ALBEF_Base50': ['grit.enabled=false', 'lambda_cons=0.0']}
+        'ALBEF_Base50': ['grit.enabled=false', 'lambda_cons=0.0'],
+        # Batch construction beside GRIT (docs/batch-construction.md; issue 37), each on the tiny config's
+        # queue and sub-queues (M/N = 15), and the loss-side switches on random and on GRIT batches.
+        'B3': ['batching.strategy=b3'],
+        'GCBS': ['batching.strategy=gcbs'],
+        'random walk': ['batching.strategy=rwr'],
+        'random + HN-NCE': ['batching.strategy=random'],
+        'GRIT-VLP + HN-NCE': [],
+        'GRIT-VLP + S-ITC': []}
+# The hyper-parameter grid of each arm that has one: the same size (two settings) for every such arm, each
+# setting swept with every learning rate and selected on val with it (GRID_OVERRIDES: a setting's keys).
+GRIDS = {'B3': ['p=2,m=20', 'p=10,m=30'],  # B3's paper: skip the top p, link the next m
+         'GCBS': ['k=5', 'k=10'],
+         'random walk': ['k=10,restart=0.1', 'k=10,restart=0.3'],
+         'random + HN-NCE': ['beta=0.5', 'beta=1'],
+         'GRIT-VLP + HN-NCE': ['beta=0.5', 'beta=1'],
+         'GRIT-VLP + S-ITC': ['s=0.1', 's=0.2']}
+
+
+def grid_overrides(arm: str, setting: str | None) -> list[str]:
+    """KEY=VALUE overrides of one grid setting of `arm` ('p=2,m=20' -> B3's rank_skip and rank_window)."""
+    if setting is None:
+        return []
+    keys = {'p': 'batching.b3.rank_skip', 'm': 'batching.b3.rank_window', 'restart': 'batching.rwr.restart',
+            'beta': 'itc_hn_beta', 's': 'itc_smoothing',
+            'k': 'batching.gcbs.neighbours' if arm == 'GCBS' else 'batching.rwr.neighbours'}
+    return [f'{keys[name]}={value}' for name, value in (part.split('=') for part in setting.split(','))]
+
+
+def setting_label(setting: float | tuple) -> str:
+    """A sweep setting as printed and as a JSON key: a learning rate, or 'lr setting' for a grid arm."""
+    return f'{setting:g}' if not isinstance(setting, tuple) else f'{setting[0]:g} {setting[1]}'
 # Each arm's learning rate as selected on val by `python -m tools.compare --seeds 1 2 3 --lrs 1.25e-4
 # 2.5e-4 5e-4 1e-3 --arms GRIT-VLP "random batches"` (README, 'Does GRIT help?'); the demo's.
 SELECTED_LR = {'GRIT-VLP': 5e-4, 'random batches': 2.5e-4}
+SELECTED_SETTING: dict[str, str] = {}  # a grid arm's setting selected with its rate (none measured yet)
 
 
 def fresh(output_dir: str) -> str:
@@ -141,7 +175,10 @@ def read_evaluation(out_dir: str) -> tuple[dict, dict]:
 
 def summary_row(rows: list[dict], retrieval: dict, probe_result: dict) -> dict:
     """The numbers of one run that the tables show: test (and val) R@1 re-ranked and ITC-only, the probe."""
+    # The batch figures of the last epoch (nan where a run has none: an older run, random batches' groups).
     out = {'loss_itm': rows[-1]['loss_itm'], 'grit_hardness': rows[-1]['grit_hardness'],
+           **{k: rows[-1].get(k, math.nan) for k in ('grit_hardness_t2i', 'itm_false_negatives',
+                                                   'batch_groups')},
            'train_seconds': sum(r['train_seconds'] for r in rows),
            'txt_r1': retrieval['test_txt_r1'], 'img_r1': retrieval['test_img_r1'],
            'mean_r1': retrieval['test_mean_r1'], 'r_mean': retrieval['test_r_mean'],
@@ -181,9 +218,11 @@ def slug(arm: str) -> str:
     return re.sub(r'[^a-z0-9]+', '_', arm.lower()).strip('_')
 
 
-def run_dir(output_dir: str, arm: str, seed: int, lr: float | None) -> str:
-    """The folder of one run: output_dir/seed<S>/<slug(arm)>[_lr<lr>] (pretrain/, zeroshot/ inside)."""
-    return os.path.join(output_dir, f'seed{seed}', slug(arm) + (f'_lr{lr:g}' if lr is not None else ''))
+def run_dir(output_dir: str, arm: str, seed: int, lr: float | None, setting: str | None = None) -> str:
+    """The folder of one run: output_dir/seed<S>/<slug(arm)>[_lr<lr>][_<slug(setting)>] (pretrain/,
+    zeroshot/ inside)."""
+    return os.path.join(output_dir, f'seed{seed}', slug(arm) + (f'_lr{lr:g}' if lr is not None else '')
+                        + (f'_{slug(setting)}' if setting else ''))
 
 
 def _finished(directory: str, command: list[str]) -> dict | None:
@@ -249,49 +288,66 @@ def mean_std(values: Sequence[float]) -> tuple[float, float]:
     return statistics.fmean(values), statistics.stdev(values) if len(values) > 1 else math.nan
 
 
-COLUMNS = ('loss_itm', 'grit_hardness', 'mean_r1', 'itc_mean_r1', 'txt_r1', 'img_r1', 'probe', 'val_mean_r1')
+def spread(values: Sequence[float]) -> dict[str, float]:
+    """Mean, sample std, median, min and max of per-seed values."""
+    mean, std = mean_std(values)
+    return {'mean': mean, 'std': std, 'median': statistics.median(values), 'min': min(values),
+            'max': max(values)}
 
 
-def report(sweep: dict[str, dict[float, dict[int, dict]]], seeds: Sequence[int]) -> tuple[str, dict]:
-    """The printed tables and the JSON summary of a sweep {arm: {lr: {seed: summary_row}}}."""
-    lines = ['learning-rate sweep, mean over seeds (selection: best val mean R@1 re-ranked; test never used)',
-             f'{"arm":>18} {"lr":>9} {"val R@1":>9} {"val ITC":>9} {"test R@1":>9} {"test ITC":>9}']
+COLUMNS = ('loss_itm', 'grit_hardness', 'grit_hardness_t2i', 'itm_false_negatives', 'batch_groups',
+           'mean_r1', 'itc_mean_r1', 'txt_r1', 'img_r1', 'probe', 'val_mean_r1')
+
+
+def report(sweep: dict[str, dict[float | tuple, dict[int, dict]]], seeds: Sequence[int],
+           baselines: Sequence[str] = ('random batches', 'GRIT-VLP')) -> tuple[str, dict]:
+    """The printed tables and the JSON summary of a sweep {arm: {setting: {seed: summary_row}}}; a setting
+    is a learning rate, or (lr, grid setting) for an arm with a hyper-parameter grid (GRIDS). Each arm's
+    setting is the one of best mean val R@1 (re-ranked); the test rows at it are reported per seed with
+    mean, sample std, median and range, and the gaps to each baseline present, paired by seed."""
+    lines = ['sweep, mean over seeds (selection: best val mean R@1 re-ranked; test never used)',
+             f'{"arm":>18} {"setting":>16} {"val R@1":>9} {"val ITC":>9} {"test R@1":>9} {"test ITC":>9}']
     selected = {}
-    for arm, by_lr in sweep.items():
-        selected[arm] = select_lr({lr: [by_lr[lr][s]['val_mean_r1'] for s in seeds] for lr in by_lr})
-        for lr, rows in by_lr.items():
+    for arm, by_setting in sweep.items():
+        selected[arm] = select_lr({k: [by_setting[k][s]['val_mean_r1'] for s in seeds] for k in by_setting})
+        for key, rows in by_setting.items():
             means = [statistics.fmean(rows[s][k] for s in seeds)
                      for k in ('val_mean_r1', 'val_itc_mean_r1', 'mean_r1', 'itc_mean_r1')]
-            mark = ' <' if lr == selected[arm] else ''
-            lines.append(f'{arm:>18} {lr:>9.3g}' + ''.join(f'{m:>10.2f}' for m in means) + mark)
-    lines += ['', 'test split at each arm\'s selected learning rate (mean R@1 = mean of text and image R@1; '
+            mark = ' <' if key == selected[arm] else ''
+            lines.append(f'{arm:>18} {setting_label(key):>16}' + ''.join(f'{m:>10.2f}' for m in means) + mark)
+    lines += ['', 'test split at each arm\'s selected setting (mean R@1 = mean of text and image R@1; '
               'ITC = ranked by the cosine alone)',
-              f'{"seed":>6} {"arm":>18} {"lr":>9}' + ''.join(f'{c:>14}' for c in COLUMNS)]
+              f'{"seed":>6} {"arm":>18} {"setting":>16}' + ''.join(f'{c:>14}' for c in COLUMNS)]
     summary = {}
-    for arm, lr in selected.items():
-        rows = sweep[arm][lr]
+    for arm, key in selected.items():
+        rows = sweep[arm][key]
+        label = setting_label(key)
         for s in seeds:
-            lines.append(f'{s:>6} {arm:>18} {lr:>9.3g}' + ''.join(f'{rows[s][c]:>14.4f}' for c in COLUMNS))
-        stats = {c: mean_std([rows[s][c] for s in seeds]) for c in COLUMNS}
-        lines.append(f'{"mean":>6} {arm:>18} {lr:>9.3g}' + ''.join(f'{m:>14.4f}' for m, _ in stats.values()))
-        lines.append(f'{"std":>6} {arm:>18} {lr:>9.3g}' + ''.join(f'{sd:>14.4f}' for _, sd in stats.values()))
-        summary[arm] = {'lr': lr, **{c: {'mean': m, 'std': sd} for c, (m, sd) in stats.items()}}
-    gaps = {}
-    baseline = 'random batches'
-    if baseline in selected:
+            lines.append(f'{s:>6} {arm:>18} {label:>16}' + ''.join(f'{rows[s][c]:>14.4f}' for c in COLUMNS))
+        stats = {c: spread([rows[s][c] for s in seeds]) for c in COLUMNS}
+        for what in ('mean', 'std', 'median', 'min', 'max'):
+            lines.append(f'{what:>6} {arm:>18} {label:>16}'
+                         + ''.join(f'{stats[c][what]:>14.4f}' for c in COLUMNS))
+        lr = key[0] if isinstance(key, tuple) else key
+        summary[arm] = {'lr': lr, 'setting': key[1] if isinstance(key, tuple) else None, **stats}
+    gaps: dict[str, dict] = {}
+    for baseline in [b for b in baselines if b in selected]:
         lines += ['', f'gap to {baseline} per seed (paired by seed): test mean R@1 re-ranked / ITC only / '
                   'probe']
+        gaps[baseline] = {}
         for arm in selected:
             if arm == baseline:
                 continue
             per_seed = {c: [sweep[arm][selected[arm]][s][c] - sweep[baseline][selected[baseline]][s][c]
                             for s in seeds] for c in ('mean_r1', 'itc_mean_r1', 'probe')}
-            gaps[arm] = {c: {'per_seed': v, 'mean': mean_std(v)[0], 'std': mean_std(v)[1]}
-                         for c, v in per_seed.items()}
+            gaps[baseline][arm] = {c: {'per_seed': v, **spread(v)} for c, v in per_seed.items()}
             cells = [f'{mean_std(v)[0]:+.2f} ± {mean_std(v)[1]:.2f} ('
                      + ', '.join(f'{x:+.2f}' for x in v) + ')' for v in per_seed.values()]
             lines.append(f'{arm:>18}: ' + ' / '.join(cells))
-    return '\n'.join(lines), {'selected_lr': selected, 'summary': summary, 'gaps': gaps}
+    selected_json = {a: (list(k) if isinstance(k, tuple) else k) for a, k in selected.items()}
+    # 'gaps' stays the gap to random batches (as before); every baseline's under gaps_to.
+    return '\n'.join(lines), {'selected_lr': selected_json, 'summary': summary,
+                              'gaps': gaps.get('random batches', {}), 'gaps_to': gaps}
 
 
 def build_parser() -> Parser:
@@ -326,6 +382,9 @@ def main(argv: Sequence[str] | None = None) -> dict:
     if args.selected and (missing := [a for a in args.arms if a not in SELECTED_LR]):
         parser.error(f'--selected: no selected learning rate for {missing} (tools.compare.SELECTED_LR)')
     arm_lrs = {arm: [SELECTED_LR[arm]] if args.selected else args.lrs or [None] for arm in args.arms}
+    # An arm's hyper-parameter grid is swept beside the rates; --selected takes the selected setting.
+    arm_settings = {arm: ([SELECTED_SETTING[arm]] if args.selected and arm in SELECTED_SETTING else
+                          GRIDS.get(arm, [None])) for arm in args.arms}
     with in_root():
         prepare_pretraining(args.overrides)
         base = resolve_config('pretrain', PRETRAIN_CONFIG, list(args.overrides), check_paths=False)
@@ -333,20 +392,24 @@ def main(argv: Sequence[str] | None = None) -> dict:
         for seed in args.seeds:  # seed-major: a cut-short sweep has whole seeds
             for lr in sorted({lr for lrs in arm_lrs.values() for lr in lrs}, key=lambda x: x or 0):
                 for arm in [a for a in args.arms if lr in arm_lrs[a]]:
-                    sets = ARMS[arm] + (lr_overrides(lr) if lr is not None else []) + list(args.overrides)
-                    # The evaluations get the user's overrides (those shaping the model), not the arm's.
-                    runs[(arm, lr, seed)] = (run_dir(output_dir, arm, seed, lr),
-                                             ['--seed', str(seed), *(['--set', *sets] if sets else [])],
-                                             list(args.overrides))
+                    for setting in arm_settings[arm]:
+                        sets = (ARMS[arm] + grid_overrides(arm, setting)
+                                + (lr_overrides(lr) if lr is not None else []) + list(args.overrides))
+                        # The evaluations get the user's overrides (those shaping the model), not the arm's.
+                        runs[(arm, lr, setting, seed)] = (
+                            run_dir(output_dir, arm, seed, lr, setting),
+                            ['--seed', str(seed), *(['--set', *sets] if sets else [])], list(args.overrides))
         results = run_pairs(runs, reuse=args.reuse)
-    sweep: dict[str, dict[float, dict[int, dict]]] = {}
-    for (arm, lr, seed), result in results.items():
-        key = lr if lr is not None else base.optimizer.lr
+    sweep: dict[str, dict[float | tuple, dict[int, dict]]] = {}
+    for (arm, lr, setting, seed), result in results.items():
+        lr = lr if lr is not None else base.optimizer.lr
+        key = (lr, setting) if setting is not None else lr
         sweep.setdefault(arm, {}).setdefault(key, {})[seed] = summary_row(*result)
     sweep = {arm: sweep[arm] for arm in args.arms}  # the arms in the order asked for
     text, record = report(sweep, args.seeds)
     print(text)
-    record = {'sweep': {arm: {f'{lr:g}': rows for lr, rows in by_lr.items()} for arm, by_lr in sweep.items()},
+    record = {'sweep': {arm: {setting_label(k): rows for k, rows in by_key.items()}
+                        for arm, by_key in sweep.items()},
               **record, 'seeds': args.seeds, 'overrides': args.overrides,
               'protocol': 'each arm at the learning rate of best mean val R@1 (re-ranked); test reported'}
     emit_record(record, output_dir, 'compare')
