@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import socket
 
 import pytest
 import torch
@@ -161,3 +162,11 @@ def one_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(threads)
+
+
+def free_port() -> int:
+    """A TCP port no process listens on now (the OS picks it), for a launcher's --master_port: a fixed
+    port can still be held by a run a test has just killed."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]

@@ -15,7 +15,7 @@ import time
 
 import pytest
 import torch
-from conftest import ROOT, small_pretrain_sets
+from conftest import ROOT, free_port, small_pretrain_sets
 
 from training.config_files import ConfigError
 from training.distributed import first_host, slurm_environment
@@ -100,7 +100,7 @@ def _torchrun(port: int) -> list[str]:
 
 
 def test_a_worker_killed_mid_run_restarts_and_ends_as_if_never_interrupted(data_dir, tmp_path):
-    port = 29600 + os.getpid() % 300
+    port = free_port()
     whole, killed = str(tmp_path / "whole"), str(tmp_path / "killed")
     extra = {"checkpoint_every_steps": 3, "max_epoch": 3, "schedular.epochs": 3}
     proc = subprocess.run([*_torchrun(port), *_args(data_dir, whole, **extra), "--resume"], cwd=ROOT,
@@ -143,7 +143,7 @@ def test_a_rank_left_alone_says_it_is_waiting_and_stops_with_one_error_line(tmp_
             "d._RendezvousWatch.__init__.__defaults__ = (1.0,)\n"  # say it every second, not every minute
             "from training.cli import run_main\n"
             "run_main(lambda argv: d.init_distributed('cpu', None, timeout_minutes=0.06))\n")
-    port = str(29400 + os.getpid() % 100)
+    port = str(free_port())
     proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120,
                           env=_env(WORLD_SIZE="2", RANK="0", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1",
                                    MASTER_PORT=port))

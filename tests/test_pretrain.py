@@ -12,7 +12,7 @@ import time
 
 import pytest
 import torch
-from conftest import assert_resumed_from, read_latest, run_here, small_pretrain_sets
+from conftest import assert_resumed_from, free_port, read_latest, run_here, small_pretrain_sets
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 LOG_KEYS = {'epoch', 'step', 'lr', 'loss_itc', 'loss_cons', 'loss_itm', 'loss_mlm', 'train_seconds',
@@ -103,7 +103,7 @@ def test_two_processes(data_dir, tmp_path, launcher):
         cmd = [sys.executable, '-m', 'torch.distributed.launch', '--nproc_per_node=2', '--use_env']
     else:
         cmd = [sys.executable, '-m', 'torch.distributed.run', '--nproc_per_node=2']
-    cmd += ['--master_port', str(29500 + os.getpid() % 1000 + (launcher == 'torchrun')),
+    cmd += ['--master_port', str(free_port()),
             'Pretrain.py', '--config', 'configs/tiny/Pretrain.yaml', '--output_dir', out, '--device', 'cpu',
             *overrides(data_dir, batch_size=6, **{'grit.search_space': 12, 'grit.queue_size': 36,
                                                   'grit.mode': mode})]

@@ -13,7 +13,7 @@ import sys
 
 import pytest
 import torch
-from conftest import assert_resumed_from, read_latest, small_pretrain_sets, tiny_config
+from conftest import assert_resumed_from, free_port, read_latest, small_pretrain_sets, tiny_config
 from PIL import Image
 
 from dataset.bad_samples import SkipBadCollate, SkipBadSamples
@@ -138,7 +138,7 @@ def test_bad_samples_counted_and_grit_exact(data_dir, bad_list, tmp_path, proces
         extra = {}
     else:
         cmd = [sys.executable, '-m', 'torch.distributed.run', '--nproc_per_node=2',
-               '--master_port', str(29700 + os.getpid() % 500), 'Pretrain.py']
+               '--master_port', str(free_port()), 'Pretrain.py']
         extra = {'batch_size': 4}  # 2 x 4: the same 5 global batches of 8
     proc = run([*cmd, '--config', 'configs/tiny/Pretrain.yaml', '--output_dir', out, '--device', 'cpu',
                 *overrides(data_dir, path, **extra)])
@@ -182,11 +182,8 @@ def test_sigterm_saves_and_resume_is_exact(data_dir, tmp_path, processes):
         # rank 0, and the resume shards it again.
         extra.update(batch_size=4, zero='true')
         launch = [sys.executable, '-m', 'torch.distributed.run', '--nproc_per_node=2']
-    port = [29800 + os.getpid() % 100]
-
     def command(*args: str) -> list[str]:
-        port[0] += 1
-        ports = ['--master_port', str(port[0])] if processes == 2 else []
+        ports = ['--master_port', str(free_port())] if processes == 2 else []
         return [*launch, *ports, 'Pretrain.py', *args, '--config', 'configs/tiny/Pretrain.yaml', '--device',
                 'cpu', *overrides(data_dir, os.path.join(data_dir, 'pretrain.json'), **extra)]
 
@@ -237,7 +234,7 @@ def assert_continues_on(world: int, out: str, latest: dict, data_dir: str, extra
         steps = len(json.load(f)) // (4 * world)  # this run's steps per epoch: batch 4 per process
     launch = [sys.executable] if world == 1 else [
         sys.executable, '-m', 'torch.distributed.run', f'--nproc_per_node={world}',
-        '--master_port', str(29900 + os.getpid() % 50 + world)]
+        '--master_port', str(free_port())]
     proc = run([*launch, 'Pretrain.py', '--output_dir', out, '--resume', '--config',
                 'configs/tiny/Pretrain.yaml', '--device', 'cpu',
                 *overrides(data_dir, os.path.join(data_dir, 'pretrain.json'), **extra,
