@@ -79,10 +79,3 @@ def build(name: str, batch_size: int, **options: Any) -> Grouping | None:
         return None
     module = importlib.import_module(f"{__name__}.{name}")
     return module.GROUPING(batch_size=batch_size, **options)
-
-
-def valid_last(order: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
-    """Rows of `order` (S, M) (a permutation of each row's valid positions first, by the strategy's own
-    order) with every invalid position moved after the valid ones, stably -> (S, M)."""
-    invalid = (~valid.gather(1, order)).to(torch.int8)
-    return order.gather(1, torch.sort(invalid, dim=1, stable=True).indices)
