@@ -12,7 +12,9 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-__all__ = ["cross_similarity", "knn_graph", "rank_window", "symmetric_csr"]
+from . import Grouping
+
+__all__ = ["GraphGrouping", "cross_similarity", "knn_graph", "order_each", "rank_window", "symmetric_csr"]
 
 
 def cross_similarity(image: torch.Tensor, text: torch.Tensor) -> torch.Tensor:
@@ -85,3 +87,22 @@ def order_each(image: torch.Tensor, text: torch.Tensor, valid: torch.Tensor, see
             ids = ids[perm]
         out[s] = torch.cat([ids, rest])
     return out.to(image.device)
+
+
+class GraphGrouping(Grouping):
+    """A strategy that orders each sub-queue's valid examples on its own, from their similarities:
+    subclasses write order_one(sim (v, v), seed) -> a permutation (v,) of range(v); draw gives each
+    sub-queue a seed (override it for a strategy without randomness)."""
+
+    def draw(self, S: int, M: int, generator: torch.Generator) -> torch.Tensor:
+        """A seed per sub-queue for the strategy's own randomness -> (S,)."""
+        return torch.randint(0, 2**31 - 1, (S,), generator=generator)
+
+    def order(self, image: torch.Tensor, text: torch.Tensor, valid: torch.Tensor,
+              draws: torch.Tensor) -> torch.Tensor:
+        """Each sub-queue's valid entries in order_one's order, then its invalid ones (S, M)."""
+        return order_each(image, text, valid, draws, self.order_one)
+
+    def order_one(self, sim: torch.Tensor, seed: int) -> np.ndarray:
+        """One sub-queue's order of its v valid examples."""
+        raise NotImplementedError

@@ -20,8 +20,7 @@ import warnings
 import numpy as np
 import torch
 
-from . import Grouping
-from ._graph import order_each, rank_window, require, symmetric_csr
+from ._graph import GraphGrouping, rank_window, require, symmetric_csr
 
 _warned = False
 
@@ -62,7 +61,7 @@ def exact_parts(member: np.ndarray, graph, batch_size: int) -> np.ndarray:
     return member
 
 
-class B3Grouping(Grouping):
+class B3Grouping(GraphGrouping):
     """Rank window [rank_skip + 1, rank_skip + rank_window] of every example, METIS communities of N."""
 
     name = "b3"
@@ -88,16 +87,8 @@ class B3Grouping(Grouping):
                 _warned = True
             self.metis = None
 
-    def draw(self, S: int, M: int, generator: torch.Generator) -> torch.Tensor:
-        """A seed per sub-queue for METIS's own randomness -> (S,)."""
-        return torch.randint(0, 2**31 - 1, (S,), generator=generator)
-
-    def order(self, image: torch.Tensor, text: torch.Tensor, valid: torch.Tensor,
-              draws: torch.Tensor) -> torch.Tensor:
-        """Each sub-queue's valid entries community by community (S, M), the short community last."""
-        return order_each(image, text, valid, draws, self._communities)
-
-    def _communities(self, sim: torch.Tensor, seed: int) -> np.ndarray:
+    def order_one(self, sim: torch.Tensor, seed: int) -> np.ndarray:
+        """A sub-queue's examples community by community (seed: METIS's), the short community last."""
         return np.argsort(self.communities(sim, seed), kind="stable")
 
     def communities(self, sim: torch.Tensor, seed: int) -> np.ndarray:

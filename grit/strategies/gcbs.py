@@ -13,11 +13,10 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from . import Grouping
-from ._graph import knn_graph, order_each, require, symmetric_csr
+from ._graph import GraphGrouping, knn_graph, require, symmetric_csr
 
 
-class GCBSGrouping(Grouping):
+class GCBSGrouping(GraphGrouping):
     """Reverse Cuthill-McKee order of each sub-queue's k-nearest-neighbour graph."""
 
     name = "gcbs"
@@ -33,12 +32,8 @@ class GCBSGrouping(Grouping):
         """Nothing random: the order follows from the graph (S, 0)."""
         return torch.zeros(S, dtype=torch.long)
 
-    def order(self, image: torch.Tensor, text: torch.Tensor, valid: torch.Tensor,
-              draws: torch.Tensor) -> torch.Tensor:
-        """Each sub-queue's valid entries in reverse Cuthill-McKee order (S, M)."""
-        return order_each(image, text, valid, draws, self._rcm)
-
-    def _rcm(self, sim: torch.Tensor, seed: int) -> np.ndarray:
+    def order_one(self, sim: torch.Tensor, seed: int) -> np.ndarray:
+        """A sub-queue's examples in reverse Cuthill-McKee order of their k-NN graph (no seed used)."""
         graph = symmetric_csr(knn_graph(sim, self.k), sim.shape[0])
         return np.asarray(self.csgraph.reverse_cuthill_mckee(graph, symmetric_mode=True), dtype=np.int64)
 

@@ -17,11 +17,10 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from . import Grouping
-from ._graph import knn_graph, order_each
+from ._graph import GraphGrouping, knn_graph
 
 
-class RandomWalkGrouping(Grouping):
+class RandomWalkGrouping(GraphGrouping):
     """Random walks with restart on each sub-queue's k-nearest-neighbour graph, one batch per walk."""
 
     name = "rwr"
@@ -33,16 +32,8 @@ class RandomWalkGrouping(Grouping):
                              f"{restart}")
         self.k, self.restart = int(neighbours), float(restart)
 
-    def draw(self, S: int, M: int, generator: torch.Generator) -> torch.Tensor:
-        """A seed per sub-queue for its walks -> (S,)."""
-        return torch.randint(0, 2**31 - 1, (S,), generator=generator)
-
-    def order(self, image: torch.Tensor, text: torch.Tensor, valid: torch.Tensor,
-              draws: torch.Tensor) -> torch.Tensor:
-        """Each sub-queue's valid entries batch by batch, in the order the walks reached them (S, M)."""
-        return order_each(image, text, valid, draws, self._walks)
-
-    def _walks(self, sim: torch.Tensor, seed: int) -> np.ndarray:
+    def order_one(self, sim: torch.Tensor, seed: int) -> np.ndarray:
+        """A sub-queue's examples batch by batch, in the order the walks (seeded by `seed`) reached them."""
         v, N = sim.shape[0], self.batch_size
         nb = knn_graph(sim, self.k)
         k = nb.shape[1]
