@@ -7,9 +7,11 @@
 
 log.txt gets one JSON line per epoch (training.trainer): the four losses, grit_hardness and
 grit_hardness_t2i (mean ITC similarity of each image's hardest in-batch text negative, and of each
-text's hardest image negative), itm_false_negatives (where the data has a scene table: the share of
-mined ITM negatives that show the anchor's scene), batch_groups (grouped epochs: how many sub-queues a
-batch draws from) and grit_seconds (the batching strategy's collection and grouping).
+text's hardest image negative), where the data has a scene table itm_false_negatives (the share of
+mined ITM negatives that show the anchor's scene) and batch_same_scene (the share of examples whose
+batch holds another of their scene: the false negatives a batch contains, before the guard),
+batch_groups (grouped epochs: how many sub-queues a batch draws from) and grit_seconds (the batching
+strategy's collection and grouping).
 """
 
 from __future__ import annotations
@@ -25,7 +27,7 @@ from torch.utils.data import DataLoader, Subset
 from dataset import ImageTextCollate, create_dataset
 from dataset.bad_samples import SkipBadCollate, SkipBadSamples
 from grit import GritSampler
-from models.false_negatives import mined_false_negative_rate
+from models.false_negatives import mined_false_negative_rate, same_group_share
 from models.loading import load_weights
 from models.objectives import total_loss
 from models.pretrain import ALBEF_Base
@@ -64,8 +66,9 @@ class PretrainTask(Task):
         self.image_keys = (torch.as_tensor(dataset.image_keys, dtype=torch.long, device=device)
                            if config.guard_false_negatives else None)
         # The scene each entry shows, where the data has a scene table (the synthetic world): the truth
-        # behind itm_false_negatives, the share of mined ITM negatives that show the anchor's scene.
-        scenes = getattr(dataset, "scene_ids", None) if config.itm else None
+        # behind itm_false_negatives (the share of mined ITM negatives that show the anchor's scene) and
+        # batch_same_scene (the share of examples whose batch holds another of their scene).
+        scenes = getattr(dataset, "scene_ids", None)
         self.scene_ids = None if scenes is None else scenes.to(device)
         self.grit_seconds = 0.0
         self.features: dict[str, Tensor | None] = {}
@@ -86,8 +89,11 @@ class PretrainTask(Task):
         metrics["grit_hardness"] = out["hardness"]
         metrics["grit_hardness_t2i"] = out["hardness_t2i"]
         if self.scene_ids is not None:
-            metrics["itm_false_negatives"] = mined_false_negative_rate(
-                self.scene_ids[idx], out["neg_text_idx"], out["neg_image_idx"], valid)
+            scenes = self.scene_ids[idx]
+            metrics["batch_same_scene"] = same_group_share(scenes, valid)
+            if self.config.itm:
+                metrics["itm_false_negatives"] = mined_false_negative_rate(
+                    scenes, out["neg_text_idx"], out["neg_image_idx"], valid)
         return total_loss(out, ALBEF_Base.loss_names), metrics
 
     def after_step(self, metrics: dict[str, Tensor], batch, skipped: bool) -> None:

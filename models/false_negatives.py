@@ -10,7 +10,8 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-__all__ = ["caption_keys", "false_negative_mask", "mined_false_negative_rate", "odd_constants"]
+__all__ = ["caption_keys", "false_negative_mask", "mined_false_negative_rate", "odd_constants",
+           "same_group_share"]
 
 
 # Run eagerly under torch.compile (one graph break) when a caller compiles caption_keys without a table:
@@ -94,3 +95,20 @@ def mined_false_negative_rate(group: Tensor, neg_text_idx: Tensor, neg_image_idx
         return false.mean()
     weight = torch.cat([valid, valid]).float()
     return (false * weight).sum() / weight.sum().clamp(min=1)
+
+
+def same_group_share(group: Tensor, valid: Tensor | None = None) -> Tensor:
+    """How many examples share their batch with another of their group: group (..., B) int, a row per batch
+    (e.g. the scene each pair shows) -> 0-dim float, the share of (valid (..., B)) examples whose batch holds
+    another valid example of their group. These are the false negatives a batch contains, which the
+    false-negative guard turns into ITC positives (an exact duplicate's) and the losses otherwise take as
+    negatives: the upper bound of what a miner without the guard would pick. No host sync."""
+    same = group.unsqueeze(-1) == group.unsqueeze(-2)  # (..., B, B)
+    if valid is not None:
+        same = same & valid.unsqueeze(-1) & valid.unsqueeze(-2)
+    eye = torch.eye(group.shape[-1], dtype=torch.bool, device=group.device)
+    shared = (same & ~eye).any(dim=-1).float()
+    if valid is None:
+        return shared.mean()
+    weight = valid.float()
+    return (shared * weight).sum() / weight.sum().clamp(min=1)

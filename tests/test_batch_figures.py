@@ -1,6 +1,7 @@
 """The per-epoch batch figures every strategy logs (issue 37): the false-negative rate of the mined ITM
-negatives against a hand-made batch with known same-scene pairs, how many groups a batch draws from, the
-scene table behind the rate, and the fields in a pre-training's log."""
+negatives against a hand-made batch with known same-scene pairs, the share of examples whose batch holds
+another of their scene, how many groups a batch draws from, the scene table behind the rates (the fields
+in a pre-training's log: tests/test_pretrain.py)."""
 
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ import torch
 from grit_sim import clustered_features, make_samplers, run_epoch
 
 from grit.collector import groups_per_batch
-from models.false_negatives import mined_false_negative_rate
+from models.false_negatives import mined_false_negative_rate, same_group_share
 
 
 def test_false_negative_rate_on_a_hand_made_batch():
@@ -27,6 +28,19 @@ def test_false_negative_rate_on_a_hand_made_batch():
     # a bad sample's anchors are left out: without pair 3 (one false as image, none as text), 4 of 10
     valid = torch.tensor([True, True, True, False, True, True])
     assert float(mined_false_negative_rate(scene, neg_text, neg_image, valid)) == pytest.approx(4 / 10)
+
+
+def test_same_scene_share_on_hand_made_batches():
+    """Two batches of four, scenes [0, 0, 1, 2] and [3, 3, 3, 4]: examples 0, 1 and 4, 5, 6 share their
+    batch with another of their scene, 5 of 8."""
+    scenes = torch.tensor([[0, 0, 1, 2], [3, 3, 3, 4]])
+    assert float(same_group_share(scenes)) == pytest.approx(5 / 8)
+    # a bad sample neither counts nor makes its twin count: without example 1, 3 of the 7 valid share
+    valid = torch.tensor([[True, False, True, True], [True, True, True, True]])
+    assert float(same_group_share(scenes, valid)) == pytest.approx(3 / 7)
+    # a row is a batch: the same scenes in two different batches share nothing
+    assert float(same_group_share(torch.tensor([[0, 1], [0, 1]]))) == 0.0
+    assert float(same_group_share(torch.tensor([0, 1, 0]))) == pytest.approx(2 / 3)  # one batch (B,)
 
 
 def test_groups_per_batch_counts_the_boundaries_inside_batches():

@@ -182,6 +182,17 @@ def test_each_strategy_and_loss_switch_by_one_key(data_dir, tmp_path, capsys, se
     assert 'batch_groups' not in log[0]  # epoch 0 is random in every strategy
     assert ('batch_groups' in log[1]) == (strategy != 'random')
     assert log[1].get('batch_groups', 1.0) >= 1.0
+    # the batches' same-scene share, logged by the step and rebuilt after the fact from the sampler states in
+    # the checkpoints (tools.batch_scenes, which fills the runs made before the step logged it) agree
+    from tools.batch_scenes import same_scene_by_epoch, with_batch_scenes
+
+    rebuilt = same_scene_by_epoch(out)
+    assert rebuilt['missing'] == []
+    assert [rebuilt['batch_same_scene'][r['epoch']] for r in log] == pytest.approx(
+        [r['batch_same_scene'] for r in log], abs=1e-6)
+    bare = [{k: v for k, v in r.items() if k != 'batch_same_scene'} for r in log]
+    assert [r['batch_same_scene'] for r in with_batch_scenes(bare, out)] == pytest.approx(
+        [r['batch_same_scene'] for r in log], abs=1e-6)
     state = torch.load(os.path.join(out, 'checkpoint_01.pth'), map_location='cpu', weights_only=True)
     assert state['sampler']['strategy'] == strategy
     if strategy == 'random':

@@ -468,13 +468,14 @@ TIMINGS = {"train_seconds", "epoch_seconds", "samples_per_s", "grit_seconds"}
 def test_pretraining_from_shards_sees_what_the_json_run_sees(data_dir, converted, tmp_path):
     """Same seed, same dataset order: the same examples in the same batches, so the same losses. Only the
     json run knows the synthetic world's scenes (scenes.json beside the list; a shard carries none), so
-    only its log has the mined negatives' false-negative rate."""
+    only its log has the mined negatives' false-negative rate and the batches' same-scene share."""
     from_json, from_shards = str(tmp_path / "json"), str(tmp_path / "shards")
     _pretrain_here(data_dir, from_json)
     _pretrain_here(data_dir, from_shards, "train_file=null", f"train_shards={converted}")
     a, b = _log(from_json), _log(from_shards)
-    assert all("itm_false_negatives" in r for r in a) and not any("itm_false_negatives" in r for r in b)
-    skip = TIMINGS | {"itm_false_negatives"}
+    scene_keys = {"itm_false_negatives", "batch_same_scene"}
+    assert all(scene_keys <= set(r) for r in a) and not any(scene_keys & set(r) for r in b)
+    skip = TIMINGS | scene_keys
     assert [{k: v for k, v in r.items() if k not in skip} for r in a] == \
         [{k: v for k, v in r.items() if k not in skip} for r in b]
     sa = torch.load(os.path.join(from_json, "checkpoint_01.pth"), map_location="cpu", weights_only=True)

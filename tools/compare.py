@@ -32,6 +32,7 @@ import statistics
 from collections.abc import Hashable, Sequence
 
 from grit_io import read_json
+from tools.batch_scenes import with_batch_scenes
 from tools.cli import emit_record, tool_parser
 from tools.launch import in_root, run_side_by_side
 from training.cli import Parser, run_main
@@ -175,10 +176,13 @@ def read_evaluation(out_dir: str) -> tuple[dict, dict]:
 
 def summary_row(rows: list[dict], retrieval: dict, probe_result: dict) -> dict:
     """The numbers of one run that the tables show: test (and val) R@1 re-ranked and ITC-only, the probe."""
-    # The batch figures of the last epoch (nan where a run has none: an older run, random batches' groups).
+    # The batch figures of the last epoch (nan where a run has none: an older run, random batches' groups);
+    # the same-scene share over the epochs after the first (one epoch's is a few dozen examples).
+    same_scene = [r['batch_same_scene'] for r in rows if r.get('epoch', 0) > 0 and 'batch_same_scene' in r]
     out = {'loss_itm': rows[-1]['loss_itm'], 'grit_hardness': rows[-1]['grit_hardness'],
            **{k: rows[-1].get(k, math.nan) for k in ('grit_hardness_t2i', 'itm_false_negatives',
                                                    'batch_groups')},
+           'batch_same_scene': statistics.fmean(same_scene) if same_scene else math.nan,
            'train_seconds': sum(r['train_seconds'] for r in rows),
            'txt_r1': retrieval['test_txt_r1'], 'img_r1': retrieval['test_img_r1'],
            'mean_r1': retrieval['test_mean_r1'], 'r_mean': retrieval['test_r_mean'],
@@ -253,7 +257,8 @@ def run_pairs(runs: dict[Hashable, tuple[str, list[str], list[str]]], reuse: boo
         command = pretrain_command(os.path.join(directory, 'pretrain'), args, clear=False)
         saved = _finished(directory, command) if reuse else None
         if saved:
-            out[name] = (saved['log'], saved['retrieval'], saved['probe'])
+            out[name] = (with_batch_scenes(saved['log'], os.path.join(directory, 'pretrain')),
+                         saved['retrieval'], saved['probe'])
         else:
             fresh(os.path.join(directory, 'pretrain'))
             todo.append((name, directory, command, overrides))
@@ -273,7 +278,7 @@ def run_pairs(runs: dict[Hashable, tuple[str, list[str], list[str]]], reuse: boo
             retrieval, probe = read_evaluation(os.path.join(directory, 'zeroshot'))
             with open(os.path.join(directory, 'result.json'), 'w', encoding='utf-8') as f:
                 json.dump({'command': command, 'log': log, 'retrieval': retrieval, 'probe': probe}, f)
-            out[name] = (log, retrieval, probe)
+            out[name] = (with_batch_scenes(log, os.path.join(directory, 'pretrain')), retrieval, probe)
     return out
 
 
@@ -295,8 +300,8 @@ def spread(values: Sequence[float]) -> dict[str, float]:
             'max': max(values)}
 
 
-COLUMNS = ('loss_itm', 'grit_hardness', 'grit_hardness_t2i', 'itm_false_negatives', 'batch_groups',
-           'mean_r1', 'itc_mean_r1', 'txt_r1', 'img_r1', 'probe', 'val_mean_r1')
+COLUMNS = ('loss_itm', 'grit_hardness', 'grit_hardness_t2i', 'itm_false_negatives', 'batch_same_scene',
+           'batch_groups', 'mean_r1', 'itc_mean_r1', 'txt_r1', 'img_r1', 'probe', 'val_mean_r1')
 
 
 def report(sweep: dict[str, dict[float | tuple, dict[int, dict]]], seeds: Sequence[int],
