@@ -19,13 +19,30 @@ def test_grit_reaches_albef_bases_final_recall_at_the_first_epoch_at_or_above_it
     curves = {"ALBEF_Base": {1: _curve([10, 20, 30], 10.0), 2: _curve([12, 22, 40], 10.0)},
               "GRIT-VLP": {1: _curve([15, 30, 35], 8.0), 2: _curve([20, 30, 39], 8.0)}}
     text, reach = efficiency.curves_table(curves, [1, 2])
-    assert reach["mean_r1"][1] == {"target": 30, "target_epoch": 3, "target_seconds": 30.0, "epoch": 2,
-                                   "seconds": 16.0}
-    assert reach["mean_r1"][2]["epoch"] is None  # 39 < 40: never reached, said so
-    assert reach["itc_mean_r1"][1]["epoch"] == 2  # the ITC-only curve against ALBEF_Base's ITC-only final
+    grit = reach["mean_r1"]["GRIT-VLP"]
+    assert grit[1] == {"target": 30, "target_epoch": 3, "target_seconds": 30.0, "epoch": 2, "seconds": 16.0}
+    assert grit[2]["epoch"] is None  # 39 < 40: never reached, said so
+    assert reach["itc_mean_r1"]["GRIT-VLP"][1]["epoch"] == 2  # against ALBEF_Base's ITC-only final
     assert "not reached" in text
     assert "| 2 | 21.00 ± 1.41 | 20 | 30.00 ± 0.00 | 16 |" in text  # mean ± sample std, mean seconds
     assert efficiency.epochs_to_reach(_curve([1, 5, 5], 1.0), 5)["epoch"] == 2
+
+
+def test_every_other_arm_is_measured_against_albef_base_at_its_selection(monkeypatch):
+    """A strategy arm gets its own reach columns, against the same seed's ALBEF_Base; it runs at its rate
+    and grid setting selected on val, and an arm without a selection is refused with a message."""
+    curves = {"ALBEF_Base": {1: _curve([10, 20, 30], 10.0)}, "GRIT-VLP": {1: _curve([15, 30, 35], 8.0)},
+              "B3": {1: _curve([31, 32, 33], 9.0)}}
+    text, reach = efficiency.curves_table(curves, [1])
+    assert reach["mean_r1"]["B3"][1]["epoch"] == 1 and reach["mean_r1"]["GRIT-VLP"][1]["epoch"] == 2
+    assert "B3 epoch" in text and "ALBEF_Base epoch" not in text
+    monkeypatch.setitem(efficiency.SELECTED_LR, "B3", 5e-4)
+    monkeypatch.setitem(efficiency.SELECTED_SETTING, "B3", "p=2,m=20")
+    assert efficiency.arm_run("B3") == (5e-4, "p=2,m=20")
+    assert efficiency.arm_run("ALBEF_Base") == (efficiency.ARM_LR["ALBEF_Base"], None)
+    monkeypatch.delitem(efficiency.SELECTED_LR, "B3")
+    with pytest.raises(ValueError, match="'B3' has no selected learning rate"):
+        efficiency.arm_run("B3")
 
 
 @pytest.mark.slow  # two minutes of micro pre-trainings and evaluations: make test-slow
@@ -51,5 +68,5 @@ def test_efficiency_micro_writes_table_figure_and_json(in_repo, tmp_path, monkey
         assert p["itc_mean_r1"] == pytest.approx((zero["test_itc_txt_r1"] + zero["test_itc_img_r1"]) / 2)
     with open(os.path.join(out, "efficiency.png"), "rb") as f:
         assert f.read(8) == b"\x89PNG\r\n\x1a\n"
-    assert "GRIT-VLP against ALBEF_Base" in open(os.path.join(out, "efficiency.md")).read()
+    assert "against ALBEF_Base's final R@1" in open(os.path.join(out, "efficiency.md")).read()
     assert set(record["reach_albef_base_final"]) == {"mean_r1", "itc_mean_r1"}

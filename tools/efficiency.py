@@ -1,14 +1,16 @@
 """The paper's efficiency claim in miniature: zero-shot R@1 against epochs and against wall-clock seconds for
-ALBEF_Base, ALBEF_Base50 and GRIT-VLP, per seed, and after how many epochs GRIT-VLP reaches ALBEF_Base's
-final recall.
+ALBEF_Base, ALBEF_Base50 and GRIT-VLP (or any of tools.compare's arms), per seed, and after how many epochs
+each arm reaches ALBEF_Base's final recall.
 
     python -m tools.efficiency --seeds 1 2 3 [--output_dir output/compare] [--epochs 1 2 4 ...] [--micro]
+        [--arms ALBEF_Base GRIT-VLP B3 ...]
 
 The arms are tools.compare's (ARMS): ALBEF_Base (random batches, 15 % masking, no consistency loss),
 ALBEF_Base50 (the same with 50 % masking) and GRIT-VLP (the tiny config: 50 % masking, GRIT at M/N = 15,
 consistency loss 0.2), each pre-trained with configs/tiny/Pretrain.yaml for its 12 epochs. GRIT-VLP runs
 at its learning rate selected on val (tools.compare.SELECTED_LR); the two ALBEF arms, random-batch arms
-like tools.compare's, at the random-batch arm's (a choice: they were not swept separately). The runs are
+like tools.compare's, at the random-batch arm's (a choice: they were not swept separately); every other arm
+at its selected rate and grid setting (tools.compare.SELECTED_LR, SELECTED_SETTING). The runs are
 tools.compare's, in its folders, so with the same --output_dir a finished compare run is reused. Every
 epoch's checkpoint (or those --epochs names, 1-based) is evaluated zero-shot on the test split (ITM
 re-ranked and ITC only); wall-clock is the sum of the log's epoch_seconds (GRIT's work included) up to
@@ -32,7 +34,9 @@ from tools.compare import (
     ARMS,
     PRETRAIN_CONFIG,
     SELECTED_LR,
+    SELECTED_SETTING,
     evaluation_commands,
+    grid_overrides,
     lr_overrides,
     mean_std,
     prepare_pretraining,
@@ -45,13 +49,26 @@ from tools.launch import in_root, run_side_by_side
 from training.cli import Parser, run_main
 from training.config_resolve import resolve_config
 
-__all__ = ["ARM_LR", "EFFICIENCY_ARMS", "build_parser", "curves_table", "epochs_to_reach", "evaluate_epochs",
-           "main", "plot", "point", "zeroshot_dir"]
+__all__ = ["ARM_LR", "EFFICIENCY_ARMS", "arm_run", "build_parser", "curves_table", "epochs_to_reach",
+           "evaluate_epochs", "main", "plot", "point", "zeroshot_dir"]
 
 EFFICIENCY_ARMS = ('ALBEF_Base', 'ALBEF_Base50', 'GRIT-VLP')
 # Each arm's learning rate: GRIT-VLP's own selection, the random-batch arms' for ALBEF_Base(50).
 ARM_LR = {'ALBEF_Base': SELECTED_LR['random batches'], 'ALBEF_Base50': SELECTED_LR['random batches'],
           'GRIT-VLP': SELECTED_LR['GRIT-VLP']}
+BASELINE = 'ALBEF_Base'  # the arm whose final recall the others must reach
+
+
+def arm_run(arm: str) -> tuple[float, str | None]:
+    """An arm's learning rate and grid setting: the ALBEF arms' (ARM_LR), else its selection on val."""
+    if arm in ARM_LR:
+        return ARM_LR[arm], None
+    if arm not in SELECTED_LR:
+        raise ValueError(f'tools.efficiency: {arm!r} has no selected learning rate yet '
+                         '(tools.compare.SELECTED_LR: run its sweep with tools.compare first)')
+    return SELECTED_LR[arm], SELECTED_SETTING.get(arm)
+
+
 SCORES = {'mean_r1': 'zero-shot mean R@1, ITM re-ranked', 'itc_mean_r1': 'zero-shot mean R@1, ITC only'}
 
 
@@ -88,8 +105,9 @@ def epochs_to_reach(curve: list[dict], target: float, score: str = 'mean_r1') ->
 
 
 def curves_table(curves: dict[str, dict[int, list[dict]]], seeds: Sequence[int]) -> tuple[str, dict]:
-    """Markdown: mean ± std per arm and epoch for both scorings; GRIT-VLP's epochs and seconds to reach
-    ALBEF_Base's final R@1 per seed (the same seed's ALBEF_Base run). Returns (text, the reach record)."""
+    """Markdown: mean ± std per arm and epoch for both scorings; each arm's (not the ALBEF baselines') epochs
+    and seconds to reach ALBEF_Base's final R@1 per seed (the same seed's ALBEF_Base run). Returns (text,
+    the reach record {scoring: {arm: {seed: ...}}})."""
     arms = list(curves)
     lines = [f'Zero-shot test mean R@1 per epoch (seeds {", ".join(map(str, seeds))}; mean ± sample std; '
              'seconds: cumulative epoch_seconds)', '']
@@ -105,23 +123,27 @@ def curves_table(curves: dict[str, dict[int, list[dict]]], seeds: Sequence[int])
             lines.append(f'| {p["epoch"]} | ' + ' | '.join(cells) + ' |')
         lines.append('')
     reach: dict = {}
-    if 'ALBEF_Base' in curves and 'GRIT-VLP' in curves:
-        lines += ['GRIT-VLP against ALBEF_Base\'s final R@1 (same seed): the first evaluated epoch at or '
+    others = [a for a in arms if not a.startswith('ALBEF_Base')]  # every arm but the ALBEF baselines
+    if BASELINE in curves and others:
+        lines += [f'Each arm against {BASELINE}\'s final R@1 (same seed): the first evaluated epoch at or '
                   'above it', '',
-                  '| seed | scoring | ALBEF_Base final | its seconds | GRIT-VLP epoch | GRIT-VLP seconds |',
-                  '|---|---|---|---|---|---|']
+                  f'| seed | scoring | {BASELINE} final | its seconds | '
+                  + ' | '.join(f'{a} epoch | {a} seconds' for a in others) + ' |',
+                  '|---|---|---|---|' + '---|---|' * len(others)]
         for score in SCORES:
             reach[score] = {}
             for s in seeds:
-                base = curves['ALBEF_Base'][s][-1]
-                hit = epochs_to_reach(curves['GRIT-VLP'][s], base[score], score)
-                reach[score][s] = {'target': base[score], 'target_epoch': base['epoch'],
-                                   'target_seconds': base['seconds'],
-                                   'epoch': hit['epoch'] if hit else None,
-                                   'seconds': hit['seconds'] if hit else None}
-                got = f'{hit["epoch"]} | {hit["seconds"]:.0f}' if hit else 'not reached | –'
+                base = curves[BASELINE][s][-1]
+                cells = []
+                for a in others:
+                    hit = epochs_to_reach(curves[a][s], base[score], score)
+                    reach[score].setdefault(a, {})[s] = {
+                        'target': base[score], 'target_epoch': base['epoch'],
+                        'target_seconds': base['seconds'], 'epoch': hit['epoch'] if hit else None,
+                        'seconds': hit['seconds'] if hit else None}
+                    cells.append(f'{hit["epoch"]} | {hit["seconds"]:.0f}' if hit else 'not reached | –')
                 lines.append(f'| {s} | {score} | {base[score]:.2f} (epoch {base["epoch"]}) | '
-                             f'{base["seconds"]:.0f} | {got} |')
+                             f'{base["seconds"]:.0f} | ' + ' | '.join(cells) + ' |')
     return '\n'.join(lines) + '\n', reach
 
 
@@ -164,6 +186,9 @@ def build_parser() -> Parser:
     p.add_argument('--output_dir', default='output/compare',
                    help='folder of the runs (tools.compare\'s layout: a compare run there is reused) and of '
                         'efficiency.{json,md,png} (default: output/compare)')
+    p.add_argument('--arms', nargs='+', choices=list(ARMS), default=list(EFFICIENCY_ARMS),
+                   help='the arms (default: ALBEF_Base, ALBEF_Base50, GRIT-VLP); an arm other than the ALBEF '
+                        'ones runs at its selection (tools.compare.SELECTED_LR, SELECTED_SETTING)')
     p.add_argument('--micro', action='store_true',
                    help='tools.ablate\'s micro preset: 100 images, 2 epochs, evaluated on the same 100')
     return p
@@ -185,11 +210,15 @@ def main(argv: Sequence[str] | None = None) -> dict:
         epochs = sorted({e - 1 for e in args.epochs}) if args.epochs else list(range(max_epoch))
         if epochs[0] < 0 or epochs[-1] >= max_epoch:
             parser.error(f'--epochs must lie in 1..{max_epoch} (the pre-training\'s max_epoch)')
+        try:
+            runs = {arm: arm_run(arm) for arm in args.arms}
+        except ValueError as e:
+            parser.error(str(e))
         spec = {}
         for seed in args.seeds:
-            for arm in EFFICIENCY_ARMS:
-                sets = ARMS[arm] + lr_overrides(ARM_LR[arm]) + base_sets
-                spec[(arm, seed)] = (run_dir(output_dir, arm, seed, ARM_LR[arm]),
+            for arm, (lr, setting) in runs.items():
+                sets = ARMS[arm] + grid_overrides(arm, setting) + lr_overrides(lr) + base_sets
+                spec[(arm, seed)] = (run_dir(output_dir, arm, seed, lr, setting),
                                      ['--seed', str(seed), '--set', *sets], [])
         probe_args = ['--limit', str(micro.limit)] if args.micro else []
         run_pairs(spec, reuse=True, eval_overrides=eval_sets, probe_args=probe_args)
@@ -209,9 +238,11 @@ def main(argv: Sequence[str] | None = None) -> dict:
     figure = plot(curves, args.seeds, os.path.join(output_dir, 'efficiency.png'))
     print(text)
     print(f'written: {output_dir}/efficiency.md, {figure}, {output_dir}/efficiency.json')
-    record = {'seeds': args.seeds, 'learning_rates': ARM_LR, 'micro': args.micro,
+    record = {'seeds': args.seeds, 'learning_rates': {a: lr for a, (lr, _) in runs.items()},
+              'settings': {a: st for a, (_, st) in runs.items() if st}, 'micro': args.micro,
               'curves': {arm: {str(s): c for s, c in per.items()} for arm, per in curves.items()},
-              'reach_albef_base_final': {k: {str(s): v for s, v in r.items()} for k, r in reach.items()}}
+              'reach_albef_base_final': {k: {a: {str(s): v for s, v in per.items()} for a, per in r.items()}
+                                         for k, r in reach.items()}}
     return emit_record(record, output_dir, 'efficiency')
 
 
