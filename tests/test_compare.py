@@ -211,3 +211,31 @@ def test_new_arms_sweep_their_grid_with_the_rate_and_are_selected_on_val(monkeyp
     assert setting_label((2.5e-4, "p=10,m=30")) == "0.00025 p=10,m=30" and setting_label(5e-4) == "0.0005"
     marked = [line for line in text.splitlines() if line.rstrip().endswith("<")]
     assert any(line.split()[0] == "B3" and "p=10,m=30" in line for line in marked), marked
+
+
+def test_the_markdown_table_shows_each_arm_at_its_selection_with_spread_gap_and_cost(monkeypatch):
+    from tools.compare import markdown_table
+
+    monkeypatch.chdir(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+    def row(val: float, test: float) -> dict:
+        return {c: 0.5 for c in COLUMNS} | {"val_mean_r1": val, "mean_r1": test, "itc_mean_r1": test,
+                                            "val_itc_mean_r1": val, "batch_same_scene": float("nan")}
+
+    seeds = [1, 2, 3]
+    sweep = {"GRIT-VLP": {5e-4: {s: row(50.0, 60.0 + s) for s in seeds}},
+             "random batches": {2.5e-4: {s: row(40.0, 50.0) for s in seeds}},
+             "B3": {(5e-4, "p=2,m=20"): {s: row(45.0, 90.0) for s in seeds},
+                    (2.5e-4, "p=10,m=30"): {s: row(47.0, 55.0 + 2 * s) for s in seeds}}}
+    _, record = report(sweep, seeds)
+    record["seeds"] = seeds
+    lines = markdown_table(record, {"grit": 0.0041, "b3": 0.00833}).splitlines()
+    b3 = next(line for line in lines if line.startswith("| B3 |")).split(" | ")
+    assert b3[1] == "lr 0.00025, p=10,m=30"  # the selection on val, not the best test
+    assert b3[2] == "59.00 ± 2.00<br>59.00 [57.00, 61.00]"  # mean ± sample std, median [min, max]
+    assert "–" in b3  # a figure the runs did not have (nan) is a dash, not a number
+    assert b3[-2] == "-3.00 ± 1.00<br>(-4.0, -3.0, -2.0)"  # to GRIT-VLP, paired by seed
+    assert b3[-1] == "0.83 % |"
+    rand = next(line for line in lines if line.startswith("| random batches |"))
+    assert rand.endswith("| 0.00 % |")  # random batches group nothing
+    assert "cost" not in markdown_table(record)  # no benchmark: no cost column

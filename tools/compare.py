@@ -16,7 +16,11 @@ for every such arm) once per setting too, and is evaluated zero-shot with `pytho
 Each arm's learning rate (and grid setting) is the one with the best mean val R@1 (re-ranked) over the
 seeds (select_lr: the test split is never read to select); the per-seed test rows at it, their mean,
 sample std, median and range, and the gaps to random batches and to GRIT-VLP per seed are printed, then a
-JSON object with every run (also <output_dir>/compare.json). Runs go two side by side, one thread each
+JSON object with every run (also <output_dir>/compare.json), and <output_dir>/compare.md, one markdown
+table (an arm per row at its selection; --costs adds each strategy's measured cost). A row's batch
+figures: the last epoch's hardness both ways and mined-negative false-negative rate, and the same-scene
+share of the batches over epochs 1.. (tools.batch_scenes rebuilds it for runs that did not log it). Runs
+go two side by side, one thread each
 (tools.launch.run_side_by_side): about 2 minutes per run on a 2-core CPU. --reuse keeps a run whose
 result.json records the same command (the code is not compared: reuse within one checkout). `make demo`
 runs one seed of two arms at their selected rates (SELECTED_LR).
@@ -34,7 +38,7 @@ from collections.abc import Hashable, Sequence
 from grit_io import read_json
 from tools.batch_scenes import with_batch_scenes
 from tools.cli import emit_record, tool_parser
-from tools.launch import in_root, run_side_by_side
+from tools.launch import ROOT, in_root, run_side_by_side
 from training.cli import Parser, run_main
 from training.config_resolve import known_keys, resolve_config
 
@@ -47,6 +51,7 @@ __all__ = ["ARMS", "GRIDS", "PRETRAIN_CONFIG", "RETRIEVAL_CONFIG", "SELECTED_LR"
 # Repository-relative, as the shipped configs' own paths: the tools and their children work in the root.
 PRETRAIN_CONFIG = 'configs/tiny/Pretrain.yaml'
 RETRIEVAL_CONFIG = 'configs/tiny/Retrieval.yaml'
+STRATEGY_BENCH = 'docs/results/strategy_bench.json'  # the strategies' measured cost (tools.strategy_bench)
 # The arms: name -> the overrides of the tiny pre-training config that make it.
 ARMS = {'GRIT-VLP': [],  # the tiny config: N = 8, M = 120, L = 1440 (M/N = 15, the paper's 1920/128)
         # the tiny config before issue 26
@@ -294,7 +299,9 @@ def mean_std(values: Sequence[float]) -> tuple[float, float]:
 
 
 def spread(values: Sequence[float]) -> dict[str, float]:
-    """Mean, sample std, median, min and max of per-seed values."""
+    """Mean, sample std, median, min and max of per-seed values (all nan if one is: some runs lack it)."""
+    if any(math.isnan(v) for v in values):
+        return dict.fromkeys(('mean', 'std', 'median', 'min', 'max'), math.nan)
     mean, std = mean_std(values)
     return {'mean': mean, 'std': std, 'median': statistics.median(values), 'min': min(values),
             'max': max(values)}
@@ -355,6 +362,54 @@ def report(sweep: dict[str, dict[float | tuple, dict[int, dict]]], seeds: Sequen
                               'gaps': gaps.get('random batches', {}), 'gaps_to': gaps}
 
 
+# The table's columns: (summary key, header, digits); a figure as mean ± sample std, median and range below.
+TABLE = (('mean_r1', 'test mean R@1, ITM re-ranked', 2), ('itc_mean_r1', 'ITC only', 2),
+         ('probe', 'ITM probe', 3), ('loss_itm', 'final loss_itm', 3),
+         ('grit_hardness', 'hardness i2t', 3), ('grit_hardness_t2i', 'hardness t2i', 3),
+         ('itm_false_negatives', 'mined ITM false negatives', 3),
+         ('batch_same_scene', 'same-scene share of batches', 4))
+
+
+def arm_strategies(arms: Sequence[str]) -> dict[str, str]:
+    """Each arm's batching strategy (its config's batching.strategy): whose cost it pays."""
+    return {a: resolve_config('pretrain', PRETRAIN_CONFIG, ARMS[a], check_paths=False).strategy for a in arms}
+
+
+def markdown_table(record: dict, costs: dict[str, float] | None = None) -> str:
+    """The comparison as one markdown table, an arm per row at its selection: each figure's mean ± sample
+    std over the seeds with its median and range, the paired gap to GRIT-VLP, and (costs: strategy -> share
+    of a paper-size step, tools.strategy_bench) the strategy's cost."""
+    summary, gaps = record['summary'], record.get('gaps_to', {}).get('GRIT-VLP', {})
+    n = len(record['seeds'])
+    strategies = arm_strategies(list(summary)) if costs is not None else {}
+    head = ['arm', 'selected on val'] + [h for _, h, _ in TABLE] + ['gap to GRIT-VLP (paired)']
+    head += ['cost, share of a step'] if costs is not None else []
+    lines = [f'mean ± sample std over {n} seeds ({", ".join(map(str, record["seeds"]))}); below: median '
+             '[min, max]', '', '| ' + ' | '.join(head) + ' |', '|' + '---|' * len(head)]
+    for arm, stats in summary.items():
+        chosen = f'lr {stats["lr"]:g}' + (f', {stats["setting"]}' if stats.get('setting') else '')
+        cells = [arm, chosen]
+        for key, _, digits in TABLE:
+            v = stats[key]
+            cells.append('–' if math.isnan(v['mean']) else f'{v["mean"]:.{digits}f} ± {v["std"]:.{digits}f}'
+                         f'<br>{v["median"]:.{digits}f} [{v["min"]:.{digits}f}, {v["max"]:.{digits}f}]')
+        gap = gaps.get(arm, {}).get('mean_r1')
+        cells.append('' if gap is None else f'{gap["mean"]:+.2f} ± {gap["std"]:.2f}<br>('
+                     + ', '.join(f'{x:+.1f}' for x in gap['per_seed']) + ')')
+        if costs is not None:
+            share = 0.0 if strategies[arm] == 'random' else costs.get(strategies[arm])
+            cells.append('–' if share is None else f'{100 * share:.2f} %')
+        lines.append('| ' + ' | '.join(cells) + ' |')
+    return '\n'.join(lines) + '\n'
+
+
+def read_costs(path: str) -> dict[str, float] | None:
+    """strategy -> share of a paper-size step, from tools.strategy_bench's JSON (None when it is absent)."""
+    if not os.path.isfile(path):
+        return None
+    return {r['strategy']: r['share_of_step'] for r in read_json(path, 'strategy benchmark')['strategies']}
+
+
 def build_parser() -> Parser:
     """The command line."""
     p = tool_parser('tools.compare', __doc__.splitlines()[0])
@@ -374,6 +429,9 @@ def build_parser() -> Parser:
     p.add_argument('--set', dest='overrides', nargs='*', action='extend', default=[], metavar='KEY=VALUE',
                    help='config overrides for every pre-training (the evaluations get those their config '
                         'takes)')
+    p.add_argument('--costs', default=None,
+                   help='tools.strategy_bench\'s JSON: each strategy\'s cost at the paper\'s sizes, a column '
+                        f'of compare.md (default: the repository\'s {STRATEGY_BENCH}; left out when missing)')
     return p
 
 
@@ -418,6 +476,11 @@ def main(argv: Sequence[str] | None = None) -> dict:
               **record, 'seeds': args.seeds, 'overrides': args.overrides,
               'protocol': 'each arm at the learning rate of best mean val R@1 (re-ranked); test reported'}
     emit_record(record, output_dir, 'compare')
+    costs = read_costs(os.path.abspath(args.costs) if args.costs else os.path.join(ROOT, STRATEGY_BENCH))
+    with in_root():  # the arms' configs are read where their relative paths point
+        table = markdown_table(record, costs)
+    with open(os.path.join(output_dir, 'compare.md'), 'w', encoding='utf-8') as f:
+        f.write(table)
     return record
 
 
