@@ -127,7 +127,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     output_dir = os.path.abspath(args.output_dir)  # the user's path, from where the user is
     with in_root():
         prepare_pretraining()
-        names = tuple(SELECTED_LR) if args.compare else ('GRIT-VLP',)
+        names = ('GRIT-VLP', 'random batches') if args.compare else ('GRIT-VLP',)
         seed_args = ['--seed', str(args.seed)] if args.seed is not None else []
         spec = {}
         for name in names:
