@@ -22,23 +22,23 @@ from models.pretrain import ALBEF_Base
 from tools.compare import (
     ARMS,
     SELECTED_LR,
-    fresh,
     last_checkpoint,
     lr_overrides,
     prepare_pretraining,
-    pretrain_command,
-    read_log,
     run_pairs,
     side_by_side,
     slug,
 )
-from tools.launch import in_root, run, run_side_by_side
+from tools.downstream import (
+    DOWNSTREAM_PRETRAIN_CONFIG,
+    downstream_summary,
+    pretrain_for_downstream,
+    run_downstream,
+)
+from tools.launch import in_root
 from training.cli import Parser, run_main
 
 COLUMNS = ('epoch', *ALBEF_Base.loss_names, 'grit_hardness', 'train_seconds')
-# The downstream chain's pre-training: the tiny config for 36 epochs, not the demo's 12, as NLVR2 needs a
-# stronger ITM (docs/synthetic-world.md, 'NLVR2 on the synthetic data').
-DOWNSTREAM_PRETRAIN_CONFIG = 'configs/tiny/Pretrain_long.yaml'
 
 
 def table(rows: list[dict], columns: tuple[str, ...]) -> str:
@@ -47,60 +47,6 @@ def table(rows: list[dict], columns: tuple[str, ...]) -> str:
     body = ['  '.join(f'{r.get(c, float("nan")):>13.4f}' if c != 'epoch' else f'{r[c]:>13d}'
                       for c in columns) for r in rows]
     return '\n'.join([head, *body])
-
-
-def pretrain_for_downstream(output_dirs: list[str], seeds: list[int | None]) -> list[str]:
-    """GRIT pre-training with DOWNSTREAM_PRETRAIN_CONFIG into each output_dir/pretrain_long with its
-    seed (the runs side by side); returns their last checkpoints. Call it in the repository root (as main
-    does): the config's relative paths are read there."""
-    dirs = [os.path.join(d, 'pretrain_long') for d in output_dirs]
-    seed_args = [['--seed', str(seed)] if seed is not None else [] for seed in seeds]
-    jobs = [(pretrain_command(d, args, DOWNSTREAM_PRETRAIN_CONFIG), os.path.join(d, 'stdout.txt'))
-            for d, args in zip(dirs, seed_args)]
-    run_side_by_side(jobs)
-    return [last_checkpoint(d) for d in dirs]
-
-
-def run_downstream(output_dir: str, checkpoint: str) -> dict:
-    """NLVR2 stage 1 + 2 and VQA from the pre-training checkpoint; returns their accuracies. Call it in
-    the repository root (as main does): the configs' relative paths are read there."""
-    ta_dir = fresh(os.path.join(output_dir, 'nlvr_pretrain'))
-    run(['NLVR', '--config', 'configs/tiny/NLVR_pretrain.yaml', '--checkpoint', checkpoint,
-         '--output_dir', ta_dir])
-    ta = read_log(os.path.join(ta_dir, 'log.txt'))[-1]
-    nlvr_dir = fresh(os.path.join(output_dir, 'nlvr'))
-    run(['NLVR', '--config', 'configs/tiny/NLVR.yaml', '--output_dir', nlvr_dir,
-         '--checkpoint', os.path.join(ta_dir, f'checkpoint_{ta["epoch"]:02d}.pth')])
-    nlvr_log = read_log(os.path.join(nlvr_dir, 'log.txt'))
-    best = nlvr_log[nlvr_log[-1]['best_epoch']]
-    vqa_dir = fresh(os.path.join(output_dir, 'vqa'))
-    run(['VQA', '--config', 'configs/tiny/VQA.yaml', '--checkpoint', checkpoint, '--output_dir', vqa_dir])
-    vqa = read_log(os.path.join(vqa_dir, 'log.txt'))[-1]
-    return {'ta_acc': ta['train_ta_acc'], 'nlvr_epoch': best['epoch'], 'nlvr_dev': best['val_acc'],
-            'nlvr_test': best['test_acc'], 'vqa_test': vqa['test_acc'],
-            'vqa_majority': majority_baseline(), 'vqa_results': os.path.join(vqa_dir, 'vqa_result.json')}
-
-
-def downstream_summary(r: dict) -> str:
-    """The lines the demo prints for run_downstream's accuracies."""
-    return '\n'.join([
-        f'NLVR2 text assignment: train accuracy {r["ta_acc"]:.4f} (chance 0.3333)',
-        f'NLVR2 fine-tune, best dev epoch {r["nlvr_epoch"]}: dev {r["nlvr_dev"]:.4f}  '
-        f'test-P {r["nlvr_test"]:.4f} (chance 0.5)',
-        f'VQA: test accuracy {r["vqa_test"]:.4f} (always the most frequent training answer: '
-        f'{r["vqa_majority"]:.4f}); answers in {os.path.relpath(r["vqa_results"])}',
-    ])
-
-
-def majority_baseline(config_path: str = 'configs/tiny/VQA.yaml') -> float:
-    """VQA accuracy on the config's test split of always giving its most frequent training answer."""
-    from dataset import load_json_list
-    from models.vqa import majority_answer_accuracy
-    from training.config_resolve import resolve_config
-
-    config = resolve_config('vqa', config_path, check_paths=False)
-    gts = {e['question_id']: e['answer'] for e in load_json_list(config.test_file)}
-    return majority_answer_accuracy([e['answer'] for e in load_json_list(config.train_file)], gts)
 
 
 def build_parser() -> Parser:

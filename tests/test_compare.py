@@ -119,19 +119,19 @@ def test_the_downstream_pretraining_is_the_tiny_one_for_longer(monkeypatch):
     # demo --downstream's checkpoint must come from the demo's GRIT-VLP run with a longer schedule only,
     # so that NLVR2 and VQA measure the same model and method (docs/synthetic-world.md, 'NLVR2 on the
     # synthetic data').
-    import demo
     from tools.compare import PRETRAIN_CONFIG, pretrain_command
+    from tools.downstream import DOWNSTREAM_PRETRAIN_CONFIG
     from training.config_resolve import resolve_config
 
     monkeypatch.chdir(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     tiny = resolve_config("pretrain", PRETRAIN_CONFIG, check_paths=False)
-    long = resolve_config("pretrain", demo.DOWNSTREAM_PRETRAIN_CONFIG, check_paths=False)
+    long = resolve_config("pretrain", DOWNSTREAM_PRETRAIN_CONFIG, check_paths=False)
     assert long.max_epoch == long.schedular.epochs == 36
     assert tiny.max_epoch == tiny.schedular.epochs == 12
     schedule = dataclasses.replace(long.schedular, epochs=12)
     assert dataclasses.replace(long, max_epoch=12, schedular=schedule) == tiny
     assert long.grit.enabled
-    assert pretrain_command("out", ["--seed", "1"], demo.DOWNSTREAM_PRETRAIN_CONFIG) == [
+    assert pretrain_command("out", ["--seed", "1"], DOWNSTREAM_PRETRAIN_CONFIG) == [
         "Pretrain", "--config", "configs/tiny/Pretrain_long.yaml", "--output_dir", "out", "--seed", "1"]
 
 

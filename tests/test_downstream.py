@@ -12,8 +12,8 @@ pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("in_repo")]
 
 
 def test_pretrain_then_retrieval_and_vqa_beat_chance_and_nlvr_runs(tmp_path):
-    import demo
     from tools.compare import last_checkpoint
+    from tools.downstream import run_downstream
     from tools.launch import run
 
     pre_dir = str(tmp_path / "pretrain")
@@ -32,7 +32,7 @@ def test_pretrain_then_retrieval_and_vqa_beat_chance_and_nlvr_runs(tmp_path):
             ret[mode] = [json.loads(line) for line in f][-1]
     assert ret["finetune"]["test_r_mean"] > max(ret["zeroshot"]["test_r_mean"] - 2, 70), ret
 
-    result = demo.run_downstream(str(tmp_path), checkpoint)
+    result = run_downstream(str(tmp_path), checkpoint)
 
     # NLVR2 runs end to end (text assignment, fine-tune, best dev epoch) and its accuracies are read.
     # From this 12-epoch checkpoint it stays near chance (seed 42: dev 0.558, test-P 0.512); the

@@ -43,16 +43,14 @@ def test_grit_beats_random_batches(comparison, seed):
 @pytest.fixture(scope="module")
 def downstream(comparison):
     """demo --downstream's chain per seed, from a 36-epoch GRIT pre-training: {seed: accuracies}."""
-    from demo import pretrain_for_downstream, run_downstream
+    from tools.downstream import pretrain_for_downstream, run_chains
 
     out, _ = comparison
     seed_dirs = [os.path.join(str(out), f"seed{seed}") for seed in SEEDS]
-    # The three pre-trainings side by side (one thread each), then each seed's fine-tunes on one thread:
-    # as measured for the README, so that these runs repeat those numbers on a CPU like ours.
+    # The pre-trainings two side by side, then the chains two at a time, every run on one thread: as
+    # `python -m tools.downstream` measured them for the docs, so that these runs repeat those numbers.
     checkpoints = pretrain_for_downstream(seed_dirs, list(SEEDS))
-    with pytest.MonkeyPatch.context() as env:
-        env.setenv("OMP_NUM_THREADS", "1")
-        return {seed: run_downstream(d, c) for seed, d, c in zip(SEEDS, seed_dirs, checkpoints)}
+    return dict(zip(SEEDS, run_chains(list(zip(seed_dirs, checkpoints)))))
 
 
 @pytest.mark.parametrize("seed", SEEDS)
