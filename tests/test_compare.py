@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import os
 import statistics
 
@@ -41,6 +42,10 @@ def test_summary_row_takes_the_last_epoch_both_scorings_and_every_probe_kind():
     assert (row["itc_txt_r1"], row["itc_img_r1"], row["itc_mean_r1"]) == (5.0, 3.0, 4.0)
     assert (row["val_mean_r1"], row["val_itc_mean_r1"]) == (16.0, 15.0)
     assert row["probe"] == 0.7 and row["probe_colour"] == 0.9 and row["probe_shape"] == 0.5
+    assert row["itm_epoch"] == 0  # 0.4 + 0.02: below chance (0.637) by 0.02 from the first epoch
+    slow = summary_row(*_run(0.61, 6.0, 4.0, 0.9))  # loss_itm 0.63, 0.62, 0.61: the third epoch left chance
+    assert slow["itm_epoch"] == 2
+    assert math.isnan(summary_row(*_run(0.63, 6.0, 4.0, 0.9))["itm_epoch"])  # never
 
 
 def test_side_by_side_shows_both_runs_per_epoch_recall_and_probe():

@@ -16,10 +16,11 @@ import os
 
 import pytest
 
+from tools.compare import ITM_CHANCE
+
 pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("in_repo")]
 
 SEEDS = (1, 2, 3)
-CHANCE_ITM = 0.637  # cross-entropy of always saying p(match) = 1/3
 
 
 @pytest.fixture(scope="module")
@@ -35,7 +36,7 @@ def test_grit_beats_random_batches(comparison, seed):
     _, record = comparison
     lrs = record["selected_lr"]
     grit, rand = (record["sweep"][arm][f"{lrs[arm]:g}"][seed] for arm in ("GRIT-VLP", "random batches"))
-    assert grit["loss_itm"] < CHANCE_ITM - 0.05, grit  # ITM has learned on GRIT's grouped batches
+    assert grit["loss_itm"] < ITM_CHANCE - 0.05, grit  # ITM has learned on GRIT's grouped batches
     assert grit["mean_r1"] > rand["mean_r1"] and grit["itc_mean_r1"] > rand["itc_mean_r1"], (grit, rand)
     assert grit["probe"] > rand["probe"], (grit, rand)
 

@@ -52,6 +52,8 @@ __all__ = ["ARMS", "GRIDS", "PRETRAIN_CONFIG", "RETRIEVAL_CONFIG", "SELECTED_LR"
 PRETRAIN_CONFIG = 'configs/tiny/Pretrain.yaml'
 RETRIEVAL_CONFIG = 'configs/tiny/Retrieval.yaml'
 STRATEGY_BENCH = 'docs/results/strategy_bench.json'  # the strategies' measured cost (tools.strategy_bench)
+ITM_CHANCE = 0.637  # ITM's loss when it says p(match) = 1/3 (one positive, two mined negatives per pair)
+ITM_LEFT_CHANCE = 0.02  # itm_epoch: the first epoch whose mean loss_itm is this far below chance
 # The arms: name -> the overrides of the tiny pre-training config that make it.
 ARMS = {'GRIT-VLP': [],  # the tiny config: N = 8, M = 120, L = 1440 (M/N = 15, the paper's 1920/128)
         # the tiny config before issue 26
@@ -184,10 +186,13 @@ def summary_row(rows: list[dict], retrieval: dict, probe_result: dict) -> dict:
     # The batch figures of the last epoch (nan where a run has none: an older run, random batches' groups);
     # the same-scene share over the epochs after the first (one epoch's is a few dozen examples).
     same_scene = [r['batch_same_scene'] for r in rows if r.get('epoch', 0) > 0 and 'batch_same_scene' in r]
+    # When ITM starts to learn: what separates a low seed from a high one (docs/batch-construction.md).
+    itm_epoch = next((r['epoch'] for r in rows if r['loss_itm'] < ITM_CHANCE - ITM_LEFT_CHANCE), math.nan)
     out = {'loss_itm': rows[-1]['loss_itm'], 'grit_hardness': rows[-1]['grit_hardness'],
            **{k: rows[-1].get(k, math.nan) for k in ('grit_hardness_t2i', 'itm_false_negatives',
                                                    'batch_groups')},
            'batch_same_scene': statistics.fmean(same_scene) if same_scene else math.nan,
+           'itm_epoch': itm_epoch,
            'train_seconds': sum(r['train_seconds'] for r in rows),
            'txt_r1': retrieval['test_txt_r1'], 'img_r1': retrieval['test_img_r1'],
            'mean_r1': retrieval['test_mean_r1'], 'r_mean': retrieval['test_r_mean'],
@@ -307,8 +312,9 @@ def spread(values: Sequence[float]) -> dict[str, float]:
             'max': max(values)}
 
 
-COLUMNS = ('loss_itm', 'grit_hardness', 'grit_hardness_t2i', 'itm_false_negatives', 'batch_same_scene',
-           'batch_groups', 'mean_r1', 'itc_mean_r1', 'txt_r1', 'img_r1', 'probe', 'val_mean_r1')
+COLUMNS = ('loss_itm', 'itm_epoch', 'grit_hardness', 'grit_hardness_t2i', 'itm_false_negatives',
+           'batch_same_scene', 'batch_groups', 'mean_r1', 'itc_mean_r1', 'txt_r1', 'img_r1', 'probe',
+           'val_mean_r1')
 
 
 def report(sweep: dict[str, dict[float | tuple, dict[int, dict]]], seeds: Sequence[int],
@@ -365,6 +371,7 @@ def report(sweep: dict[str, dict[float | tuple, dict[int, dict]]], seeds: Sequen
 # The table's columns: (summary key, header, digits); a figure as mean ± sample std, median and range below.
 TABLE = (('mean_r1', 'test mean R@1, ITM re-ranked', 2), ('itc_mean_r1', 'ITC only', 2),
          ('probe', 'ITM probe', 3), ('loss_itm', 'final loss_itm', 3),
+         ('itm_epoch', 'epoch ITM leaves chance', 1),
          ('grit_hardness', 'hardness i2t', 3), ('grit_hardness_t2i', 'hardness t2i', 3),
          ('itm_false_negatives', 'mined ITM false negatives', 3),
          ('batch_same_scene', 'same-scene share of batches', 4))
