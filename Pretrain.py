@@ -7,8 +7,8 @@
 
 log.txt gets one JSON line per epoch (training.trainer): the four losses, grit_hardness and
 grit_hardness_t2i (mean ITC similarity of each image's hardest in-batch text negative, and of each
-text's hardest image negative), where the data has a scene table itm_false_negatives (the share of
-mined ITM negatives that show the anchor's scene) and batch_same_scene (the share of examples whose
+text's hardest image negative), where the data has a scene table itm_false_negatives (with ITM: the
+share of mined ITM negatives that show the anchor's scene) and batch_same_scene (the share of examples whose
 batch holds another of their scene: the false negatives a batch contains, before the guard),
 batch_groups (grouped epochs: how many sub-queues a batch draws from) and grit_seconds (the batching
 strategy's collection and grouping).

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import math
 import os
 import statistics
 
@@ -42,10 +41,10 @@ def test_summary_row_takes_the_last_epoch_both_scorings_and_every_probe_kind():
     assert (row["itc_txt_r1"], row["itc_img_r1"], row["itc_mean_r1"]) == (5.0, 3.0, 4.0)
     assert (row["val_mean_r1"], row["val_itc_mean_r1"]) == (16.0, 15.0)
     assert row["probe"] == 0.7 and row["probe_colour"] == 0.9 and row["probe_shape"] == 0.5
-    assert row["itm_epoch"] == 0  # 0.4 + 0.02: below chance (0.637) by 0.02 from the first epoch
+    assert row["itm_epoch"] == 1  # 0.4 + 0.02: below chance (0.637) by 0.02 from the first epoch on
     slow = summary_row(*_run(0.61, 6.0, 4.0, 0.9))  # loss_itm 0.63, 0.62, 0.61: the third epoch left chance
-    assert slow["itm_epoch"] == 2
-    assert math.isnan(summary_row(*_run(0.63, 6.0, 4.0, 0.9))["itm_epoch"])  # never
+    assert slow["itm_epoch"] == 3
+    assert summary_row(*_run(0.63, 6.0, 4.0, 0.9))["itm_epoch"] == 4  # never: one past the 3 epochs
 
 
 def test_side_by_side_shows_both_runs_per_epoch_recall_and_probe():
@@ -244,3 +243,20 @@ def test_the_markdown_table_shows_each_arm_at_its_selection_with_spread_gap_and_
     rand = next(line for line in lines if line.startswith("| random batches |"))
     assert rand.endswith("| 0.00 % |")  # random batches group nothing
     assert "cost" not in markdown_table(record)  # no benchmark: no cost column
+
+
+def test_costs_come_from_the_strategy_benchmark_and_a_bad_file_is_named(tmp_path):
+    import pytest
+
+    from grit_io import InputFileError
+    from tools.compare import read_costs
+
+    good = tmp_path / "bench.json"
+    good.write_text(json.dumps({"strategies": [{"strategy": "b3", "share_of_step": 0.0083}]}))
+    assert read_costs(str(good)) == {"b3": 0.0083}
+    bad = tmp_path / "other.json"
+    bad.write_text(json.dumps({"rows": []}))
+    with pytest.raises(InputFileError, match="other.json"):
+        read_costs(str(bad))
+    with pytest.raises(InputFileError, match="missing.json"):
+        read_costs(str(tmp_path / "missing.json"))

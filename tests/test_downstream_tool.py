@@ -44,19 +44,20 @@ def test_reuse_keeps_a_finished_pretraining_and_reruns_the_rest(tmp_path, monkey
     write_run(os.path.join(todo, "pretrain_long"), 5)  # cut short: run again from the start
     started = []
 
-    def fake_runs(jobs):
+    def fake_runs(jobs, threads=None):
+        assert threads == 1  # every run on one thread, the lone one too
         for cmd, _ in jobs:
             started.append(cmd)
             write_run(cmd[cmd.index("--output_dir") + 1], epochs)
 
     monkeypatch.setattr(downstream, "run_side_by_side", fake_runs)
-    checkpoints = downstream.pretrain_for_downstream([done, todo], [1, 2], reuse=True)
+    checkpoints = downstream.pretrain_for_downstream([done, todo], [1, 2], reuse=True, threads=1)
     assert [c[c.index("--output_dir") + 1] for c in started] == [os.path.join(todo, "pretrain_long")]
     assert checkpoints == [os.path.join(d, "pretrain_long", "checkpoint_35.pth") for d in (done, todo)]
     with open(os.path.join(todo, "pretrain_long", "result.json")) as f:
         assert json.load(f)["command"][-2:] == ["--seed", "2"]
     started.clear()
-    downstream.pretrain_for_downstream([done], [1], reuse=False)  # without --reuse every run starts anew
+    downstream.pretrain_for_downstream([done], [1], reuse=False, threads=1)  # without --reuse: anew
     assert len(started) == 1
 
 

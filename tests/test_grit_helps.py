@@ -50,8 +50,8 @@ def downstream(comparison):
     seed_dirs = [os.path.join(str(out), f"seed{seed}") for seed in SEEDS]
     # The pre-trainings two side by side, then the chains two at a time, every run on one thread: as
     # `python -m tools.downstream` measured them for the docs, so that these runs repeat those numbers.
-    checkpoints = pretrain_for_downstream(seed_dirs, list(SEEDS))
-    return dict(zip(SEEDS, run_chains(list(zip(seed_dirs, checkpoints)))))
+    checkpoints = pretrain_for_downstream(seed_dirs, list(SEEDS), threads=1)
+    return dict(zip(SEEDS, run_chains(list(zip(seed_dirs, checkpoints)), threads=1)))
 
 
 @pytest.mark.parametrize("seed", SEEDS)

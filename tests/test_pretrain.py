@@ -193,6 +193,10 @@ def test_each_strategy_and_loss_switch_by_one_key(data_dir, tmp_path, capsys, se
     bare = [{k: v for k, v in r.items() if k != 'batch_same_scene'} for r in log]
     assert [r['batch_same_scene'] for r in with_batch_scenes(bare, out)] == pytest.approx(
         [r['batch_same_scene'] for r in log], abs=1e-6)
+    assert any(r['batch_same_scene'] > 0 for r in log)  # so that a wrong epoch's batches would show
+    # keep_checkpoints dropped epoch 0's: epoch 1's grouping is gone, random batches' come from the seed
+    os.remove(os.path.join(out, 'checkpoint_00.pth'))
+    assert same_scene_by_epoch(out)['missing'] == ([] if strategy == 'random' else [1])
     state = torch.load(os.path.join(out, 'checkpoint_01.pth'), map_location='cpu', weights_only=True)
     assert state['sampler']['strategy'] == strategy
     if strategy == 'random':

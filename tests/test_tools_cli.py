@@ -84,6 +84,18 @@ def test_emit_record_prints_one_line_and_writes_it(tmp_path, capsys):
     assert capsys.readouterr().out.count("\n") == 1
 
 
+def test_emit_record_writes_strict_json_with_null_for_a_missing_figure(tmp_path, capsys):
+    """A figure some runs lack (nan), or the std of one seed, is null: not the bare NaN strict readers
+    refuse."""
+    emit_record({"std": float("nan"), "rows": [{"x": float("inf")}, (1.5,)]}, str(tmp_path), "tool")
+    expected = {"std": None, "rows": [{"x": None}, [1.5]]}
+    def strict(text: str):
+        return json.loads(text, parse_constant=lambda c: pytest.fail(f"non-strict JSON constant {c}"))
+
+    assert strict(capsys.readouterr().out) == expected
+    assert strict((tmp_path / "tool.json").read_text()) == expected
+
+
 def test_absolute_paths_turns_every_user_path_absolute(tmp_path):
     args = ["--config", "c.yaml", "--output-dir=out", "--checkpoint", "/abs/k.pth", "--resume", "--set",
             "image_root=data/x", "--probe_file", "p.json", "--seed", "3"]

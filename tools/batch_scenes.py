@@ -26,25 +26,39 @@ from grit import GritSampler
 from grit_io import InputFileError
 from models.false_negatives import same_group_share
 from tools.cli import add_output_dir, emit_record, tool_parser
+from tools.launch import in_root
 from training.checkpoints import checkpoint_path, load_checkpoint
 from training.cli import Parser, run_main
 from training.config import PretrainConfig
 from training.config_resolve import resolve_config
 
-__all__ = ["build_parser", "epoch_orders", "main", "run_config", "same_scene_by_epoch", "scene_ids",
-           "with_batch_scenes"]
+__all__ = ["NoSceneTable", "build_parser", "epoch_orders", "main", "run_config", "same_scene_by_epoch",
+           "scene_ids", "with_batch_scenes"]
+
+
+class NoSceneTable(InputFileError):
+    """The run's data has no scene table (real data, tar shards): there is no figure to rebuild."""
 
 
 def _log_epochs(pre_dir: str) -> list[int]:
     path = os.path.join(pre_dir, "log.txt")
     if not os.path.isfile(path):
         raise InputFileError(f"{path} not found: {pre_dir} is not a pre-training's output_dir")
+    epochs = []
     with open(path, encoding="utf-8") as f:
-        return [json.loads(line)["epoch"] for line in f if line.strip()]
+        for n, line in enumerate(f, 1):
+            if line.strip():
+                try:
+                    epochs.append(int(json.loads(line)["epoch"]))
+                except (ValueError, KeyError, TypeError) as e:
+                    raise InputFileError(f"{path}, line {n}: not an epoch record of a training log "
+                                         f"({e})") from e
+    return epochs
 
 
 def run_config(pre_dir: str) -> PretrainConfig:
-    """The resolved config a pre-training ran with (its output_dir's config.yaml)."""
+    """The resolved config a pre-training ran with (its output_dir's config.yaml); InputFileError for a
+    run in GRIT's naive mode, whose batches come from a pass of the model and are not in the checkpoints."""
     config = resolve_config("pretrain", os.path.join(pre_dir, "config.yaml"), check_paths=False)
     if config.strategy != "random" and config.grit.mode == "naive":
         raise InputFileError(f"{pre_dir}: grit.mode naive starts every epoch with a pass of the model, so "
@@ -62,31 +76,33 @@ def scene_ids(config: PretrainConfig) -> torch.Tensor:
         _SCENES[data] = scenes
     scenes = _SCENES.get(data)
     if scenes is None:
-        raise InputFileError(f"no scene table (scenes.json) beside the training data {config.train_files}: "
-                             "batch_same_scene needs the synthetic world's scenes")
+        raise NoSceneTable(f"no scene table (scenes.json) beside the training data {config.train_files}: "
+                           "batch_same_scene needs the synthetic world's scenes")
     return scenes
 
 
 def epoch_orders(pre_dir: str, config: PretrainConfig, dataset_len: int) -> tuple[dict[int, torch.Tensor],
                                                                                    list[int]]:
-    """Each logged epoch's global order (T*W*N,) as the run's sampler dealt it, and the epochs whose
-    sampler state is missing (checkpoint e-1 deleted)."""
-    orders: dict[int, torch.Tensor] = {}
-    missing: list[int] = []
+    """Each logged epoch's global order (T*W*N,) as the run's sampler dealt it, and the epochs that cannot
+    be rebuilt (a grouped epoch whose previous checkpoint was deleted, keep_checkpoints)."""
     epochs = _log_epochs(pre_dir)
     states = {}  # epoch -> the sampler state saved at its end
     for epoch in range(max(epochs, default=-1) + 1):
         path = checkpoint_path(pre_dir, epoch=epoch)
         if os.path.isfile(path):
             states[epoch] = load_checkpoint(path)["sampler"]
+    grouped = config.strategy != "random"
+    orders: dict[int, torch.Tensor] = {}
+    missing: list[int] = []
     for epoch in epochs:
-        # Epoch 0 is dealt from the seed (any saved state tells the number of ranks); epoch e from e-1's.
-        state = states.get(epoch - 1) if epoch > 0 else None
-        known = state or next(iter(states.values()), None)
-        if known is None or (epoch > 0 and state is None):
+        # A grouped epoch e was composed at the end of e - 1, into that checkpoint's state; epoch 0 and
+        # random batches come from the seed. The ranks that ran it: its own state's (else the nearest).
+        state = states.get(epoch - 1) if grouped and epoch > 0 else None
+        ranks = states.get(epoch) or states.get(epoch - 1) or next(iter(states.values()), None)
+        if ranks is None or (grouped and epoch > 0 and state is None):
             missing.append(epoch)
             continue
-        sampler = GritSampler(dataset_len, num_replicas=int(known["num_replicas"]), rank=0,
+        sampler = GritSampler(dataset_len, num_replicas=int(ranks["num_replicas"]), rank=0,
                               seed=config.seed, batch_size=config.batch_size, dim=config.embed_dim,
                               **config.sampler_options())
         if state is not None:
@@ -118,7 +134,7 @@ def with_batch_scenes(rows: list[dict], pre_dir: str) -> list[dict]:
         return rows
     try:
         shares = same_scene_by_epoch(pre_dir)["batch_same_scene"]
-    except InputFileError:  # data without scenes.json (tar shards, a real corpus)
+    except NoSceneTable:  # real data (tar shards, a corpus): nothing to rebuild; other errors name their file
         return rows
     return [{**r, "batch_same_scene": shares[r["epoch"]]} if r.get("epoch") in shares and
             "batch_same_scene" not in r else r for r in rows]
@@ -135,7 +151,9 @@ def build_parser() -> Parser:
 def main(argv: Sequence[str] | None = None) -> dict:
     """Rebuild every run's batches; returns {RUN_DIR: same_scene_by_epoch}."""
     args = build_parser().parse_args(argv)
-    record = {d: same_scene_by_epoch(d) for d in args.run_dirs}
+    run_dirs = [os.path.abspath(d) for d in args.run_dirs]  # the user's paths, from where the user is
+    with in_root():  # a run's config.yaml names repository-relative data, as the configs do
+        record = {d: same_scene_by_epoch(d) for d in run_dirs}
     emit_record(record, args.output_dir, "batch_scenes")
     return record
 

@@ -12,8 +12,10 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 from collections.abc import Mapping
+from typing import Any
 
 import torch
 
@@ -82,13 +84,26 @@ def resolve_device(name: str | None) -> torch.device:
     return torch.device(name or ("cuda" if torch.cuda.is_available() else "cpu"))
 
 
+def _strict(value: Any) -> Any:
+    """value with every non-finite float (a figure a run lacks, the std of one seed) as None: strict JSON,
+    which every reader parses (Python's json would otherwise write the bare NaN most others refuse)."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    if isinstance(value, Mapping):
+        return {k: _strict(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_strict(v) for v in value]
+    return value
+
+
 def emit_record(record: Mapping, output_dir: str | None, name: str) -> Mapping:
     """The tail of every tool's main: print `record` as one JSON line and, with output_dir, write it
-    (indented) to output_dir/<name>.json as well; returns record."""
-    print(json.dumps(record), flush=True)
+    (indented) to output_dir/<name>.json as well, non-finite numbers as null; returns record."""
+    strict = _strict(record)
+    print(json.dumps(strict, allow_nan=False), flush=True)
     if output_dir:
         os.makedirs(output_dir, exist_ok=True)
         with open(os.path.join(output_dir, f"{name}.json"), "w", encoding="utf-8") as f:
-            json.dump(record, f, indent=2)
+            json.dump(strict, f, indent=2, allow_nan=False)
             f.write("\n")
     return record

@@ -35,25 +35,27 @@ import re
 import statistics
 from collections.abc import Hashable, Sequence
 
-from grit_io import read_json
+from grit_io import InputFileError, read_json
 from tools.batch_scenes import with_batch_scenes
 from tools.cli import emit_record, tool_parser
 from tools.launch import ROOT, in_root, run_side_by_side
 from training.cli import Parser, run_main
 from training.config_resolve import known_keys, resolve_config
 
-__all__ = ["ARMS", "GRIDS", "PRETRAIN_CONFIG", "RETRIEVAL_CONFIG", "SELECTED_LR", "build_parser",
-           "evaluation_commands", "fresh", "last_checkpoint", "lr_overrides", "main", "mean_std",
-           "overrides_for", "prepare_pretraining", "pretrain_command", "read_evaluation", "read_log",
-           "read_retrieval", "report", "run_dir", "run_pairs", "select_lr", "setting_label", "side_by_side",
-           "slug", "spread", "summary_row", "grid_overrides"]
+__all__ = ["ARMS", "COLUMNS", "GRIDS", "ITM_CHANCE", "PRETRAIN_CONFIG", "RETRIEVAL_CONFIG", "SELECTED_LR",
+           "SELECTED_SETTING", "STRATEGY_BENCH", "arm_strategies", "build_parser", "evaluation_commands",
+           "fresh", "grid_overrides", "last_checkpoint", "lr_overrides", "main", "markdown_table",
+           "mean_std", "overrides_for", "prepare_pretraining", "pretrain_command", "read_costs",
+           "read_evaluation", "read_log", "read_retrieval", "report", "run_dir", "run_pairs",
+           "saved_result", "select_lr", "selection", "setting_label", "side_by_side", "slug", "spread",
+           "summary_row"]
 
 # Repository-relative, as the shipped configs' own paths: the tools and their children work in the root.
 PRETRAIN_CONFIG = 'configs/tiny/Pretrain.yaml'
 RETRIEVAL_CONFIG = 'configs/tiny/Retrieval.yaml'
 STRATEGY_BENCH = 'docs/results/strategy_bench.json'  # the strategies' measured cost (tools.strategy_bench)
 ITM_CHANCE = 0.637  # ITM's loss when it says p(match) = 1/3 (one positive, two mined negatives per pair)
-ITM_LEFT_CHANCE = 0.02  # itm_epoch: the first epoch whose mean loss_itm is this far below chance
+ITM_LEFT_CHANCE = 0.02  # itm_epoch: the first epoch (1-based) whose mean loss_itm is this far below chance
 # The arms: name -> the overrides of the tiny pre-training config that make it.
 ARMS = {'GRIT-VLP': [],  # the tiny config: N = 8, M = 120, L = 1440 (M/N = 15, the paper's 1920/128)
         # the tiny config before issue 26
@@ -97,6 +99,15 @@ def setting_label(setting: float | tuple) -> str:
 # 2.5e-4 5e-4 1e-3 --arms GRIT-VLP "random batches"` (README, 'Does GRIT help?'); the demo's.
 SELECTED_LR = {'GRIT-VLP': 5e-4, 'random batches': 2.5e-4}
 SELECTED_SETTING: dict[str, str] = {}  # a grid arm's setting selected with its rate (none measured yet)
+
+
+def selection(arm: str) -> tuple[float, str | None]:
+    """An arm's selected learning rate and grid setting (SELECTED_LR, SELECTED_SETTING); ValueError when
+    its sweep has not selected one yet."""
+    if arm not in SELECTED_LR:
+        raise ValueError(f'{arm!r} has no selected learning rate yet (tools.compare.SELECTED_LR: run its '
+                         'sweep with tools.compare first)')
+    return SELECTED_LR[arm], SELECTED_SETTING.get(arm)
 
 
 def fresh(output_dir: str) -> str:
@@ -186,8 +197,10 @@ def summary_row(rows: list[dict], retrieval: dict, probe_result: dict) -> dict:
     # The batch figures of the last epoch (nan where a run has none: an older run, random batches' groups);
     # the same-scene share over the epochs after the first (one epoch's is a few dozen examples).
     same_scene = [r['batch_same_scene'] for r in rows if r.get('epoch', 0) > 0 and 'batch_same_scene' in r]
-    # When ITM starts to learn: what separates a low seed from a high one (docs/batch-construction.md).
-    itm_epoch = next((r['epoch'] for r in rows if r['loss_itm'] < ITM_CHANCE - ITM_LEFT_CHANCE), math.nan)
+    # When ITM starts to learn, what separates a low seed from a high one (docs/batch-construction.md):
+    # 1-based; a run where it never does counts as one epoch past its end (censored, not dropped).
+    itm_epoch = next((r['epoch'] + 1 for r in rows if r['loss_itm'] < ITM_CHANCE - ITM_LEFT_CHANCE),
+                     len(rows) + 1)
     out = {'loss_itm': rows[-1]['loss_itm'], 'grit_hardness': rows[-1]['grit_hardness'],
            **{k: rows[-1].get(k, math.nan) for k in ('grit_hardness_t2i', 'itm_false_negatives',
                                                    'batch_groups')},
@@ -239,7 +252,8 @@ def run_dir(output_dir: str, arm: str, seed: int, lr: float | None, setting: str
                         + (f'_{slug(setting)}' if setting else ''))
 
 
-def _finished(directory: str, command: list[str]) -> dict | None:
+def saved_result(directory: str, command: list[str]) -> dict | None:
+    """directory/result.json when it records `command` (a finished run to reuse), else None."""
     path = os.path.join(directory, 'result.json')
     if os.path.isfile(path):
         saved = read_json(path, 'run result')
@@ -265,7 +279,7 @@ def run_pairs(runs: dict[Hashable, tuple[str, list[str], list[str]]], reuse: boo
     for name, (directory, args, overrides) in runs.items():
         # Built without clearing: a reused run keeps its log.txt (tools.efficiency reads its epochs).
         command = pretrain_command(os.path.join(directory, 'pretrain'), args, clear=False)
-        saved = _finished(directory, command) if reuse else None
+        saved = saved_result(directory, command) if reuse else None
         if saved:
             out[name] = (with_batch_scenes(saved['log'], os.path.join(directory, 'pretrain')),
                          saved['retrieval'], saved['probe'])
@@ -371,15 +385,17 @@ def report(sweep: dict[str, dict[float | tuple, dict[int, dict]]], seeds: Sequen
 # The table's columns: (summary key, header, digits); a figure as mean ± sample std, median and range below.
 TABLE = (('mean_r1', 'test mean R@1, ITM re-ranked', 2), ('itc_mean_r1', 'ITC only', 2),
          ('probe', 'ITM probe', 3), ('loss_itm', 'final loss_itm', 3),
-         ('itm_epoch', 'epoch ITM leaves chance', 1),
+         ('itm_epoch', 'epoch ITM leaves chance (1-based)', 1),
          ('grit_hardness', 'hardness i2t', 3), ('grit_hardness_t2i', 'hardness t2i', 3),
          ('itm_false_negatives', 'mined ITM false negatives', 3),
          ('batch_same_scene', 'same-scene share of batches', 4))
 
 
-def arm_strategies(arms: Sequence[str]) -> dict[str, str]:
-    """Each arm's batching strategy (its config's batching.strategy): whose cost it pays."""
-    return {a: resolve_config('pretrain', PRETRAIN_CONFIG, ARMS[a], check_paths=False).strategy for a in arms}
+def arm_strategies(arms: Sequence[str], overrides: Sequence[str] = ()) -> dict[str, str]:
+    """Each arm's batching strategy (its config's batching.strategy, with the sweep's --set): whose cost it
+    pays."""
+    return {a: resolve_config('pretrain', PRETRAIN_CONFIG, [*ARMS[a], *overrides], check_paths=False).strategy
+            for a in arms}
 
 
 def markdown_table(record: dict, costs: dict[str, float] | None = None) -> str:
@@ -388,7 +404,7 @@ def markdown_table(record: dict, costs: dict[str, float] | None = None) -> str:
     of a paper-size step, tools.strategy_bench) the strategy's cost."""
     summary, gaps = record['summary'], record.get('gaps_to', {}).get('GRIT-VLP', {})
     n = len(record['seeds'])
-    strategies = arm_strategies(list(summary)) if costs is not None else {}
+    strategies = arm_strategies(list(summary), record.get('overrides', [])) if costs is not None else {}
     head = ['arm', 'selected on val'] + [h for _, h, _ in TABLE] + ['gap to GRIT-VLP (paired)']
     head += ['cost, share of a step'] if costs is not None else []
     lines = [f'mean ± sample std over {n} seeds ({", ".join(map(str, record["seeds"]))}); below: median '
@@ -410,11 +426,15 @@ def markdown_table(record: dict, costs: dict[str, float] | None = None) -> str:
     return '\n'.join(lines) + '\n'
 
 
-def read_costs(path: str) -> dict[str, float] | None:
-    """strategy -> share of a paper-size step, from tools.strategy_bench's JSON (None when it is absent)."""
-    if not os.path.isfile(path):
-        return None
-    return {r['strategy']: r['share_of_step'] for r in read_json(path, 'strategy benchmark')['strategies']}
+def read_costs(path: str) -> dict[str, float]:
+    """strategy -> share of a paper-size step, from tools.strategy_bench's JSON; InputFileError naming the
+    file when it is missing or is not that JSON."""
+    saved = read_json(path, 'strategy benchmark (tools.strategy_bench --output_dir)')
+    try:
+        return {r['strategy']: float(r['share_of_step']) for r in saved['strategies']}
+    except (KeyError, TypeError, ValueError) as e:
+        raise InputFileError(f'{path}: not tools.strategy_bench\'s JSON (no strategies[].strategy and '
+                             f'share_of_step: {e!r})') from e
 
 
 def build_parser() -> Parser:
@@ -483,7 +503,9 @@ def main(argv: Sequence[str] | None = None) -> dict:
               **record, 'seeds': args.seeds, 'overrides': args.overrides,
               'protocol': 'each arm at the learning rate of best mean val R@1 (re-ranked); test reported'}
     emit_record(record, output_dir, 'compare')
-    costs = read_costs(os.path.abspath(args.costs) if args.costs else os.path.join(ROOT, STRATEGY_BENCH))
+    default_costs = os.path.join(ROOT, STRATEGY_BENCH)  # the shipped one may be absent from a copy: no column
+    costs = (read_costs(os.path.abspath(args.costs)) if args.costs
+             else read_costs(default_costs) if os.path.isfile(default_costs) else None)
     with in_root():  # the arms' configs are read where their relative paths point
         table = markdown_table(record, costs)
     with open(os.path.join(output_dir, 'compare.md'), 'w', encoding='utf-8') as f:

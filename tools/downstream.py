@@ -1,17 +1,19 @@
 """The downstream chain per arm and seed: a 36-epoch pre-training (configs/tiny/Pretrain_long.yaml), then
 NLVR2 (text assignment, fine-tune, the best dev epoch) and VQA from its checkpoint, for GRIT-VLP and
-random batches, each at its learning rate selected on val (tools.compare.SELECTED_LR).
+random batches, each at its learning rate (and grid setting) selected on val (tools.compare.SELECTED_LR,
+SELECTED_SETTING).
 
     python -m tools.downstream --seeds 1 2 3 [--arms GRIT-VLP "random batches"] \
         [--output_dir output/downstream] [--reuse]
 
 Runs land in <output_dir>/seed<S>/<arm>_lr<lr>/{pretrain_long,nlvr_pretrain,nlvr,vqa}/. The pre-trainings
-run two side by side (one thread each), then the chains, a stage of two chains at a time (one thread
-each: the fine-tunes' numbers are those of a one-thread run). --reuse keeps a pre-training whose log has
-every epoch and whose result.json records the same command. Prints a markdown table (per seed: final
-loss_itm of the pre-training, text-assignment accuracy, NLVR2's best dev epoch with its dev and test-P
-accuracy, VQA accuracy and the majority answer's) and the JSON record (also <output_dir>/downstream.json,
-downstream.md). `python demo.py --downstream` runs one chain; `make test-slow` asserts GRIT-VLP's.
+run two side by side, then the chains, a stage of two chains at a time, every run on one thread (a lone
+one too: a CPU's floats depend on the thread count, and the docs' numbers are one-thread runs). --reuse
+keeps a pre-training whose log has every epoch and whose result.json records the same command. Prints a
+markdown table (per seed: final loss_itm of the pre-training, text-assignment accuracy, NLVR2's best dev
+epoch with its dev and test-P accuracy, VQA accuracy and the majority answer's) and the JSON record
+(also <output_dir>/downstream.json, downstream.md). `python demo.py --downstream` runs one chain; `make
+test-slow` asserts GRIT-VLP's.
 """
 
 from __future__ import annotations
@@ -20,12 +22,12 @@ import json
 import os
 from collections.abc import Sequence
 
-from grit_io import read_json
 from tools.cli import emit_record, tool_parser
 from tools.compare import (
     ARMS,
     SELECTED_LR,
     fresh,
+    grid_overrides,
     last_checkpoint,
     lr_overrides,
     mean_std,
@@ -33,6 +35,8 @@ from tools.compare import (
     pretrain_command,
     read_log,
     run_dir,
+    saved_result,
+    selection,
 )
 from tools.launch import in_root, run_side_by_side
 from training.cli import Parser, run_main
@@ -47,56 +51,55 @@ DOWNSTREAM_PRETRAIN_CONFIG = 'configs/tiny/Pretrain_long.yaml'
 
 
 def pretrain_for_downstream(output_dirs: list[str], seeds: list[int | None],
-                            sets: Sequence[Sequence[str]] | None = None, reuse: bool = False) -> list[str]:
+                            sets: Sequence[Sequence[str]] | None = None, reuse: bool = False,
+                            threads: int | None = None) -> list[str]:
     """Pre-train with DOWNSTREAM_PRETRAIN_CONFIG into each output_dir/pretrain_long with its seed and
-    --set overrides (default: none, GRIT-VLP), two side by side; returns their last checkpoints. reuse:
-    keep a run whose result.json records the same command and whose log has every epoch. Call it in the
-    repository root (as the tools do): the config's relative paths are read there."""
+    --set overrides (default: none, GRIT-VLP), two side by side (threads: each run's threads, a lone run's
+    too; None: the cores split); returns their last checkpoints. reuse: keep a run whose result.json
+    records the same command and whose log has every epoch. Call it in the repository root (as the tools
+    do): the config's relative paths are read there."""
     epochs = resolve_config('pretrain', DOWNSTREAM_PRETRAIN_CONFIG, check_paths=False).max_epoch
     dirs = [os.path.join(d, 'pretrain_long') for d in output_dirs]
     commands = []
     for d, seed, extra in zip(dirs, seeds, sets or [()] * len(dirs)):
         args = (['--seed', str(seed)] if seed is not None else []) + (['--set', *extra] if extra else [])
         commands.append(pretrain_command(d, args, DOWNSTREAM_PRETRAIN_CONFIG, clear=False))
-    todo = [(c, d) for c, d in zip(commands, dirs) if not (reuse and _finished(d, c, epochs))]
+    todo = [(c, d) for c, d in zip(commands, dirs) if not (reuse and saved_result(d, c) and os.path.isfile(
+        os.path.join(d, 'log.txt')) and len(read_log(os.path.join(d, 'log.txt'))) == epochs)]
     for start in range(0, len(todo), 2):
         pair = todo[start:start + 2]
         for _, d in pair:
             fresh(d)
-        run_side_by_side([(c, os.path.join(d, 'stdout.txt')) for c, d in pair])
+        run_side_by_side([(c, os.path.join(d, 'stdout.txt')) for c, d in pair], threads)
         for c, d in pair:
             with open(os.path.join(d, 'result.json'), 'w', encoding='utf-8') as f:
                 json.dump({'command': c}, f)
     return [last_checkpoint(d) for d in dirs]
 
 
-def _finished(directory: str, command: list[str], epochs: int) -> bool:
-    result, log = os.path.join(directory, 'result.json'), os.path.join(directory, 'log.txt')
-    return (os.path.isfile(result) and read_json(result, 'run result').get('command') == command
-            and os.path.isfile(log) and len(read_log(log)) == epochs)
-
-
-def run_chains(chains: Sequence[tuple[str, str]]) -> list[dict]:
+def run_chains(chains: Sequence[tuple[str, str]], threads: int | None = None) -> list[dict]:
     """NLVR2 text assignment and fine-tune and VQA from each (output_dir, pre-training checkpoint); two
-    chains at a time, each stage side by side (one thread each; a single chain runs in the foreground on
-    every core). Returns each chain's accuracies. Call it in the repository root."""
+    chains at a time, each stage side by side (threads: each run's threads, a lone chain's too; None: the
+    cores split, a lone chain on all of them). Returns each chain's accuracies. Call it in the repository
+    root."""
     results = []
+    majority = majority_baseline()
     for start in range(0, len(chains), 2):
         pair = chains[start:start + 2]
         ta_dirs = [fresh(os.path.join(d, 'nlvr_pretrain')) for d, _ in pair]
         run_side_by_side([(['NLVR', '--config', 'configs/tiny/NLVR_pretrain.yaml', '--checkpoint', c,
                             '--output_dir', t], os.path.join(t, 'stdout.txt'))
-                          for (_, c), t in zip(pair, ta_dirs)])
+                          for (_, c), t in zip(pair, ta_dirs)], threads)
         ta = [read_log(os.path.join(t, 'log.txt'))[-1] for t in ta_dirs]
         nlvr_dirs = [fresh(os.path.join(d, 'nlvr')) for d, _ in pair]
         run_side_by_side([(['NLVR', '--config', 'configs/tiny/NLVR.yaml', '--output_dir', n, '--checkpoint',
                             os.path.join(t, f'checkpoint_{r["epoch"]:02d}.pth')],
-                           os.path.join(n, 'stdout.txt')) for t, r, n in zip(ta_dirs, ta, nlvr_dirs)])
+                           os.path.join(n, 'stdout.txt'))
+                          for t, r, n in zip(ta_dirs, ta, nlvr_dirs)], threads)
         vqa_dirs = [fresh(os.path.join(d, 'vqa')) for d, _ in pair]
         run_side_by_side([(['VQA', '--config', 'configs/tiny/VQA.yaml', '--checkpoint', c,
                             '--output_dir', v], os.path.join(v, 'stdout.txt'))
-                          for (_, c), v in zip(pair, vqa_dirs)])
-        majority = majority_baseline()
+                          for (_, c), v in zip(pair, vqa_dirs)], threads)
         for r, n, v in zip(ta, nlvr_dirs, vqa_dirs):
             nlvr_log = read_log(os.path.join(n, 'log.txt'))
             best = nlvr_log[nlvr_log[-1]['best_epoch']]
@@ -174,16 +177,20 @@ def main(argv: Sequence[str] | None = None) -> dict:
     args = build_parser().parse_args(argv)
     output_dir = os.path.abspath(args.output_dir)
     keys = [(arm, seed) for arm in args.arms for seed in args.seeds]
-    dirs = [run_dir(output_dir, arm, seed, SELECTED_LR[arm]) for arm, seed in keys]
+    chosen = {arm: selection(arm) for arm in args.arms}
+    dirs = [run_dir(output_dir, arm, seed, *chosen[arm]) for arm, seed in keys]
     with in_root():
         prepare_pretraining()
-        sets = [ARMS[arm] + lr_overrides(SELECTED_LR[arm], DOWNSTREAM_PRETRAIN_CONFIG) for arm, _ in keys]
-        checkpoints = pretrain_for_downstream(dirs, [s for _, s in keys], sets, reuse=args.reuse)
-        results = run_chains(list(zip(dirs, checkpoints)))
+        sets = [ARMS[arm] + grid_overrides(arm, chosen[arm][1])
+                + lr_overrides(chosen[arm][0], DOWNSTREAM_PRETRAIN_CONFIG) for arm, _ in keys]
+        # Every run on one thread, a lone one too: the numbers of the docs' table (and make test-slow's).
+        checkpoints = pretrain_for_downstream(dirs, [s for _, s in keys], sets, reuse=args.reuse, threads=1)
+        results = run_chains(list(zip(dirs, checkpoints)), threads=1)
     rows: dict[str, dict[int, dict]] = {}
     for (arm, seed), d, r in zip(keys, dirs, results):
         pre = read_log(os.path.join(d, 'pretrain_long', 'log.txt'))[-1]
-        rows.setdefault(arm, {})[seed] = {**r, 'loss_itm': pre['loss_itm'], 'lr': SELECTED_LR[arm]}
+        rows.setdefault(arm, {})[seed] = {**r, 'loss_itm': pre['loss_itm'], 'lr': chosen[arm][0],
+                                          'setting': chosen[arm][1]}
     text = markdown(rows)
     print(text)
     os.makedirs(output_dir, exist_ok=True)

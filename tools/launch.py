@@ -73,17 +73,19 @@ def launch(command: Sequence[str], *, stdout=None, threads: int | None = None) -
                             stderr=None if stdout is None else subprocess.STDOUT)
 
 
-def run(command: Sequence[str]) -> None:
-    """Run [module, *args] in the foreground, its output on the console; CalledProcessError if it fails."""
+def run(command: Sequence[str], threads: int | None = None) -> None:
+    """Run [module, *args] in the foreground, its output on the console (threads: its OMP_NUM_THREADS;
+    None: the environment's); CalledProcessError if it fails."""
     print("$ " + shown(command), flush=True)
-    code = launch(command).wait()
+    code = launch(command, threads=threads).wait()
     if code:
         raise subprocess.CalledProcessError(code, python_command(command))
 
 
-def run_side_by_side(jobs: Sequence[tuple[Sequence[str], str]]) -> None:
-    """Run the (command, log file) jobs at once, the CPU cores split between them; CalledProcessError if
-    one fails (after all have ended, each failure's log tail printed).
+def run_side_by_side(jobs: Sequence[tuple[Sequence[str], str]], threads: int | None = None) -> None:
+    """Run the (command, log file) jobs at once, the CPU cores split between them (threads: each job's
+    OMP_NUM_THREADS instead, also for a single job); CalledProcessError if one fails (after all have
+    ended, each failure's log tail printed).
 
     Independent runs are faster side by side than one after another on a small CPU: a tiny step
     gains little from a second intra-op thread (on 2 cores, about 320 samples/s for two one-thread
@@ -91,8 +93,8 @@ def run_side_by_side(jobs: Sequence[tuple[Sequence[str], str]]) -> None:
     in the foreground (run), its output on the console.
     """
     if len(jobs) == 1:
-        return run(jobs[0][0])
-    threads = max(1, (os.cpu_count() or 1) // len(jobs))
+        return run(jobs[0][0], threads)
+    threads = threads or max(1, (os.cpu_count() or 1) // len(jobs))
     procs = []
     for command, log in jobs:
         print(f"$ {shown(command)}  > {log}", flush=True)
