@@ -171,6 +171,15 @@ def test_a_reused_run_is_read_back_and_keeps_its_log(tmp_path, monkeypatch):
     assert out == {"GRIT-VLP": ([{"epoch": 0}], {"r": 1}, {"p": 2})}
     assert os.path.isfile(log)  # tools.efficiency reads the epochs of a reused run from it
 
+    # the same run in a copied folder (another output_dir) is still that run; another seed is not
+    import shutil
+
+    copy = str(tmp_path / "elsewhere" / "seed1" / "grit_vlp_lr0.0005")
+    shutil.copytree(directory, copy)
+    assert compare.run_pairs({"GRIT-VLP": (copy, args, [])}, reuse=True)["GRIT-VLP"][1] == {"r": 1}
+    other = compare.pretrain_command(os.path.join(copy, "pretrain"), ["--seed", "2"], clear=False)
+    assert compare.saved_result(copy, other) is None
+
 
 def test_new_arms_sweep_their_grid_with_the_rate_and_are_selected_on_val(monkeypatch):
     """Each strategy or loss switch is an arm; an arm with a hyper-parameter gets a grid of the same size

@@ -252,12 +252,21 @@ def run_dir(output_dir: str, arm: str, seed: int, lr: float | None, setting: str
                         + (f'_{slug(setting)}' if setting else ''))
 
 
+def _placeless(command: Sequence[str]) -> list[str]:
+    """A command without its --output_dir value: where a run's folder is, not what the run was."""
+    out = list(command)
+    if '--output_dir' in out[:-1]:
+        del out[out.index('--output_dir') + 1]
+    return out
+
+
 def saved_result(directory: str, command: list[str]) -> dict | None:
-    """directory/result.json when it records `command` (a finished run to reuse), else None."""
+    """directory/result.json when it records `command` (a finished run to reuse), else None. The folder the
+    command wrote into is not compared: a run folder moved or copied elsewhere is still that run."""
     path = os.path.join(directory, 'result.json')
     if os.path.isfile(path):
         saved = read_json(path, 'run result')
-        if saved.get('command') == command:
+        if _placeless(saved.get('command') or []) == _placeless(command):
             return saved
     return None
 
