@@ -207,9 +207,9 @@ def test_sigterm_saves_and_resume_is_exact(data_dir, tmp_path, processes):
     latest = read_latest(cut)
     assert latest['path'].startswith('checkpoint_step_') and latest['epoch'] == 1
     assert not os.path.exists(os.path.join(cut, 'checkpoint_01.pth'))
-    if processes == 2:  # requeued onto fewer or more processes: copies of the stopped run
-        for world in (1, 3):
-            shutil.copytree(cut, f'{cut}_on_{world}')
+    if processes == 2:  # requeued onto fewer processes: a copy of the stopped run (growing to more, with
+        # indices left over, is the trainer's 1 -> 2 test and the sampler's properties over W -> W')
+        shutil.copytree(cut, f'{cut}_on_1')
     run(command('--output_dir', cut, '--resume'))
     assert_resumed_from(cut, latest)
 
@@ -220,8 +220,7 @@ def test_sigterm_saves_and_resume_is_exact(data_dir, tmp_path, processes):
         assert torch.equal(value, b['model'][key]), key
     assert read_log(full)[-1]['bad_samples'] == read_log(cut)[-1]['bad_samples'] == 0
     if processes == 2:
-        for world in (1, 3):
-            assert_continues_on(world, f'{cut}_on_{world}', latest, data_dir, extra, read_log(full))
+        assert_continues_on(1, f'{cut}_on_1', latest, data_dir, extra, read_log(full))
 
 
 def assert_continues_on(world: int, out: str, latest: dict, data_dir: str, extra: dict,

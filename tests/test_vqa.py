@@ -135,10 +135,13 @@ def test_tiny_finetune_beats_majority_and_writes_results(tmp_path, config):
     import VQA
 
     out = str(tmp_path / "vqa")
-    record = VQA.main(["--config", "configs/tiny/VQA.yaml", "--output_dir", out, "--device", "cpu"])
+    # 4 of the shipped 10 epochs (make test's time): from random init they reach 0.60 against the 10's 0.62,
+    # the majority answer 0.15 (2-core CPU, 2026-11-26).
+    record = VQA.main(["--config", "configs/tiny/VQA.yaml", "--output_dir", out, "--device", "cpu",
+                       "--set", "max_epoch=4", "schedular.epochs=4"])
     with open(os.path.join(out, "log.txt")) as f:
         log = [json.loads(line) for line in f]
-    assert len(log) == config.max_epoch and log[-1]["test_acc"] == record["test_acc"]
+    assert len(log) == 4 and log[-1]["test_acc"] == record["test_acc"]
 
     train = load_json_list(config.train_file)
     test = load_json_list(config.test_file)
