@@ -340,6 +340,11 @@ COLUMNS = ('loss_itm', 'itm_epoch', 'grit_hardness', 'grit_hardness_t2i', 'itm_f
            'val_mean_r1')
 
 
+def _width(column: str) -> int:
+    """A printed column's width: its name's, at least 11."""
+    return max(11, len(column))
+
+
 def report(sweep: dict[str, dict[float | tuple, dict[int, dict]]], seeds: Sequence[int],
            baselines: Sequence[str] = ('random batches', 'GRIT-VLP')) -> tuple[str, dict]:
     """The printed tables and the JSON summary of a sweep {arm: {setting: {seed: summary_row}}}; a setting
@@ -358,17 +363,18 @@ def report(sweep: dict[str, dict[float | tuple, dict[int, dict]]], seeds: Sequen
             lines.append(f'{arm:>18} {setting_label(key):>16}' + ''.join(f'{m:>10.2f}' for m in means) + mark)
     lines += ['', 'test split at each arm\'s selected setting (mean R@1 = mean of text and image R@1; '
               'ITC = ranked by the cosine alone)',
-              f'{"seed":>6} {"arm":>18} {"setting":>16}' + ''.join(f'{c:>14}' for c in COLUMNS)]
+              f'{"seed":>6} {"arm":>18} {"setting":>16}' + ''.join(f' {c:>{_width(c)}}' for c in COLUMNS)]
     summary = {}
     for arm, key in selected.items():
         rows = sweep[arm][key]
         label = setting_label(key)
         for s in seeds:
-            lines.append(f'{s:>6} {arm:>18} {label:>16}' + ''.join(f'{rows[s][c]:>14.4f}' for c in COLUMNS))
+            lines.append(f'{s:>6} {arm:>18} {label:>16}'
+                         + ''.join(f' {rows[s][c]:>{_width(c)}.4f}' for c in COLUMNS))
         stats = {c: spread([rows[s][c] for s in seeds]) for c in COLUMNS}
         for what in ('mean', 'std', 'median', 'min', 'max'):
             lines.append(f'{what:>6} {arm:>18} {label:>16}'
-                         + ''.join(f'{stats[c][what]:>14.4f}' for c in COLUMNS))
+                         + ''.join(f' {stats[c][what]:>{_width(c)}.4f}' for c in COLUMNS))
         lr = key[0] if isinstance(key, tuple) else key
         summary[arm] = {'lr': lr, 'setting': key[1] if isinstance(key, tuple) else None, **stats}
     gaps: dict[str, dict] = {}
@@ -423,8 +429,13 @@ def markdown_table(record: dict, costs: dict[str, float] | None = None) -> str:
         cells = [arm, chosen]
         for key, _, digits in TABLE:
             v = stats[key]
-            cells.append('–' if math.isnan(v['mean']) else f'{v["mean"]:.{digits}f} ± {v["std"]:.{digits}f}'
-                         f'<br>{v["median"]:.{digits}f} [{v["min"]:.{digits}f}, {v["max"]:.{digits}f}]')
+            if math.isnan(v['mean']):
+                cells.append('–')
+            elif n == 1:  # one seed: its value, no spread
+                cells.append(f'{v["mean"]:.{digits}f}')
+            else:
+                cells.append(f'{v["mean"]:.{digits}f} ± {v["std"]:.{digits}f}<br>{v["median"]:.{digits}f} '
+                             f'[{v["min"]:.{digits}f}, {v["max"]:.{digits}f}]')
         gap = gaps.get(arm, {}).get('mean_r1')
         cells.append('' if gap is None else f'{gap["mean"]:+.2f} ± {gap["std"]:.2f}<br>('
                      + ', '.join(f'{x:+.1f}' for x in gap['per_seed']) + ')')
