@@ -181,6 +181,19 @@ def test_a_reused_run_is_read_back_and_keeps_its_log(tmp_path, monkeypatch):
     assert compare.saved_result(copy, other) is None
 
 
+def _grid_sweep(seeds: list[int], **figures: float) -> dict:
+    """Stub summary rows: GRIT-VLP, random batches, and B3 with two settings, of which (5e-4, p=2) is best
+    on test and (2.5e-4, p=10) on val (val decides); `figures` replace the other columns' 0.5."""
+    def row(val: float, test: float) -> dict:
+        return {c: 0.5 for c in COLUMNS} | {"val_mean_r1": val, "mean_r1": test, "itc_mean_r1": test,
+                                            "val_itc_mean_r1": val} | figures
+
+    return {"GRIT-VLP": {5e-4: {s: row(50.0, 60.0 + s) for s in seeds}},
+            "random batches": {2.5e-4: {s: row(40.0, 50.0) for s in seeds}},
+            "B3": {(5e-4, "p=2,m=20"): {s: row(45.0, 90.0) for s in seeds},
+                   (2.5e-4, "p=10,m=30"): {s: row(47.0, 55.0 + 2 * s) for s in seeds}}}
+
+
 def test_new_arms_sweep_their_grid_with_the_rate_and_are_selected_on_val(monkeypatch):
     """Each strategy or loss switch is an arm; an arm with a hyper-parameter gets a grid of the same size
     as every other such arm, each setting swept with every rate, the pair selected on val alone; the test
@@ -204,17 +217,8 @@ def test_new_arms_sweep_their_grid_with_the_rate_and_are_selected_on_val(monkeyp
                                        "random + HN-NCE": "random"}.get(arm, "grit"), arm
     assert run_dir("/o", "B3", 1, 5e-4, "p=2,m=20") == "/o/seed1/b3_lr0.0005_p_2_m_20"
 
-    def row(val: float, test: float) -> dict:
-        return {c: 0.5 for c in COLUMNS} | {"val_mean_r1": val, "mean_r1": test, "itc_mean_r1": test,
-                                            "val_itc_mean_r1": val, "probe": 0.5}
-
     seeds = [1, 2, 3]
-    sweep = {"GRIT-VLP": {5e-4: {s: row(50.0, 60.0 + s) for s in seeds}},
-             "random batches": {2.5e-4: {s: row(40.0, 50.0) for s in seeds}},
-             # B3: (5e-4, p=2) is best on test, (2.5e-4, p=10) on val: val decides
-             "B3": {(5e-4, "p=2,m=20"): {s: row(45.0, 90.0) for s in seeds},
-                    (2.5e-4, "p=10,m=30"): {s: row(47.0, 55.0 + 2 * s) for s in seeds}}}
-    text, record = report(sweep, seeds)
+    text, record = report(_grid_sweep(seeds), seeds)
     assert record["selected_lr"]["B3"] == [2.5e-4, "p=10,m=30"]
     b3 = record["summary"]["B3"]
     assert b3["setting"] == "p=10,m=30" and b3["lr"] == 2.5e-4
@@ -231,16 +235,8 @@ def test_the_markdown_table_shows_each_arm_at_its_selection_with_spread_gap_and_
 
     monkeypatch.chdir(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-    def row(val: float, test: float) -> dict:
-        return {c: 0.5 for c in COLUMNS} | {"val_mean_r1": val, "mean_r1": test, "itc_mean_r1": test,
-                                            "val_itc_mean_r1": val, "batch_same_scene": float("nan")}
-
     seeds = [1, 2, 3]
-    sweep = {"GRIT-VLP": {5e-4: {s: row(50.0, 60.0 + s) for s in seeds}},
-             "random batches": {2.5e-4: {s: row(40.0, 50.0) for s in seeds}},
-             "B3": {(5e-4, "p=2,m=20"): {s: row(45.0, 90.0) for s in seeds},
-                    (2.5e-4, "p=10,m=30"): {s: row(47.0, 55.0 + 2 * s) for s in seeds}}}
-    _, record = report(sweep, seeds)
+    _, record = report(_grid_sweep(seeds, batch_same_scene=float("nan")), seeds)
     record["seeds"] = seeds
     lines = markdown_table(record, {"grit": 0.0041, "b3": 0.00833}).splitlines()
     b3 = next(line for line in lines if line.startswith("| B3 |")).split(" | ")
