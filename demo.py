@@ -19,16 +19,7 @@ import time
 from collections.abc import Sequence
 
 from models.pretrain import ALBEF_Base
-from tools.compare import (
-    ARMS,
-    SELECTED_LR,
-    last_checkpoint,
-    lr_overrides,
-    prepare_pretraining,
-    run_pairs,
-    side_by_side,
-    slug,
-)
+from tools.compare import ARMS, SELECTED_LR, side_by_side
 from tools.downstream import (
     DOWNSTREAM_PRETRAIN_CONFIG,
     downstream_summary,
@@ -36,6 +27,7 @@ from tools.downstream import (
     run_downstream,
 )
 from tools.launch import in_root
+from tools.runs import last_checkpoint, lr_overrides, prepare_pretraining, run_pairs, slug
 from training.cli import Parser, run_main
 
 COLUMNS = ('epoch', *ALBEF_Base.loss_names, 'grit_hardness', 'train_seconds')

@@ -7,18 +7,8 @@ import json
 import os
 import statistics
 
-from tools.compare import (
-    ARMS,
-    COLUMNS,
-    PRETRAIN_CONFIG,
-    lr_overrides,
-    read_evaluation,
-    report,
-    run_dir,
-    select_lr,
-    side_by_side,
-    summary_row,
-)
+from tools.compare import ARMS, COLUMNS, report, select_lr, side_by_side, summary_row
+from tools.runs import PRETRAIN_CONFIG, lr_overrides, read_evaluation, run_dir
 from training.config_resolve import resolve_config
 
 
@@ -110,7 +100,7 @@ def test_each_arm_sweeps_the_rate_with_the_schedule_scaled(monkeypatch):
 
 
 def test_evaluations_get_the_overrides_their_config_accepts():
-    from tools.compare import overrides_for
+    from tools.runs import overrides_for
 
     given = ['vision_stem=conv', 'grit.search_space=120', 'bert_config=/x/bert.json', 'max_epoch=20']
     assert overrides_for('retrieval', given) == ['--set', 'vision_stem=conv', 'bert_config=/x/bert.json',
@@ -123,8 +113,8 @@ def test_the_downstream_pretraining_is_the_tiny_one_for_longer(monkeypatch):
     # demo --downstream's checkpoint must come from the demo's GRIT-VLP run with a longer schedule only,
     # so that NLVR2 and VQA measure the same model and method (docs/synthetic-world.md, 'NLVR2 on the
     # synthetic data').
-    from tools.compare import PRETRAIN_CONFIG, pretrain_command
     from tools.downstream import DOWNSTREAM_PRETRAIN_CONFIG
+    from tools.runs import PRETRAIN_CONFIG, pretrain_command
     from training.config_resolve import resolve_config
 
     monkeypatch.chdir(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -151,7 +141,7 @@ def test_demo_reads_the_trainers_log_keys():
 
 
 def test_a_reused_run_is_read_back_and_keeps_its_log(tmp_path, monkeypatch):
-    import tools.compare as compare
+    from tools import runs
 
     directory = str(tmp_path / "seed1" / "grit_vlp_lr0.0005")
     os.makedirs(os.path.join(directory, "pretrain"))
@@ -159,15 +149,15 @@ def test_a_reused_run_is_read_back_and_keeps_its_log(tmp_path, monkeypatch):
     with open(log, "w") as f:
         f.write('{"epoch": 0}\n')
     args = ["--seed", "1"]
-    command = compare.pretrain_command(os.path.join(directory, "pretrain"), args, clear=False)
+    command = runs.pretrain_command(os.path.join(directory, "pretrain"), args, clear=False)
     with open(os.path.join(directory, "result.json"), "w") as f:
         json.dump({"command": command, "log": [{"epoch": 0}], "retrieval": {"r": 1}, "probe": {"p": 2}}, f)
 
     def no_run(jobs):
         raise AssertionError(f"a reused run must not start: {jobs}")
 
-    monkeypatch.setattr(compare, "run_side_by_side", no_run)
-    out = compare.run_pairs({"GRIT-VLP": (directory, args, [])}, reuse=True)
+    monkeypatch.setattr(runs, "run_side_by_side", no_run)
+    out = runs.run_pairs({"GRIT-VLP": (directory, args, [])}, reuse=True)
     assert out == {"GRIT-VLP": ([{"epoch": 0}], {"r": 1}, {"p": 2})}
     assert os.path.isfile(log)  # tools.efficiency reads the epochs of a reused run from it
 
@@ -176,9 +166,9 @@ def test_a_reused_run_is_read_back_and_keeps_its_log(tmp_path, monkeypatch):
 
     copy = str(tmp_path / "elsewhere" / "seed1" / "grit_vlp_lr0.0005")
     shutil.copytree(directory, copy)
-    assert compare.run_pairs({"GRIT-VLP": (copy, args, [])}, reuse=True)["GRIT-VLP"][1] == {"r": 1}
-    other = compare.pretrain_command(os.path.join(copy, "pretrain"), ["--seed", "2"], clear=False)
-    assert compare.saved_result(copy, other) is None
+    assert runs.run_pairs({"GRIT-VLP": (copy, args, [])}, reuse=True)["GRIT-VLP"][1] == {"r": 1}
+    other = runs.pretrain_command(os.path.join(copy, "pretrain"), ["--seed", "2"], clear=False)
+    assert runs.saved_result(copy, other) is None
 
 
 def _grid_sweep(seeds: list[int], **figures: float) -> dict:

@@ -12,9 +12,9 @@ pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("in_repo")]
 
 
 def test_pretrain_then_retrieval_and_vqa_beat_chance_and_nlvr_runs(tmp_path):
-    from tools.compare import last_checkpoint
     from tools.downstream import run_downstream
     from tools.launch import run
+    from tools.runs import last_checkpoint
 
     pre_dir = str(tmp_path / "pretrain")
     run(["Pretrain", "--config", "configs/tiny/Pretrain.yaml", "--output_dir", pre_dir])

@@ -38,9 +38,9 @@ from dataclasses import dataclass, field
 
 from grit_io import read_json
 from tools.cli import emit_record, tool_parser
-from tools.compare import fresh, read_log
 from tools.launch import in_root, run
 from tools.report import load_runs, write_report
+from tools.runs import fresh, read_log
 from training.cli import Parser, run_main
 from training.config_files import ConfigError
 from training.config_resolve import config_to_dict, resolve_config

@@ -28,31 +28,23 @@ runs one seed of two arms at their selected rates (SELECTED_LR).
 
 from __future__ import annotations
 
-import json
 import math
 import os
-import re
 import statistics
-from collections.abc import Hashable, Sequence
+from collections.abc import Sequence
 
 from grit_io import InputFileError, read_json
-from tools.batch_scenes import with_batch_scenes
 from tools.cli import emit_record, tool_parser
-from tools.launch import ROOT, in_root, run_side_by_side
+from tools.launch import ROOT, in_root
+from tools.runs import PRETRAIN_CONFIG, lr_overrides, prepare_pretraining, run_dir, run_pairs
 from training.cli import Parser, run_main
-from training.config_resolve import known_keys, resolve_config
+from training.config_resolve import resolve_config
 
-__all__ = ["ARMS", "COLUMNS", "GRIDS", "ITM_CHANCE", "PRETRAIN_CONFIG", "RETRIEVAL_CONFIG", "SELECTED_LR",
-           "SELECTED_SETTING", "STRATEGY_BENCH", "arm_strategies", "build_parser", "evaluation_commands",
-           "fresh", "grid_overrides", "last_checkpoint", "lr_overrides", "main", "markdown_table",
-           "mean_std", "overrides_for", "prepare_pretraining", "pretrain_command", "read_costs",
-           "read_evaluation", "read_log", "read_retrieval", "report", "run_dir", "run_pairs",
-           "saved_result", "select_lr", "selection", "setting_label", "side_by_side", "slug", "spread",
+__all__ = ["ARMS", "COLUMNS", "GRIDS", "ITM_CHANCE", "SELECTED_LR", "SELECTED_SETTING", "STRATEGY_BENCH",
+           "arm_strategies", "build_parser", "grid_overrides", "main", "markdown_table", "mean_std",
+           "read_costs", "report", "select_lr", "selection", "setting_label", "side_by_side", "spread",
            "summary_row"]
 
-# Repository-relative, as the shipped configs' own paths: the tools and their children work in the root.
-PRETRAIN_CONFIG = 'configs/tiny/Pretrain.yaml'
-RETRIEVAL_CONFIG = 'configs/tiny/Retrieval.yaml'
 STRATEGY_BENCH = 'docs/results/strategy_bench.json'  # the strategies' measured cost (tools.strategy_bench)
 ITM_CHANCE = 0.637  # ITM's loss when it says p(match) = 1/3 (one positive, two mined negatives per pair)
 ITM_LEFT_CHANCE = 0.02  # itm_epoch: the first epoch (1-based) whose mean loss_itm is this far below chance
@@ -110,88 +102,6 @@ def selection(arm: str) -> tuple[float, str | None]:
     return SELECTED_LR[arm], SELECTED_SETTING.get(arm)
 
 
-def fresh(output_dir: str) -> str:
-    """Drop an earlier run's log.txt and latest.json in output_dir (a fresh run each time, not a resume)."""
-    for name in ('log.txt', 'latest.json'):
-        if os.path.exists(os.path.join(output_dir, name)):
-            os.remove(os.path.join(output_dir, name))
-    return output_dir
-
-
-def read_log(path: str) -> list[dict]:
-    """The JSON lines of a log.txt."""
-    with open(path, encoding='utf-8') as f:
-        return [json.loads(line) for line in f if line.strip()]
-
-
-def prepare_pretraining(overrides: Sequence[str] = ()) -> None:
-    """Generate, once and before the runs start side by side, what the tiny pre-training generates on
-    first use: the synthetic data and, with `vision_init: synthetic`, its pre-trained ViT."""
-    from training.inputs import prepare_inputs
-
-    # Its data is what is being made here: the paths need not exist yet.
-    prepare_inputs(resolve_config('pretrain', PRETRAIN_CONFIG, list(overrides), check_paths=False))
-
-
-def pretrain_command(output_dir: str, args: Sequence[str], config: str = PRETRAIN_CONFIG,
-                     clear: bool = True) -> list[str]:
-    """The command (tools.launch) of a tiny pre-training into output_dir with extra arguments; clear: drop
-    an earlier run's log there first (fresh), so that the command starts a new run."""
-    return ['Pretrain', '--config', config, '--output_dir', fresh(output_dir) if clear else output_dir, *args]
-
-
-def lr_overrides(lr: float, config: str = PRETRAIN_CONFIG) -> list[str]:
-    """KEY=VALUE overrides setting the peak learning rate to lr, the schedule's floor (min_lr) and warm-up
-    start (warmup_lr) scaled with it (the tiny config: lr/10 both)."""
-    schedule = resolve_config('pretrain', config, check_paths=False).schedular
-    scale = lr / schedule.lr
-    return [f'optimizer.lr={lr!r}', f'schedular.lr={lr!r}', f'schedular.min_lr={schedule.min_lr * scale!r}',
-            f'schedular.warmup_lr={schedule.warmup_lr * scale!r}']
-
-
-def overrides_for(task: str, overrides: Sequence[str]) -> list[str]:
-    """The KEY=VALUE overrides whose key `task`'s config accepts (training.config), as --set arguments.
-
-    The evaluations must build the model the pre-training built (e.g. `--set vision_stem=conv`), while
-    pre-training-only keys (grit.*) would be rejected by the retrieval config.
-    """
-    known = known_keys(task)
-    kept = [o for o in overrides if o.split('=', 1)[0] in known]
-    return ['--set', *kept] if kept else []
-
-
-def last_checkpoint(pre_dir: str) -> str:
-    """The checkpoint of the last epoch that a pre-training run's log.txt records."""
-    rows = read_log(os.path.join(pre_dir, 'log.txt'))
-    return os.path.join(pre_dir, f'checkpoint_{rows[-1]["epoch"]:02d}.pth')
-
-
-def evaluation_commands(checkpoint: str, out_dir: str, overrides: Sequence[str] = (),
-                        eval_overrides: Sequence[str] = ()) -> list[list[str]]:
-    """Zero-shot `Retrieval --evaluate` into out_dir, then tools.probe into out_dir/probe.json (the
-    pre-training's overrides that shape the model go to both; eval_overrides to the retrieval only)."""
-    return [['Retrieval', '--config', RETRIEVAL_CONFIG, '--checkpoint', checkpoint, '--evaluate',
-             '--output_dir', fresh(out_dir), *overrides_for('retrieval', [*overrides, *eval_overrides])],
-            ['tools.probe', '--config', PRETRAIN_CONFIG, '--checkpoint', checkpoint, '--output_dir', out_dir,
-             *overrides_for('pretrain', overrides)]]
-
-
-def read_retrieval(out_dir: str) -> dict:
-    """The last retrieval record in out_dir/log.txt, with {val,test}_{,itc_}mean_r1 added (text and image
-    R@1 averaged)."""
-    retrieval = read_log(os.path.join(out_dir, 'log.txt'))[-1]
-    for split in ('val', 'test'):
-        for scoring in ('', 'itc_'):
-            prefix = f'{split}_{scoring}'
-            retrieval[f'{prefix}mean_r1'] = (retrieval[f'{prefix}txt_r1'] + retrieval[f'{prefix}img_r1']) / 2
-    return retrieval
-
-
-def read_evaluation(out_dir: str) -> tuple[dict, dict]:
-    """The retrieval record (read_retrieval) and the probe result written into out_dir."""
-    return read_retrieval(out_dir), read_json(os.path.join(out_dir, 'probe.json'), 'probe result')
-
-
 def summary_row(rows: list[dict], retrieval: dict, probe_result: dict) -> dict:
     """The numbers of one run that the tables show: test (and val) R@1 re-ranked and ITC-only, the probe."""
     # The batch figures of the last epoch (nan where a run has none: an older run, random batches' groups);
@@ -238,81 +148,6 @@ def side_by_side(runs: dict[str, tuple[list[dict], dict, dict]]) -> str:
         lines.append(f'{kind:>22}' + ''.join(f'{a:>16.4f}' for a in accuracies))
     lines.append(f'{"overall":>22}' + ''.join(f'{runs[n][2]["overall"]:>16.4f}' for n in names))
     return '\n'.join(lines)
-
-
-def slug(arm: str) -> str:
-    """An arm's name as a folder name: 'GRIT-VLP M/N=96' -> 'grit_vlp_m_n_96'."""
-    return re.sub(r'[^a-z0-9]+', '_', arm.lower()).strip('_')
-
-
-def run_dir(output_dir: str, arm: str, seed: int, lr: float | None, setting: str | None = None) -> str:
-    """The folder of one run: output_dir/seed<S>/<slug(arm)>[_lr<lr>][_<slug(setting)>] (pretrain/,
-    zeroshot/ inside)."""
-    return os.path.join(output_dir, f'seed{seed}', slug(arm) + (f'_lr{lr:g}' if lr is not None else '')
-                        + (f'_{slug(setting)}' if setting else ''))
-
-
-def _placeless(command: Sequence[str]) -> list[str]:
-    """A command without its --output_dir value: where a run's folder is, not what the run was."""
-    out = list(command)
-    if '--output_dir' in out[:-1]:
-        del out[out.index('--output_dir') + 1]
-    return out
-
-
-def saved_result(directory: str, command: list[str]) -> dict | None:
-    """directory/result.json when it records `command` (a finished run to reuse), else None. The folder the
-    command wrote into is not compared: a run folder moved or copied elsewhere is still that run."""
-    path = os.path.join(directory, 'result.json')
-    if os.path.isfile(path):
-        saved = read_json(path, 'run result')
-        if _placeless(saved.get('command') or []) == _placeless(command):
-            return saved
-    return None
-
-
-def run_pairs(runs: dict[Hashable, tuple[str, list[str], list[str]]], reuse: bool = False,
-              eval_overrides: Sequence[str] = (), probe_args: Sequence[str] = ()
-              ) -> dict[Hashable, tuple[list[dict], dict, dict]]:
-    """Pre-train and evaluate runs {name: (folder, pre-training arguments, the evaluations' overrides)}, two
-    side by side;
-    returns {name: (log rows, retrieval record, probe result)}; each folder gets result.json.
-    eval_overrides (KEY=VALUE) go to the zero-shot retrieval only (e.g. another test_file), probe_args to
-    tools.probe (e.g. --limit 40).
-
-    reuse: a run whose result.json records the same pre-training command is read, not run again. Call it
-    in the repository root (main does, tools.launch.in_root): the configs' relative paths are read there.
-    """
-    out: dict[str, tuple[list[dict], dict, dict]] = {}
-    todo = []
-    for name, (directory, args, overrides) in runs.items():
-        # Built without clearing: a reused run keeps its log.txt (tools.efficiency reads its epochs).
-        command = pretrain_command(os.path.join(directory, 'pretrain'), args, clear=False)
-        saved = saved_result(directory, command) if reuse else None
-        if saved:
-            out[name] = (with_batch_scenes(saved['log'], os.path.join(directory, 'pretrain')),
-                         saved['retrieval'], saved['probe'])
-        else:
-            fresh(os.path.join(directory, 'pretrain'))
-            todo.append((name, directory, command, overrides))
-    for start in range(0, len(todo), 2):
-        pair = todo[start:start + 2]
-        run_side_by_side([(command, os.path.join(d, 'pretrain', 'stdout.txt')) for _, d, command, _ in pair])
-        commands = [evaluation_commands(last_checkpoint(os.path.join(d, 'pretrain')),
-                                        os.path.join(d, 'zeroshot'), sets, eval_overrides)
-                    for _, d, _, sets in pair]
-        for c in commands:
-            c[1] += list(probe_args)
-        for stage in range(2):  # retrieval of both runs side by side, then the probes
-            run_side_by_side([(c[stage], os.path.join(d, 'zeroshot', f'stdout_{stage}.txt'))
-                              for c, (_, d, _, _) in zip(commands, pair)])
-        for name, directory, command, _ in pair:
-            log = read_log(os.path.join(directory, 'pretrain', 'log.txt'))
-            retrieval, probe = read_evaluation(os.path.join(directory, 'zeroshot'))
-            with open(os.path.join(directory, 'result.json'), 'w', encoding='utf-8') as f:
-                json.dump({'command': command, 'log': log, 'retrieval': retrieval, 'probe': probe}, f)
-            out[name] = (with_batch_scenes(log, os.path.join(directory, 'pretrain')), retrieval, probe)
-    return out
 
 
 def select_lr(val_scores: dict[float, list[float]]) -> float:

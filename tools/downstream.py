@@ -23,22 +23,18 @@ import os
 from collections.abc import Sequence
 
 from tools.cli import emit_record, tool_parser
-from tools.compare import (
-    ARMS,
-    SELECTED_LR,
+from tools.compare import ARMS, SELECTED_LR, grid_overrides, mean_std, selection
+from tools.launch import in_root, run_side_by_side
+from tools.runs import (
     fresh,
-    grid_overrides,
     last_checkpoint,
     lr_overrides,
-    mean_std,
     prepare_pretraining,
     pretrain_command,
     read_log,
     run_dir,
     saved_result,
-    selection,
 )
-from tools.launch import in_root, run_side_by_side
 from training.cli import Parser, run_main
 from training.config_resolve import resolve_config
 

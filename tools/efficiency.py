@@ -30,22 +30,18 @@ from collections.abc import Sequence
 
 from tools.ablate import PRESETS, ensure_micro_data
 from tools.cli import emit_record, tool_parser
-from tools.compare import (
-    ARMS,
+from tools.compare import ARMS, SELECTED_LR, grid_overrides, mean_std, selection
+from tools.launch import in_root, run_side_by_side
+from tools.runs import (
     PRETRAIN_CONFIG,
-    SELECTED_LR,
     evaluation_commands,
-    grid_overrides,
     lr_overrides,
-    mean_std,
     prepare_pretraining,
     read_log,
     read_retrieval,
     run_dir,
     run_pairs,
-    selection,
 )
-from tools.launch import in_root, run_side_by_side
 from training.cli import Parser, run_main
 from training.config_resolve import resolve_config
 

@@ -50,7 +50,7 @@ from collections.abc import Sequence
 import torch
 
 from tools.cli import emit_record, tool_parser
-from tools.compare import last_checkpoint, read_log, read_retrieval
+from tools.runs import last_checkpoint, read_log, read_retrieval
 from training.cli import Parser, run_main
 
 __all__ = ["GB", "QUICK_COMPILED", "QUICK_EAGER", "QUICK_TARGETS", "TARGETS", "build_parser", "judge",
