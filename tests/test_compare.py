@@ -238,6 +238,13 @@ def test_the_markdown_table_shows_each_arm_at_its_selection_with_spread_gap_and_
     rand = next(line for line in lines if line.startswith("| random batches |"))
     assert rand.endswith("| 0.00 % |")  # random batches group nothing
     assert "cost" not in markdown_table(record)  # no benchmark: no cost column
+    from tools.compare import setting_label, sweep_table
+
+    record["sweep"] = {arm: {setting_label(k): rows for k, rows in by.items()}
+                       for arm, by in _grid_sweep(seeds).items()}
+    sweep = sweep_table(record).splitlines()
+    assert "| **B3** | **0.00025 p=10,m=30** | **47.00** | **59.00** |" in sweep  # selected on val: bold
+    assert "| B3 | 0.0005 p=2,m=20 | 45.00 | 90.00 |" in sweep  # the best test, not selected
 
 
 def test_costs_come_from_the_strategy_benchmark_and_a_bad_file_is_named(tmp_path):

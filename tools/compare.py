@@ -43,7 +43,7 @@ from training.config_resolve import resolve_config
 __all__ = ["ARMS", "COLUMNS", "GRIDS", "ITM_CHANCE", "SELECTED_LR", "SELECTED_SETTING", "STRATEGY_BENCH",
            "arm_strategies", "build_parser", "grid_overrides", "main", "markdown_table", "mean_std",
            "read_costs", "report", "select_lr", "selection", "setting_label", "side_by_side", "spread",
-           "summary_row"]
+           "summary_row", "sweep_table"]
 
 STRATEGY_BENCH = 'docs/results/strategy_bench.json'  # the strategies' measured cost (tools.strategy_bench)
 ITM_CHANCE = 0.637  # ITM's loss when it says p(match) = 1/3 (one positive, two mined negatives per pair)
@@ -281,6 +281,23 @@ def markdown_table(record: dict, costs: dict[str, float] | None = None) -> str:
     return '\n'.join(lines) + '\n'
 
 
+def sweep_table(record: dict) -> str:
+    """The sweep as markdown: each arm's settings with their mean val R@1 (re-ranked, what selects) and mean
+    test R@1 over the seeds, the selected one in bold (test is shown, never used to select)."""
+    lines = ['| arm | setting | val mean R@1 | test mean R@1 |', '|---|---|---|---|']
+    for arm, by_label in record['sweep'].items():
+        chosen = record['selected_lr'][arm]
+        chosen = setting_label(tuple(chosen) if isinstance(chosen, list) else chosen)
+        for label, rows in by_label.items():
+            val = statistics.fmean(r['val_mean_r1'] for r in rows.values())
+            test = statistics.fmean(r['mean_r1'] for r in rows.values())
+            cells = [arm, label, f'{val:.2f}', f'{test:.2f}']
+            if label == chosen:
+                cells = [f'**{c}**' for c in cells]
+            lines.append('| ' + ' | '.join(cells) + ' |')
+    return '\n'.join(lines) + '\n'
+
+
 def read_costs(path: str) -> dict[str, float]:
     """strategy -> share of a paper-size step, from tools.strategy_bench's JSON; InputFileError naming the
     file when it is missing or is not that JSON."""
@@ -362,7 +379,7 @@ def main(argv: Sequence[str] | None = None) -> dict:
     costs = (read_costs(os.path.abspath(args.costs)) if args.costs
              else read_costs(default_costs) if os.path.isfile(default_costs) else None)
     with in_root():  # the arms' configs are read where their relative paths point
-        table = markdown_table(record, costs)
+        table = markdown_table(record, costs) + '\nThe sweep (selected in bold):\n\n' + sweep_table(record)
     with open(os.path.join(output_dir, 'compare.md'), 'w', encoding='utf-8') as f:
         f.write(table)
     return record
