@@ -262,3 +262,33 @@ def test_costs_come_from_the_strategy_benchmark_and_a_bad_file_is_named(tmp_path
         read_costs(str(bad))
     with pytest.raises(InputFileError, match="missing.json"):
         read_costs(str(tmp_path / "missing.json"))
+
+
+def test_the_selected_runs_are_the_sweeps_own_folders_and_commands(tmp_path, monkeypatch):
+    """--selected (the final rows on more seeds, a hidden seed) runs each arm exactly as its sweep ran the
+    selection, in the same folder, so --reuse keeps the sweep's seeds; a grid arm without its selected
+    setting is refused."""
+    import pytest
+
+    from tools import compare
+
+    monkeypatch.chdir(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    monkeypatch.setattr(compare, "prepare_pretraining", lambda overrides=(): None)
+    asked = []
+
+    def fake_pairs(runs, reuse=False):
+        asked.append(runs)
+        return {key: _run(0.4, 6.0, 4.0, 0.9) for key in runs}
+
+    monkeypatch.setattr(compare, "run_pairs", fake_pairs)
+    out = str(tmp_path / "cmp")
+    compare.main(["--seeds", "1", "--lrs", "2.5e-4", "5e-4", "--arms", "B3", "--output_dir", out])
+    monkeypatch.setitem(compare.SELECTED_LR, "B3", 5e-4)
+    with pytest.raises(SystemExit):  # the rate alone is not B3's selection
+        compare.main(["--seeds", "1", "--selected", "--arms", "B3", "--output_dir", out])
+    monkeypatch.setitem(compare.SELECTED_SETTING, "B3", "p=2,m=20")
+    compare.main(["--seeds", "1", "--selected", "--arms", "B3", "--output_dir", out])
+    sweep, selected = asked[0], asked[-1]
+    assert len(sweep) == 4 and list(selected) == [("B3", 5e-4, "p=2,m=20", 1)]
+    assert selected[("B3", 5e-4, "p=2,m=20", 1)] == sweep[("B3", 5e-4, "p=2,m=20", 1)]
+    assert os.path.isfile(os.path.join(out, "compare.md"))

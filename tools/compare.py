@@ -341,12 +341,14 @@ def main(argv: Sequence[str] | None = None) -> dict:
     output_dir = os.path.abspath(args.output_dir)  # the user's path, from where the user is
     if args.selected and args.lrs:
         parser.error('--selected and --lrs exclude each other: the selected rates, or a sweep')
-    if args.selected and (missing := [a for a in args.arms if a not in SELECTED_LR]):
-        parser.error(f'--selected: no selected learning rate for {missing} (tools.compare.SELECTED_LR)')
+    if args.selected and (missing := [a for a in args.arms if a not in SELECTED_LR
+                                      or (a in GRIDS and a not in SELECTED_SETTING)]):
+        parser.error(f'--selected: no selection for {missing} yet (tools.compare.SELECTED_LR and, for an arm '
+                     'with a grid, SELECTED_SETTING: run its sweep first)')
     arm_lrs = {arm: [SELECTED_LR[arm]] if args.selected else args.lrs or [None] for arm in args.arms}
     # An arm's hyper-parameter grid is swept beside the rates; --selected takes the selected setting.
-    arm_settings = {arm: ([SELECTED_SETTING[arm]] if args.selected and arm in SELECTED_SETTING else
-                          GRIDS.get(arm, [None])) for arm in args.arms}
+    arm_settings = {arm: [selection(arm)[1]] if args.selected else GRIDS.get(arm, [None])
+                    for arm in args.arms}
     with in_root():
         prepare_pretraining(args.overrides)
         base = resolve_config('pretrain', PRETRAIN_CONFIG, list(args.overrides), check_paths=False)
