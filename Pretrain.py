@@ -80,7 +80,8 @@ class PretrainTask(Task):
         out = model(batch.image.to(self.device, non_blocking=True), batch.text.to(self.device),
                     image_key=None if self.image_keys is None else self.image_keys[idx], valid=valid)
         self.features = {"image": out["image_feat"], "text": out["text_feat"], "idx": idx, "valid": valid}
-        if self.shown is None and is_main_process():  # device tensors kept; copied once, at the epoch end
+        # The epoch's first batch, for its picture (batch_pictures): device tensors kept, copied at its end.
+        if self.config.batch_pictures and self.shown is None and is_main_process():
             # Copies: under compile's CUDA graphs the outputs' memory is reused by the next step.
             self.shown = {"image": batch.image[:8], "ids": batch.text["input_ids"][:8],
                           "image_feat": out["image_feat"][:8].detach().clone(),

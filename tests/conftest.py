@@ -102,10 +102,11 @@ def run_here(script, argv: list[str]):
 
 def small_pretrain_sets(data: str, **values) -> list[str]:
     """--set KEY=VALUE strings that shrink configs/tiny/Pretrain.yaml for script tests: the synthetic set
-    at `data`, 32 px, patch 16, one ViT block, batch 8, no synthetic ViT; `values` add or replace keys."""
+    at `data`, 32 px, patch 16, one ViT block, batch 8, no synthetic ViT, no batch pictures (matplotlib
+    took half of a tiny run: tests/test_reporting.py draws them); `values` add or replace keys."""
     sets = {"train_file": f"[{data}/pretrain.json]", "image_root": data, "vocab_file": f"{data}/vocab.txt",
             "synthetic_root": "null", "vision_init": "null", "image_res": 32, "patch_size": 16,
-            "vision_depth": 1, "batch_size": 8}
+            "vision_depth": 1, "batch_size": 8, "batch_pictures": "false"}
     sets.update(values)
     return [f"{k}={v}" for k, v in sets.items()]
 

@@ -182,6 +182,7 @@ def test_each_strategy_and_loss_switch_by_one_key(data_dir, tmp_path, capsys, se
     assert 'batch_groups' not in log[0]  # epoch 0 is random in every strategy
     assert ('batch_groups' in log[1]) == (strategy != 'random')
     assert log[1].get('batch_groups', 1.0) >= 1.0
+    assert not os.path.exists(os.path.join(out, 'batches'))  # batch_pictures: false (tests' default)
     # the batches' same-scene share, logged by the step and rebuilt after the fact from the sampler states in
     # the checkpoints (tools.batch_scenes, which fills the runs made before the step logged it) agree
     from tools.batch_scenes import same_scene_by_epoch, with_batch_scenes

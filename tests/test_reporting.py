@@ -131,7 +131,7 @@ def test_pretrain_pictures_a_random_and_a_grit_batch_and_logs_them(tmp_path):
     data = ensure_synthetic(str(tmp_path / "synthetic"), n=96, seed=3)
     out = tmp_path / "run"
     values = {"grit.queue_size": 40, "grit.search_space": 16, "max_epoch": 2, "schedular.epochs": 2,
-              "schedular.warmup_steps": 4, "print_freq": 5}
+              "schedular.warmup_steps": 4, "print_freq": 5, "batch_pictures": "true"}
     env = {k: v for k, v in os.environ.items() if not k.startswith("WANDB_")}
     env.update(OMP_NUM_THREADS="1", PYTHONPATH=ROOT, HOME=str(tmp_path / "home"), WANDB_SILENT="true")
     proc = subprocess.run([sys.executable, "Pretrain.py", "--config", "configs/tiny/Pretrain.yaml",

@@ -358,6 +358,8 @@ class PretrainConfig(_Objectives, TaskConfig):
     itc_smoothing_epoch: int = key(0, "the first epoch S-ITC smooths (before it: the paper's targets)", low=0)
     mlm_masked_only: bool = key(True, "MLM vocabulary logits only at the masked positions (a fixed-size "
                                       "selection, no host sync); false: at every position, as ALBEF")
+    batch_pictures: bool = key(True, "each epoch's first batch drawn into batches/ with its captions and "
+                                     "hardest negatives (training.pictures, matplotlib; rank 0); false: none")
     batch_size: int = key(REQUIRED, "per-rank batch N: one GRIT group per local batch", low=1)
     grit: Grit = key(Grit(enabled=False), "the GRIT sampler block; null: GRIT off")
     batching: Batching = key(Batching(), "how batches are formed: GRIT, random or a later strategy")
