@@ -23,7 +23,8 @@ test: $(STAMP)
 # The slow tests (about 75 min here): the downstream chain from a tiny pre-training must beat chance on
 # held-out splits; the 3-seed GRIT vs random-batch comparison and, from 36-epoch GRIT pre-trainings, its
 # downstream chain (issue 11; test_grit_helps alone took 56 min next to other runs); the micro pipelines
-# of tools.efficiency and tools.ablate's tables 2 and 5. docs/testing.md says what runs where.
+# of tools.efficiency and tools.ablate's tables 2 and 5, inductor in the GPU tests' CPU mode, the SIGTERM
+# run requeued on three processes. docs/testing.md says what runs where.
 test-slow: $(STAMP)
 	$(PY) -m pytest -m slow
 

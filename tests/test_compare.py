@@ -169,6 +169,9 @@ def test_a_reused_run_is_read_back_and_keeps_its_log(tmp_path, monkeypatch):
     assert runs.run_pairs({"GRIT-VLP": (copy, args, [])}, reuse=True)["GRIT-VLP"][1] == {"r": 1}
     other = runs.pretrain_command(os.path.join(copy, "pretrain"), ["--seed", "2"], clear=False)
     assert runs.saved_result(copy, other) is None
+    spelled = [c if c != "--output_dir" else "--output-dir" for c in command]  # any spelling of the folder
+    joined = command[:3] + [f"--output_dir={command[4]}"] + command[5:]
+    assert runs._placeless(spelled) == runs._placeless(joined) == runs._placeless(command)
 
 
 def _grid_sweep(seeds: list[int], **figures: float) -> dict:
@@ -238,6 +241,12 @@ def test_the_markdown_table_shows_each_arm_at_its_selection_with_spread_gap_and_
     rand = next(line for line in lines if line.startswith("| random batches |"))
     assert rand.endswith("| 0.00 % |")  # random batches group nothing
     assert "cost" not in markdown_table(record)  # no benchmark: no cost column
+    _, one = report(_grid_sweep([1]), [1])
+    one["seeds"] = [1]
+    lines = markdown_table(one).splitlines()
+    assert lines[0] == "one seed (1): its values"  # no spread claimed for one seed
+    b3 = next(line for line in lines if line.startswith("| B3 |")).split(" | ")
+    assert b3[2] == "57.00" and b3[-1] == "-4.00 |"  # its value and its gap, no "± nan"
     from tools.compare import setting_label, sweep_table
 
     record["sweep"] = {arm: {setting_label(k): rows for k, rows in by.items()}

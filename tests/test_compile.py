@@ -1,7 +1,7 @@
 """The `compile` switch: Pretrain.py's training forward goes through torch.compile and trains like the
 default path. This script test compiles with dynamo's 'eager' backend (graph capture without code
 generation); inductor, the backend `compile: true` uses, is tested on a tiny step against eager by
-tests/test_gpu.py in its CPU mode (tests/test_gpu_on_cpu.py)."""
+tests/test_gpu.py on a GPU and in its CPU mode under `make test-slow` (tests/test_gpu_on_cpu.py)."""
 
 from __future__ import annotations
 

@@ -42,8 +42,11 @@ def test_every_other_arm_is_measured_against_albef_base_at_its_selection(monkeyp
     monkeypatch.setitem(compare.SELECTED_SETTING, "B3", "p=2,m=20")
     assert efficiency.arm_run("B3") == (5e-4, "p=2,m=20")
     assert efficiency.arm_run("ALBEF_Base") == (efficiency.ARM_LR["ALBEF_Base"], None)
+    monkeypatch.delitem(compare.SELECTED_SETTING, "B3")
+    with pytest.raises(ValueError, match="'B3' has no selection yet"):  # its rate alone is not B3's selection
+        efficiency.arm_run("B3")
     monkeypatch.delitem(compare.SELECTED_LR, "B3")
-    with pytest.raises(ValueError, match="'B3' has no selected learning rate"):
+    with pytest.raises(ValueError, match="'B3' has no selection yet"):
         efficiency.arm_run("B3")
 
 

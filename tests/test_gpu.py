@@ -408,7 +408,9 @@ def pretrain(data: str, out: str, epochs: int, *flags: str) -> subprocess.Comple
     """Pretrain.py on the device: 57 entries, 7 steps an epoch, two GRIT queue fills; deterministic."""
     sets = small_pretrain_sets(data, **{"grit.queue_size": 24, "grit.search_space": 8, "max_epoch": epochs,
                                         "schedular.epochs": 2, "schedular.warmup_steps": 2,
-                                        "print_freq": 1000, "deterministic": "true"})
+                                        "print_freq": 1000, "deterministic": "true",
+                                        # the pictures' copies of device outputs run on the device too
+                                        "batch_pictures": "true"})
     # cuBLAS repeats its results only with this workspace setting (torch's reproducibility notes);
     # `deterministic: true` alone only warns about it.
     # child_env keeps a PYTHONPATH the machine already has (a GPU image's packages may come through it).

@@ -4,7 +4,7 @@ test split reported at that selection, per seed, re-ranked and ITC-only, with th
     python -m tools.compare --seeds 1 2 3 --lrs 1.25e-4 2.5e-4 5e-4 1e-3 \
         [--arms GRIT-VLP "GRIT-VLP M/N=96" "random batches"] [--output_dir output/compare] [--reuse] \
         [--set key=value ...]
-    python -m tools.compare --seeds 11 12 13 --selected     # each arm at its selected rate only
+    python -m tools.compare --seeds 11 12 13 --selected     # each arm at its selection only
 
 Every arm (ARMS: GRIT-VLP at the paper's ratio of search space to batch, M/N = 120/8 = 15, which is the
 tiny config's; GRIT-VLP at the earlier tiny config's M/N = 768/8 = 96; random batches, grit.enabled=false;
@@ -16,13 +16,15 @@ for every such arm) once per setting too, and is evaluated zero-shot with `pytho
 Each arm's learning rate (and grid setting) is the one with the best mean val R@1 (re-ranked) over the
 seeds (select_lr: the test split is never read to select); the per-seed test rows at it, their mean,
 sample std, median and range, and the gaps to random batches and to GRIT-VLP per seed are printed, then a
-JSON object with every run (also <output_dir>/compare.json), and <output_dir>/compare.md, one markdown
-table (an arm per row at its selection; --costs adds each strategy's measured cost). A row's batch
+JSON object with every run (also <output_dir>/compare.json), and <output_dir>/compare.md: a markdown
+table (an arm per row at its selection; --costs adds each strategy's measured cost), then the sweep (each
+setting's mean val and test R@1, the selection in bold). A row's batch
 figures: the last epoch's hardness both ways and mined-negative false-negative rate, and the same-scene
 share of the batches over epochs 1.. (tools.batch_scenes rebuilds it for runs that did not log it). Runs
 go two side by side, one thread each
 (tools.launch.run_side_by_side): about 2 minutes per run on a 2-core CPU. --reuse keeps a run whose
-result.json records the same command (the code is not compared: reuse within one checkout). `make demo`
+result.json records the same command (the code is not compared: reuse within one checkout; nor is the
+folder, so a copied run folder is reused). `make demo`
 runs one seed of two arms at their selected rates (SELECTED_LR).
 """
 
@@ -96,9 +98,9 @@ SELECTED_SETTING: dict[str, str] = {}  # a grid arm's setting selected with its 
 def selection(arm: str) -> tuple[float, str | None]:
     """An arm's selected learning rate and grid setting (SELECTED_LR, SELECTED_SETTING); ValueError when
     its sweep has not selected one yet."""
-    if arm not in SELECTED_LR:
-        raise ValueError(f'{arm!r} has no selected learning rate yet (tools.compare.SELECTED_LR: run its '
-                         'sweep with tools.compare first)')
+    if arm not in SELECTED_LR or (arm in GRIDS and arm not in SELECTED_SETTING):
+        raise ValueError(f'{arm!r} has no selection yet (tools.compare.SELECTED_LR and, for an arm with a '
+                         'grid, SELECTED_SETTING: run its sweep with tools.compare first)')
     return SELECTED_LR[arm], SELECTED_SETTING.get(arm)
 
 
@@ -257,8 +259,10 @@ def markdown_table(record: dict, costs: dict[str, float] | None = None) -> str:
     strategies = arm_strategies(list(summary), record.get('overrides', [])) if costs is not None else {}
     head = ['arm', 'selected on val'] + [h for _, h, _ in TABLE] + ['gap to GRIT-VLP (paired)']
     head += ['cost, share of a step'] if costs is not None else []
-    lines = [f'mean ± sample std over {n} seeds ({", ".join(map(str, record["seeds"]))}); below: median '
-             '[min, max]', '', '| ' + ' | '.join(head) + ' |', '|' + '---|' * len(head)]
+    seeds = ', '.join(map(str, record['seeds']))
+    about = (f'one seed ({seeds}): its values' if n == 1 else
+             f'mean ± sample std over {n} seeds ({seeds}); below: median [min, max]')
+    lines = [about, '', '| ' + ' | '.join(head) + ' |', '|' + '---|' * len(head)]
     for arm, stats in summary.items():
         chosen = f'lr {stats["lr"]:g}' + (f', {stats["setting"]}' if stats.get('setting') else '')
         cells = [arm, chosen]
@@ -272,8 +276,13 @@ def markdown_table(record: dict, costs: dict[str, float] | None = None) -> str:
                 cells.append(f'{v["mean"]:.{digits}f} ± {v["std"]:.{digits}f}<br>{v["median"]:.{digits}f} '
                              f'[{v["min"]:.{digits}f}, {v["max"]:.{digits}f}]')
         gap = gaps.get(arm, {}).get('mean_r1')
-        cells.append('' if gap is None else f'{gap["mean"]:+.2f} ± {gap["std"]:.2f}<br>('
-                     + ', '.join(f'{x:+.1f}' for x in gap['per_seed']) + ')')
+        if gap is None:
+            cells.append('')
+        elif n == 1:
+            cells.append(f'{gap["mean"]:+.2f}')
+        else:
+            cells.append(f'{gap["mean"]:+.2f} ± {gap["std"]:.2f}<br>('
+                         + ', '.join(f'{x:+.1f}' for x in gap['per_seed']) + ')')
         if costs is not None:
             share = 0.0 if strategies[arm] == 'random' else costs.get(strategies[arm])
             cells.append('–' if share is None else f'{100 * share:.2f} %')
@@ -317,7 +326,8 @@ def build_parser() -> Parser:
     p.add_argument('--lrs', type=float, nargs='+', default=None,
                    help='peak learning rates every arm is swept over (default: the config\'s, no sweep)')
     p.add_argument('--selected', action='store_true',
-                   help='each arm at its rate in SELECTED_LR only (the README\'s selection; no sweep)')
+                   help='each arm at its selection only (SELECTED_LR, and SELECTED_SETTING for an arm with a '
+                        'grid: the sweeps\' selections; no sweep)')
     p.add_argument('--arms', nargs='+', choices=list(ARMS), default=['GRIT-VLP', 'random batches'],
                    help='the arms (default: GRIT-VLP and random batches)')
     p.add_argument('--output_dir', default='output/compare',
@@ -341,10 +351,12 @@ def main(argv: Sequence[str] | None = None) -> dict:
     output_dir = os.path.abspath(args.output_dir)  # the user's path, from where the user is
     if args.selected and args.lrs:
         parser.error('--selected and --lrs exclude each other: the selected rates, or a sweep')
-    if args.selected and (missing := [a for a in args.arms if a not in SELECTED_LR
-                                      or (a in GRIDS and a not in SELECTED_SETTING)]):
-        parser.error(f'--selected: no selection for {missing} yet (tools.compare.SELECTED_LR and, for an arm '
-                     'with a grid, SELECTED_SETTING: run its sweep first)')
+    if args.selected:
+        try:
+            for arm in args.arms:
+                selection(arm)
+        except ValueError as e:
+            parser.error(f'--selected: {e}')
     arm_lrs = {arm: [SELECTED_LR[arm]] if args.selected else args.lrs or [None] for arm in args.arms}
     # An arm's hyper-parameter grid is swept beside the rates; --selected takes the selected setting.
     arm_settings = {arm: [selection(arm)[1]] if args.selected else GRIDS.get(arm, [None])

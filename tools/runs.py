@@ -126,10 +126,19 @@ def run_dir(output_dir: str, arm: str, seed: int, lr: float | None, setting: str
 
 
 def _placeless(command: Sequence[str]) -> list[str]:
-    """A command without its --output_dir value: where a run's folder is, not what the run was."""
-    out = list(command)
-    if '--output_dir' in out[:-1]:
-        del out[out.index('--output_dir') + 1]
+    """A command without its output folder (--output_dir X, --output-dir X or either with =X): where a
+    run's folder is, not what the run was."""
+    out, skip = [], False
+    for arg in command:
+        if skip:
+            skip = False
+        elif arg in ('--output_dir', '--output-dir'):
+            out.append('--output_dir')
+            skip = True
+        elif arg.startswith(('--output_dir=', '--output-dir=')):
+            out.append('--output_dir')
+        else:
+            out.append(arg)
     return out
 
 
