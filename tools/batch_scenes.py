@@ -15,7 +15,6 @@ batch_scenes.json) {RUN_DIR: {"batch_same_scene": {epoch: share}, "missing": [ep
 
 from __future__ import annotations
 
-import json
 import os
 from collections.abc import Sequence
 
@@ -27,6 +26,7 @@ from grit_io import InputFileError
 from models.false_negatives import same_group_share
 from tools.cli import add_output_dir, emit_record, tool_parser
 from tools.launch import in_root
+from tools.runs import read_log
 from training.checkpoints import checkpoint_path, load_checkpoint
 from training.cli import Parser, run_main
 from training.config import PretrainConfig
@@ -44,16 +44,10 @@ def _log_epochs(pre_dir: str) -> list[int]:
     path = os.path.join(pre_dir, "log.txt")
     if not os.path.isfile(path):
         raise InputFileError(f"{path} not found: {pre_dir} is not a pre-training's output_dir")
-    epochs = []
-    with open(path, encoding="utf-8") as f:
-        for n, line in enumerate(f, 1):
-            if line.strip():
-                try:
-                    epochs.append(int(json.loads(line)["epoch"]))
-                except (ValueError, KeyError, TypeError) as e:
-                    raise InputFileError(f"{path}, line {n}: not an epoch record of a training log "
-                                         f"({e})") from e
-    return epochs
+    rows = read_log(path)
+    if not all(isinstance(r, dict) and isinstance(r.get("epoch"), int) for r in rows):
+        raise InputFileError(f"{path}: not a training log (a record without its epoch)")
+    return [r["epoch"] for r in rows]
 
 
 def run_config(pre_dir: str) -> PretrainConfig:

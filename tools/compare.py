@@ -36,6 +36,7 @@ import statistics
 from collections.abc import Sequence
 
 from grit_io import InputFileError, read_json
+from tools.batch_scenes import with_batch_scenes
 from tools.cli import emit_record, tool_parser
 from tools.launch import ROOT, in_root
 from tools.runs import PRETRAIN_CONFIG, lr_overrides, prepare_pretraining, run_dir, run_pairs
@@ -377,10 +378,13 @@ def main(argv: Sequence[str] | None = None) -> dict:
                             ['--seed', str(seed), *(['--set', *sets] if sets else [])], list(args.overrides))
         results = run_pairs(runs, reuse=args.reuse)
     sweep: dict[str, dict[float | tuple, dict[int, dict]]] = {}
-    for (arm, lr, setting, seed), result in results.items():
+    for (arm, lr, setting, seed), (log, retrieval, probe) in results.items():
+        pre_dir = os.path.join(runs[(arm, lr, setting, seed)][0], 'pretrain')
+        with in_root():  # batch_same_scene rebuilt from the checkpoints of a run made before it was logged
+            log = with_batch_scenes(log, pre_dir)
         lr = lr if lr is not None else base.optimizer.lr
         key = (lr, setting) if setting is not None else lr
-        sweep.setdefault(arm, {}).setdefault(key, {})[seed] = summary_row(*result)
+        sweep.setdefault(arm, {}).setdefault(key, {})[seed] = summary_row(log, retrieval, probe)
     sweep = {arm: sweep[arm] for arm in args.arms}  # the arms in the order asked for
     text, record = report(sweep, args.seeds)
     print(text)

@@ -17,8 +17,7 @@ import os
 import re
 from collections.abc import Hashable, Sequence
 
-from grit_io import read_json
-from tools.batch_scenes import with_batch_scenes
+from grit_io import InputFileError, read_json
 from tools.launch import run_side_by_side
 from training.config_resolve import known_keys, resolve_config
 
@@ -40,9 +39,16 @@ def fresh(output_dir: str) -> str:
 
 
 def read_log(path: str) -> list[dict]:
-    """The JSON lines of a log.txt."""
+    """The JSON lines of a log.txt; InputFileError naming the file and line of one that is not JSON."""
+    rows = []
     with open(path, encoding='utf-8') as f:
-        return [json.loads(line) for line in f if line.strip()]
+        for n, line in enumerate(f, 1):
+            if line.strip():
+                try:
+                    rows.append(json.loads(line))
+                except json.JSONDecodeError as e:
+                    raise InputFileError(f'{path}, line {n}: not a JSON record ({e.msg})') from None
+    return rows
 
 
 def prepare_pretraining(overrides: Sequence[str] = ()) -> None:
@@ -172,8 +178,7 @@ def run_pairs(runs: dict[Hashable, tuple[str, list[str], list[str]]], reuse: boo
         command = pretrain_command(os.path.join(directory, 'pretrain'), args, clear=False)
         saved = saved_result(directory, command) if reuse else None
         if saved:
-            out[name] = (with_batch_scenes(saved['log'], os.path.join(directory, 'pretrain')),
-                         saved['retrieval'], saved['probe'])
+            out[name] = (saved['log'], saved['retrieval'], saved['probe'])
         else:
             fresh(os.path.join(directory, 'pretrain'))
             todo.append((name, directory, command, overrides))
@@ -193,5 +198,5 @@ def run_pairs(runs: dict[Hashable, tuple[str, list[str], list[str]]], reuse: boo
             retrieval, probe = read_evaluation(os.path.join(directory, 'zeroshot'))
             with open(os.path.join(directory, 'result.json'), 'w', encoding='utf-8') as f:
                 json.dump({'command': command, 'log': log, 'retrieval': retrieval, 'probe': probe}, f)
-            out[name] = (with_batch_scenes(log, os.path.join(directory, 'pretrain')), retrieval, probe)
+            out[name] = (log, retrieval, probe)
     return out
