@@ -14,7 +14,7 @@ from training.config_resolve import resolve_config
 
 def _run(itm: float, txt: float, img: float, colour: float) -> tuple[list[dict], dict, dict]:
     rows = [{"epoch": e, "grit_hardness": 0.5 + 0.1 * e, "loss_itm": itm + 0.01 * (2 - e),
-             "train_seconds": 10.0} for e in range(3)]
+             "train_seconds": 10.0, "epoch_seconds": 10.0 + e, "grit_seconds": 0.1 * e} for e in range(3)]
     retrieval = {"test_txt_r1": txt, "test_img_r1": img, "test_mean_r1": (txt + img) / 2,
                  "test_r_mean": 40.0, "test_itc_txt_r1": txt - 1, "test_itc_img_r1": img - 1,
                  "test_itc_mean_r1": (txt + img) / 2 - 1,
@@ -31,6 +31,7 @@ def test_summary_row_takes_the_last_epoch_both_scorings_and_every_probe_kind():
     assert (row["itc_txt_r1"], row["itc_img_r1"], row["itc_mean_r1"]) == (5.0, 3.0, 4.0)
     assert (row["val_mean_r1"], row["val_itc_mean_r1"]) == (16.0, 15.0)
     assert row["probe"] == 0.7 and row["probe_colour"] == 0.9 and row["probe_shape"] == 0.5
+    assert abs(row["grit_share"] - 0.3 / 33.0) < 1e-12  # the batching work over the run's wall clock
     assert row["itm_epoch"] == 1  # 0.4 + 0.02: below chance (0.637) by 0.02 from the first epoch on
     slow = summary_row(*_run(0.61, 6.0, 4.0, 0.9))  # loss_itm 0.63, 0.62, 0.61: the third epoch left chance
     assert slow["itm_epoch"] == 3

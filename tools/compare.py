@@ -120,6 +120,11 @@ def summary_row(rows: list[dict], retrieval: dict, probe_result: dict) -> dict:
            'batch_same_scene': statistics.fmean(same_scene) if same_scene else math.nan,
            'itm_epoch': itm_epoch,
            'train_seconds': sum(r['train_seconds'] for r in rows),
+           # The strategy's own work (feature collection, grouping, dealing) as a share of the run's wall
+           # clock: a ratio within one run, so it holds however fast the shared machine was that hour, which
+           # its seconds alone do not (the step itself is the same model and batch for every arm).
+           'grit_share': (sum(r['grit_seconds'] for r in rows) / sum(r['epoch_seconds'] for r in rows)
+                          if all('grit_seconds' in r and 'epoch_seconds' in r for r in rows) else math.nan),
            'txt_r1': retrieval['test_txt_r1'], 'img_r1': retrieval['test_img_r1'],
            'mean_r1': retrieval['test_mean_r1'], 'r_mean': retrieval['test_r_mean'],
            'itc_txt_r1': retrieval['test_itc_txt_r1'], 'itc_img_r1': retrieval['test_itc_img_r1'],
@@ -174,8 +179,8 @@ def spread(values: Sequence[float]) -> dict[str, float]:
 
 
 COLUMNS = ('loss_itm', 'itm_epoch', 'grit_hardness', 'grit_hardness_t2i', 'itm_false_negatives',
-           'batch_same_scene', 'batch_groups', 'mean_r1', 'itc_mean_r1', 'txt_r1', 'img_r1', 'probe',
-           'val_mean_r1')
+           'batch_same_scene', 'batch_groups', 'grit_share', 'mean_r1', 'itc_mean_r1', 'txt_r1', 'img_r1',
+           'probe', 'val_mean_r1')
 
 
 def _width(column: str) -> int:
@@ -241,7 +246,8 @@ TABLE = (('mean_r1', 'test mean R@1, ITM re-ranked', 2), ('itc_mean_r1', 'ITC on
          ('itm_epoch', 'epoch ITM leaves chance (1-based)', 1),
          ('grit_hardness', 'hardness i2t', 3), ('grit_hardness_t2i', 'hardness t2i', 3),
          ('itm_false_negatives', 'mined ITM false negatives', 3),
-         ('batch_same_scene', 'same-scene share of batches', 4))
+         ('batch_same_scene', 'same-scene share of batches', 4),
+         ('grit_share', 'batching work, share of the run', 4))
 
 
 def arm_strategies(arms: Sequence[str], overrides: Sequence[str] = ()) -> dict[str, str]:
