@@ -294,6 +294,7 @@ def test_the_selected_runs_are_the_sweeps_own_folders_and_commands(tmp_path, mon
     out = str(tmp_path / "cmp")
     compare.main(["--seeds", "1", "--lrs", "2.5e-4", "5e-4", "--arms", "B3", "--output_dir", out])
     monkeypatch.setitem(compare.SELECTED_LR, "B3", 5e-4)
+    monkeypatch.delitem(compare.SELECTED_SETTING, "B3", raising=False)
     with pytest.raises(SystemExit):  # the rate alone is not B3's selection
         compare.main(["--seeds", "1", "--selected", "--arms", "B3", "--output_dir", out])
     monkeypatch.setitem(compare.SELECTED_SETTING, "B3", "p=2,m=20")

@@ -90,10 +90,13 @@ def grid_overrides(arm: str, setting: str | None) -> list[str]:
 def setting_label(setting: float | tuple) -> str:
     """A sweep setting as printed and as a JSON key: a learning rate, or 'lr setting' for a grid arm."""
     return f'{setting:g}' if not isinstance(setting, tuple) else f'{setting[0]:g} {setting[1]}'
-# Each arm's learning rate as selected on val by `python -m tools.compare --seeds 1 2 3 --lrs 1.25e-4
-# 2.5e-4 5e-4 1e-3 --arms GRIT-VLP "random batches"` (README, 'Does GRIT help?'); the demo's.
-SELECTED_LR = {'GRIT-VLP': 5e-4, 'random batches': 2.5e-4}
-SELECTED_SETTING: dict[str, str] = {}  # a grid arm's setting selected with its rate (none measured yet)
+# Each arm's learning rate (and grid setting) as selected on val, best mean val R@1 over seeds 1-3:
+# GRIT-VLP and random batches by `python -m tools.compare --seeds 1 2 3 --lrs 1.25e-4 2.5e-4 5e-4 1e-3
+# --arms GRIT-VLP "random batches"` (README, 'Does GRIT help?'; the demo's), the strategies by
+# `python -m tools.compare --seeds 1 2 3 --lrs 2.5e-4 5e-4 1e-3 --arms B3 GCBS "random walk"
+# --output_dir output/compare_strategies` (docs/batch-construction.md, 2026-11-27).
+SELECTED_LR = {'GRIT-VLP': 5e-4, 'random batches': 2.5e-4, 'B3': 5e-4, 'GCBS': 5e-4, 'random walk': 5e-4}
+SELECTED_SETTING = {'B3': 'p=2,m=20', 'GCBS': 'k=5', 'random walk': 'k=10,restart=0.1'}
 
 
 def selection(arm: str) -> tuple[float, str | None]:
