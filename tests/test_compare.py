@@ -32,6 +32,9 @@ def test_summary_row_takes_the_last_epoch_both_scorings_and_every_probe_kind():
     assert (row["val_mean_r1"], row["val_itc_mean_r1"]) == (16.0, 15.0)
     assert row["probe"] == 0.7 and row["probe_colour"] == 0.9 and row["probe_shape"] == 0.5
     assert abs(row["grit_share"] - 0.3 / 33.0) < 1e-12  # the batching work over the run's wall clock
+    rows, retrieval, probe = _run(0.4, 6.0, 4.0, 0.9)
+    rows[1]["epoch_seconds"] = 500.0  # an epoch stretched by a pause: the run's length is 3 x the median
+    assert abs(summary_row(rows, retrieval, probe)["grit_share"] - 0.3 / 36.0) < 1e-12
     assert row["itm_epoch"] == 1  # 0.4 + 0.02: below chance (0.637) by 0.02 from the first epoch on
     slow = summary_row(*_run(0.61, 6.0, 4.0, 0.9))  # loss_itm 0.63, 0.62, 0.61: the third epoch left chance
     assert slow["itm_epoch"] == 3

@@ -125,8 +125,11 @@ def summary_row(rows: list[dict], retrieval: dict, probe_result: dict) -> dict:
            'train_seconds': sum(r['train_seconds'] for r in rows),
            # The strategy's own work (feature collection, grouping, dealing) as a share of the run's wall
            # clock: a ratio within one run, so it holds however fast the shared machine was that hour, which
-           # its seconds alone do not (the step itself is the same model and batch for every arm).
-           'grit_share': (sum(r['grit_seconds'] for r in rows) / sum(r['epoch_seconds'] for r in rows)
+           # its seconds alone do not (the step itself is the same model and batch for every arm). The run's
+           # length is its epochs times their median time, so an epoch stretched by a pause (a stopped or
+           # swapped-out process) does not shrink the share.
+           'grit_share': (sum(r['grit_seconds'] for r in rows)
+                          / (len(rows) * statistics.median(r['epoch_seconds'] for r in rows))
                           if all('grit_seconds' in r and 'epoch_seconds' in r for r in rows) else math.nan),
            'txt_r1': retrieval['test_txt_r1'], 'img_r1': retrieval['test_img_r1'],
            'mean_r1': retrieval['test_mean_r1'], 'r_mean': retrieval['test_r_mean'],
