@@ -364,16 +364,15 @@ def main(argv: Sequence[str] | None = None) -> dict:
     output_dir = os.path.abspath(args.output_dir)  # the user's path, from where the user is
     if args.selected and args.lrs:
         parser.error('--selected and --lrs exclude each other: the selected rates, or a sweep')
+    chosen = {}
     if args.selected:
         try:
-            for arm in args.arms:
-                selection(arm)
+            chosen = {arm: selection(arm) for arm in args.arms}  # (lr, setting) per arm
         except ValueError as e:
             parser.error(f'--selected: {e}')
-    arm_lrs = {arm: [SELECTED_LR[arm]] if args.selected else args.lrs or [None] for arm in args.arms}
+    arm_lrs = {arm: [chosen[arm][0]] if args.selected else args.lrs or [None] for arm in args.arms}
     # An arm's hyper-parameter grid is swept beside the rates; --selected takes the selected setting.
-    arm_settings = {arm: [selection(arm)[1]] if args.selected else GRIDS.get(arm, [None])
-                    for arm in args.arms}
+    arm_settings = {arm: [chosen[arm][1]] if args.selected else GRIDS.get(arm, [None]) for arm in args.arms}
     with in_root():
         prepare_pretraining(args.overrides)
         base = resolve_config('pretrain', PRETRAIN_CONFIG, list(args.overrides), check_paths=False)
