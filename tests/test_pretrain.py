@@ -134,8 +134,17 @@ def test_resume_equals_uninterrupted(data_dir, tmp_path):
     step = (per_epoch // 3 + 1) * 3  # epoch 1's first step checkpoint (one every 3 steps)
     assert per_epoch < step < 2 * per_epoch
     target = os.path.join(broken, f'checkpoint_step_{step:07d}.pth')
+
+    def recorded() -> bool:
+        # latest.json, written atomically after the checkpoint file, is what --resume reads: waiting for
+        # the file alone raced with it (a kill between the two resumes from the older checkpoint).
+        try:
+            return read_latest(broken)['step'] >= step
+        except (OSError, ValueError, KeyError):
+            return False
+
     deadline = time.time() + 240
-    while not os.path.exists(target) and proc.poll() is None and time.time() < deadline:
+    while not recorded() and proc.poll() is None and time.time() < deadline:
         time.sleep(0.05)
     proc.send_signal(signal.SIGKILL)
     proc.wait()
