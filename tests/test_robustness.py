@@ -176,7 +176,9 @@ def test_too_many_bad_samples_stop_with_message(data_dir, bad_list, tmp_path):
 # The 2-process run, stopped, is also resumed on other numbers of processes: on one in make test; on one and
 # on three in make test-slow (four more process starts: growth with indices left over and ZeRO's optimizer
 # state re-sharded onto more ranks; the samplers' properties over W -> W' cover the deal in make test).
-@pytest.mark.parametrize('processes, requeued_on', [(1, ()), (2, (1,)),
+# The 1-process case is make test-slow's too: make test covers its parts elsewhere (the signal's exit code
+# and save with loader workers below, the exact single-process resume in test_pretrain.py's SIGKILL test).
+@pytest.mark.parametrize('processes, requeued_on', [pytest.param(1, (), marks=pytest.mark.slow), (2, (1,)),
                                                     pytest.param(2, (1, 3), marks=pytest.mark.slow)],
                          ids=['1', '2', '2-requeued-on-1-and-3'])
 def test_sigterm_saves_and_resume_is_exact(data_dir, tmp_path, processes, requeued_on):
