@@ -11,8 +11,8 @@ from tools import efficiency
 
 
 def _curve(scores: list[float], seconds_per_epoch: float) -> list[dict]:
-    return [{"epoch": i + 1, "seconds": seconds_per_epoch * (i + 1), "mean_r1": s, "itc_mean_r1": s / 2}
-            for i, s in enumerate(scores)]
+    return [{"epoch": i + 1, "seconds": seconds_per_epoch * (i + 1), "time_epochs": 1.25 * (i + 1),
+             "mean_r1": s, "itc_mean_r1": s / 2} for i, s in enumerate(scores)]
 
 
 def test_grit_reaches_albef_bases_final_recall_at_the_first_epoch_at_or_above_it():
@@ -20,7 +20,9 @@ def test_grit_reaches_albef_bases_final_recall_at_the_first_epoch_at_or_above_it
               "GRIT-VLP": {1: _curve([15, 30, 35], 8.0), 2: _curve([20, 30, 39], 8.0)}}
     text, reach = efficiency.curves_table(curves, [1, 2])
     grit = reach["mean_r1"]["GRIT-VLP"]
-    assert grit[1] == {"target": 30, "target_epoch": 3, "target_seconds": 30.0, "epoch": 2, "seconds": 16.0}
+    assert grit[1] == {"target": 30, "target_epoch": 3, "target_seconds": 30.0, "epoch": 2, "seconds": 16.0,
+                       "time_epochs": 2.5}
+    assert "| 1 | mean_r1 | 30.00 (epoch 3) | 30 | 2 (2.50) | 16 |" in text
     assert grit[2]["epoch"] is None  # 39 < 40: never reached, said so
     assert reach["itc_mean_r1"]["GRIT-VLP"][1]["epoch"] == 2  # against ALBEF_Base's ITC-only final
     assert "not reached" in text
@@ -48,6 +50,24 @@ def test_every_other_arm_is_measured_against_albef_base_at_its_selection(monkeyp
     monkeypatch.delitem(compare.SELECTED_LR, "B3")
     with pytest.raises(ValueError, match="'B3' has no selection yet"):
         efficiency.arm_run("B3")
+
+
+def test_time_in_epochs_adds_the_strategys_work_over_the_runs_median_step_time(tmp_path):
+    """A point's time_epochs: its epochs plus the strategy's own seconds so far over the median step time of
+    the run's epochs (epoch_seconds less grit_seconds), so that an epoch stretched by a busy machine moves
+    the seconds but not the time in epochs."""
+    zero = tmp_path / "zeroshot_e01"
+    zero.mkdir()
+    scores = {f"{split}_{scoring}{d}_r1": 50.0 for split in ("val", "test") for scoring in ("", "itc_")
+              for d in ("txt", "img")}
+    (zero / "log.txt").write_text(json.dumps(scores) + "\n")
+    log = [{"epoch": 0, "epoch_seconds": 10.0, "grit_seconds": 0.5},
+           {"epoch": 1, "epoch_seconds": 100.0, "grit_seconds": 1.0},  # a paused epoch
+           {"epoch": 2, "epoch_seconds": 11.0, "grit_seconds": 1.0}]
+    p = efficiency.point(str(tmp_path), 1, log)
+    assert p["epoch"] == 2 and p["seconds"] == pytest.approx(110.0)
+    assert p["time_epochs"] == pytest.approx(2 + 1.5 / 10.0)  # median of 9.5, 99, 10
+    assert p["mean_r1"] == p["itc_mean_r1"] == 50.0
 
 
 @pytest.mark.slow  # two minutes of micro pre-trainings and evaluations: make test-slow

@@ -14,7 +14,9 @@ at its selected rate and grid setting (tools.compare.SELECTED_LR, SELECTED_SETTI
 tools.compare's, in its folders, so with the same --output_dir a finished compare run is reused. Every
 epoch's checkpoint (or those --epochs names, 1-based) is evaluated zero-shot on the test split (ITM
 re-ranked and ITC only); wall-clock is the sum of the log's epoch_seconds (GRIT's work included) up to
-that epoch, with the runs two side by side on one thread each.
+that epoch, with the runs two side by side on one thread each, and, since seconds vary with the machine's
+load, the time in epochs of training steps: the epochs plus the strategy's work over the run's median
+step time per epoch (time_epochs; the step is the same for every arm).
 
 Written into --output_dir: efficiency.json (every point), efficiency.md (mean ± sample std per epoch,
 and the epochs and seconds to reach ALBEF_Base's final R@1 per seed), efficiency.png (2 x 2: re-ranked
@@ -85,9 +87,17 @@ def evaluate_epochs(directory: str, epochs: Sequence[int], last: int, sets: Sequ
 
 
 def point(directory: str, e: int, log: list[dict]) -> dict:
-    """One curve point: epoch (1-based), cumulative seconds, test R@1 re-ranked and ITC only."""
+    """One curve point: epoch (1-based), cumulative seconds and epochs of time, test R@1 re-ranked and ITC
+    only."""
     record = read_retrieval(zeroshot_dir(directory, e, log[-1]['epoch']))
+    # Seconds depend on how busy the shared machine was that hour (runs of one arm differ by 2x here), so
+    # the time is also given in epochs of training steps: the epochs plus the strategy's own work
+    # (grit_seconds) over the run's median step time per epoch, a ratio within one run. The step is the
+    # same model and batch for every arm, so this is each arm's time in ALBEF_Base epochs.
+    step = statistics.median(r['epoch_seconds'] - r.get('grit_seconds', 0.0) for r in log)
+    work = sum(r.get('grit_seconds', 0.0) for r in log[:e + 1])
     return {'epoch': e + 1, 'seconds': sum(r['epoch_seconds'] for r in log[:e + 1]),
+            'time_epochs': e + 1 + work / step,
             'mean_r1': record['test_mean_r1'], 'itc_mean_r1': record['test_itc_mean_r1']}
 
 
@@ -120,7 +130,7 @@ def curves_table(curves: dict[str, dict[int, list[dict]]], seeds: Sequence[int])
         lines += [f'Each arm against {BASELINE}\'s final R@1 (same seed): the first evaluated epoch at or '
                   'above it', '',
                   f'| seed | scoring | {BASELINE} final | its seconds | '
-                  + ' | '.join(f'{a} epoch | {a} seconds' for a in others) + ' |',
+                  + ' | '.join(f'{a} epoch (in epochs of time) | {a} seconds' for a in others) + ' |',
                   '|---|---|---|---|' + '---|---|' * len(others)]
         for score in SCORES:
             reach[score] = {}
@@ -132,8 +142,10 @@ def curves_table(curves: dict[str, dict[int, list[dict]]], seeds: Sequence[int])
                     reach[score].setdefault(a, {})[s] = {
                         'target': base[score], 'target_epoch': base['epoch'],
                         'target_seconds': base['seconds'], 'epoch': hit['epoch'] if hit else None,
-                        'seconds': hit['seconds'] if hit else None}
-                    cells.append(f'{hit["epoch"]} | {hit["seconds"]:.0f}' if hit else 'not reached | –')
+                        'seconds': hit['seconds'] if hit else None,
+                        'time_epochs': hit.get('time_epochs') if hit else None}
+                    time = f' ({hit["time_epochs"]:.2f})' if hit and 'time_epochs' in hit else ''
+                    cells.append(f'{hit["epoch"]}{time} | {hit["seconds"]:.0f}' if hit else 'not reached | –')
                 lines.append(f'| {s} | {score} | {base[score]:.2f} (epoch {base["epoch"]}) | '
                              f'{base["seconds"]:.0f} | ' + ' | '.join(cells) + ' |')
     return '\n'.join(lines) + '\n', reach
