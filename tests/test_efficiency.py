@@ -70,6 +70,43 @@ def test_time_in_epochs_adds_the_strategys_work_over_the_runs_median_step_time(t
     assert p["mean_r1"] == p["itc_mean_r1"] == 50.0
 
 
+def test_each_arm_is_timed_beside_albef_base_on_one_thread_each(monkeypatch, tmp_path):
+    """--timing: per arm, a fresh short pre-training of ALBEF_Base and of the arm side by side (one thread
+    each, the epoch count overridden); the medians skip the first epoch."""
+    launched = []
+
+    def fake_side_by_side(jobs, threads=None):
+        launched.append((jobs, threads))
+        for command, _ in jobs:
+            out = command[command.index("--output_dir") + 1]
+            os.makedirs(out, exist_ok=True)
+            strategy = 0.0 if "ALBEF_Base" in out or "albef_base" in out else 0.5
+            rows = [{"epoch": e, "epoch_seconds": (30.0 if e == 0 else 10.0 + e) + strategy,
+                     "grit_seconds": strategy} for e in range(3)]
+            with open(os.path.join(out, "log.txt"), "w") as f:
+                f.write("".join(json.dumps(r) + "\n" for r in rows))
+
+    monkeypatch.setattr(efficiency, "run_side_by_side", fake_side_by_side)
+    runs = {"ALBEF_Base": (2.5e-4, None), "GRIT-VLP": (5e-4, None)}
+    timing = efficiency.time_beside_baseline(runs, str(tmp_path), 3, [])
+    (jobs, threads), = launched
+    assert threads == 1 and len(jobs) == 2
+    assert [c[c.index("--output_dir") + 1].split(os.sep)[-2:] for c, _ in jobs] == [
+        ["grit_vlp", "albef_base"], ["grit_vlp", "grit_vlp"]]
+    for command, _ in jobs:
+        assert "max_epoch=3" in command and "schedular.epochs=3" in command and command[-1] != "--resume"
+        assert command[command.index("--seed") + 1] == "1"
+    assert timing == {"GRIT-VLP": {"epoch_seconds": 12.0, "albef_base_epoch_seconds": 11.5,
+                                   "ratio": pytest.approx(12.0 / 11.5), "grit_seconds": 0.5}}
+    assert "| GRIT-VLP | 12.00 s | 11.50 s | 1.043 | 0.500 s |" in efficiency.timing_table(timing, 3)
+
+
+def test_timing_without_albef_base_is_refused_in_one_line(capsys):
+    with pytest.raises(SystemExit) as e:
+        efficiency.main(["--seeds", "1", "--arms", "GRIT-VLP", "--timing", "3"])
+    assert e.value.code == 2 and "--timing needs at least 2 epochs and ALBEF_Base" in capsys.readouterr().err
+
+
 @pytest.mark.slow  # two minutes of micro pre-trainings and evaluations: make test-slow
 def test_efficiency_micro_writes_table_figure_and_json(in_repo, tmp_path, monkeypatch):
     monkeypatch.setenv("OMP_NUM_THREADS", "1")

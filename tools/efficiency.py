@@ -3,7 +3,7 @@ ALBEF_Base, ALBEF_Base50 and GRIT-VLP (or any of tools.compare's arms), per seed
 each arm reaches ALBEF_Base's final recall.
 
     python -m tools.efficiency --seeds 1 2 3 [--output_dir output/compare] [--epochs 1 2 4 ...] [--micro]
-        [--arms ALBEF_Base GRIT-VLP B3 ...]
+        [--arms ALBEF_Base GRIT-VLP B3 ...] [--timing EPOCHS]
 
 The arms are tools.compare's (ARMS): ALBEF_Base (random batches, 15 % masking, no consistency loss),
 ALBEF_Base50 (the same with 50 % masking) and GRIT-VLP (the tiny config: 50 % masking, GRIT at M/N = 15,
@@ -16,7 +16,9 @@ epoch's checkpoint (or those --epochs names, 1-based) is evaluated zero-shot on 
 re-ranked and ITC only); wall-clock is the sum of the log's epoch_seconds (GRIT's work included) up to
 that epoch, with the runs two side by side on one thread each, and, since seconds vary with the machine's
 load, the time in epochs of training steps: the epochs plus the strategy's work over the run's median
-step time per epoch (time_epochs; the step is the same for every arm).
+step time per epoch (time_epochs; the step is the same for every arm). --timing E also measures each arm's
+per-epoch seconds side by side with ALBEF_Base's: fresh E-epoch pre-trainings of both at once, one thread
+each, into <output_dir>/timing/ (run it on an otherwise idle machine).
 
 Written into --output_dir: efficiency.json (every point), efficiency.md (mean ± sample std per epoch,
 and the epochs and seconds to reach ALBEF_Base's final R@1 per seed), efficiency.png (2 x 2: re-ranked
@@ -39,16 +41,19 @@ from tools.runs import (
     evaluation_commands,
     lr_overrides,
     prepare_pretraining,
+    pretrain_command,
     read_log,
     read_retrieval,
     run_dir,
     run_pairs,
+    slug,
 )
 from training.cli import Parser, run_main
 from training.config_resolve import resolve_config
 
-__all__ = ["ARM_LR", "EFFICIENCY_ARMS", "arm_run", "build_parser", "curves_table", "epochs_to_reach",
-           "evaluate_epochs", "main", "plot", "point", "zeroshot_dir"]
+__all__ = ["ARM_LR", "EFFICIENCY_ARMS", "arm_run", "build_parser", "curves_table", "epoch_timing",
+           "epochs_to_reach", "evaluate_epochs", "main", "plot", "point", "time_beside_baseline",
+           "timing_table", "zeroshot_dir"]
 
 EFFICIENCY_ARMS = ('ALBEF_Base', 'ALBEF_Base50', 'GRIT-VLP')
 ALBEF_ARMS = ('ALBEF_Base', 'ALBEF_Base50')  # the baselines; every other arm is measured against ALBEF_Base
@@ -151,6 +156,48 @@ def curves_table(curves: dict[str, dict[int, list[dict]]], seeds: Sequence[int])
     return '\n'.join(lines) + '\n', reach
 
 
+def epoch_timing(base_log: list[dict], arm_log: list[dict]) -> dict:
+    """Per-epoch seconds of an arm's run and of the ALBEF_Base run timed beside it: medians over the epochs
+    after the first (which also builds the data and warms up), their ratio, the arm's strategy seconds."""
+    def median(log: list[dict], key: str) -> float:
+        return statistics.median(r.get(key, 0.0) for r in log[1:])
+
+    arm, base = median(arm_log, 'epoch_seconds'), median(base_log, 'epoch_seconds')
+    return {'epoch_seconds': arm, 'albef_base_epoch_seconds': base, 'ratio': arm / base,
+            'grit_seconds': median(arm_log, 'grit_seconds')}
+
+
+def time_beside_baseline(runs: dict[str, tuple[float, str | None]], output_dir: str, epochs: int,
+                         base_sets: Sequence[str]) -> dict[str, dict]:
+    """Each arm's per-epoch time measured side by side with ALBEF_Base's: a fresh `epochs`-epoch pre-training
+    of both (seed 1, one thread each, the same config as their curves' runs but for the epoch count) into
+    output_dir/timing/<arm>/, on a machine nothing else uses. Returns {arm: epoch_timing}."""
+    timing = {}
+    for arm in [a for a in runs if a != BASELINE]:
+        pair = []
+        for a in (BASELINE, arm):
+            lr, setting = runs[a]
+            sets = (ARMS[a] + grid_overrides(a, setting) + lr_overrides(lr) + list(base_sets)
+                    + [f'max_epoch={epochs}', f'schedular.epochs={epochs}'])
+            directory = os.path.join(output_dir, 'timing', slug(arm), slug(a))
+            pair.append((pretrain_command(directory, ['--seed', '1', '--set', *sets]), directory))
+        run_side_by_side([(c, os.path.join(d, 'stdout.txt')) for c, d in pair], threads=1)
+        base_log, arm_log = (read_log(os.path.join(d, 'log.txt')) for _, d in pair)
+        timing[arm] = epoch_timing(base_log, arm_log)
+    return timing
+
+
+def timing_table(timing: dict[str, dict], epochs: int) -> str:
+    """Markdown: each arm's per-epoch seconds beside ALBEF_Base's, timed side by side."""
+    lines = [f'Per-epoch seconds, each arm side by side with {BASELINE} ({epochs}-epoch runs, seed 1, one '
+             'thread each, median over the epochs after the first)', '',
+             f'| arm | its epoch | {BASELINE}\'s beside it | ratio | its strategy\'s work per epoch |',
+             '|---|---|---|---|---|']
+    lines += [f'| {arm} | {t["epoch_seconds"]:.2f} s | {t["albef_base_epoch_seconds"]:.2f} s | '
+              f'{t["ratio"]:.3f} | {t["grit_seconds"]:.3f} s |' for arm, t in timing.items()]
+    return '\n'.join(lines) + '\n'
+
+
 def plot(curves: dict[str, dict[int, list[dict]]], seeds: Sequence[int], path: str) -> str:
     """efficiency.png: R@1 (re-ranked, ITC only) against epochs and against seconds, mean ± std band."""
     from matplotlib.backends.backend_agg import FigureCanvasAgg
@@ -193,6 +240,10 @@ def build_parser() -> Parser:
     p.add_argument('--arms', nargs='+', choices=list(ARMS), default=list(EFFICIENCY_ARMS),
                    help='the arms (default: ALBEF_Base, ALBEF_Base50, GRIT-VLP); an arm other than the ALBEF '
                         'ones runs at its selection (tools.compare.SELECTED_LR, SELECTED_SETTING)')
+    p.add_argument('--timing', type=int, default=0, metavar='EPOCHS',
+                   help=f'also time each arm\'s epochs side by side with {BASELINE}\'s: fresh EPOCHS-epoch '
+                        'pre-trainings of both, one thread each, on an otherwise idle machine (default: 0, '
+                        'none)')
     p.add_argument('--micro', action='store_true',
                    help='tools.ablate\'s micro preset: 100 images, 2 epochs, evaluated on the same 100')
     return p
@@ -206,6 +257,8 @@ def main(argv: Sequence[str] | None = None) -> dict:
     micro = PRESETS['micro']
     base_sets = list(micro.pretrain_set) if args.micro else []
     eval_sets = list(micro.retrieval_set) if args.micro else []
+    if args.timing and (args.timing < 2 or BASELINE not in args.arms):
+        parser.error(f'--timing needs at least 2 epochs and {BASELINE} in --arms (timed beside each arm)')
     with in_root():
         prepare_pretraining(base_sets)
         if args.micro:
@@ -234,11 +287,14 @@ def main(argv: Sequence[str] | None = None) -> dict:
                     for c in evaluate_epochs(d, epochs, max_epoch - 1, sets, eval_sets)]
         for start in range(0, len(commands), 2):
             run_side_by_side(commands[start:start + 2])
+        timing = time_beside_baseline(runs, output_dir, args.timing, base_sets) if args.timing else {}
     curves: dict[str, dict[int, list[dict]]] = {}
     for (arm, seed), (directory, _, _) in spec.items():
         log = read_log(os.path.join(directory, 'pretrain', 'log.txt'))
         curves.setdefault(arm, {})[seed] = [point(directory, e, log) for e in epochs]
     text, reach = curves_table(curves, args.seeds)
+    if timing:
+        text += '\n' + timing_table(timing, args.timing)
     os.makedirs(output_dir, exist_ok=True)
     with open(os.path.join(output_dir, 'efficiency.md'), 'w', encoding='utf-8') as f:
         f.write(text)
@@ -249,7 +305,8 @@ def main(argv: Sequence[str] | None = None) -> dict:
               'settings': {a: st for a, (_, st) in runs.items() if st}, 'micro': args.micro,
               'curves': {arm: {str(s): c for s, c in per.items()} for arm, per in curves.items()},
               'reach_albef_base_final': {k: {a: {str(s): v for s, v in per.items()} for a, per in r.items()}
-                                         for k, r in reach.items()}}
+                                         for k, r in reach.items()},
+              'timing': timing}
     return emit_record(record, output_dir, 'efficiency')
 
 
