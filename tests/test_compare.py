@@ -196,7 +196,8 @@ def test_new_arms_sweep_their_grid_with_the_rate_and_are_selected_on_val(monkeyp
     as every other such arm, each setting swept with every rate, the pair selected on val alone; the test
     rows at the selection get mean, sample std, median and range, and gaps to GRIT-VLP and to random
     batches paired by seed."""
-    from tools.compare import GRIDS, grid_overrides, setting_label
+    from tools.compare import GRIDS, arm_overrides, grid_overrides, setting_label
+    from tools.runs import lr_overrides
 
     monkeypatch.chdir(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     assert {len(g) for g in GRIDS.values()} == {2}  # the same tuning budget for every arm with a grid
@@ -206,6 +207,10 @@ def test_new_arms_sweep_their_grid_with_the_rate_and_are_selected_on_val(monkeyp
                                                                  "batching.rwr.restart=0.3"]
     assert grid_overrides("GRIT-VLP + HN-NCE", "beta=1") == ["itc_hn_beta=1"]
     assert grid_overrides("GRIT-VLP + S-ITC", "s=0.1") == ["itc_smoothing=0.1"]
+    # An arm's run: its keys, then its setting, then its rate (the order the recorded commands have)
+    assert arm_overrides("B3", 5e-4, "p=2,m=20") == (ARMS["B3"] + grid_overrides("B3", "p=2,m=20")
+                                                     + lr_overrides(5e-4))
+    assert arm_overrides("GRIT-VLP", None, None) == ARMS["GRIT-VLP"]
     for arm, settings in GRIDS.items():  # every arm and setting is a config the pre-training accepts
         for setting in settings:
             config = resolve_config("pretrain", PRETRAIN_CONFIG, ARMS[arm] + grid_overrides(arm, setting),

@@ -45,15 +45,15 @@ def test_grit_beats_random_batches(comparison, seed):
 @pytest.fixture(scope="module")
 def downstream(comparison):
     """demo --downstream's chain per seed, from a 36-epoch GRIT pre-training: {seed: accuracies}."""
-    from tools.compare import selection
-    from tools.downstream import arm_sets, pretrain_for_downstream, run_chains
+    from tools.compare import arm_overrides, selection
+    from tools.downstream import DOWNSTREAM_PRETRAIN_CONFIG, pretrain_for_downstream, run_chains
 
     out, _ = comparison
     seed_dirs = [os.path.join(str(out), f"seed{seed}") for seed in SEEDS]
     # GRIT-VLP at its selection, the pre-trainings two side by side, then the chains two at a time, every run
     # on one thread: as `python -m tools.downstream` measured them for the docs, so that these runs repeat
     # those numbers.
-    sets = arm_sets("GRIT-VLP", *selection("GRIT-VLP"))
+    sets = arm_overrides("GRIT-VLP", *selection("GRIT-VLP"), DOWNSTREAM_PRETRAIN_CONFIG)
     checkpoints = pretrain_for_downstream(seed_dirs, list(SEEDS), [sets] * len(SEEDS), threads=1)
     return dict(zip(SEEDS, run_chains(list(zip(seed_dirs, checkpoints)), threads=1)))
 

@@ -44,9 +44,9 @@ from training.cli import Parser, run_main
 from training.config_resolve import resolve_config
 
 __all__ = ["ARMS", "COLUMNS", "GRIDS", "ITM_CHANCE", "SELECTED_LR", "SELECTED_SETTING", "STRATEGY_BENCH",
-           "arm_strategies", "build_parser", "grid_overrides", "main", "markdown_table", "mean_std",
-           "read_costs", "report", "select_lr", "selection", "setting_label", "side_by_side", "spread",
-           "summary_row", "sweep_table"]
+           "arm_overrides", "arm_strategies", "build_parser", "grid_overrides", "main", "markdown_table",
+           "mean_std", "read_costs", "report", "select_lr", "selection", "setting_label", "side_by_side",
+           "spread", "summary_row", "sweep_table"]
 
 STRATEGY_BENCH = 'docs/results/strategy_bench.json'  # the strategies' measured cost (tools.strategy_bench)
 ITM_CHANCE = 0.637  # ITM's loss when it says p(match) = 1/3 (one positive, two mined negatives per pair)
@@ -85,6 +85,13 @@ def grid_overrides(arm: str, setting: str | None) -> list[str]:
             'beta': 'itc_hn_beta', 's': 'itc_smoothing',
             'k': 'batching.gcbs.neighbours' if arm == 'GCBS' else 'batching.rwr.neighbours'}
     return [f'{keys[name]}={value}' for name, value in (part.split('=') for part in setting.split(','))]
+
+
+def arm_overrides(arm: str, lr: float | None, setting: str | None,
+                  config: str = PRETRAIN_CONFIG) -> list[str]:
+    """KEY=VALUE overrides of one arm's pre-training: its keys (ARMS), its grid setting, its learning rate
+    (None: the config's) scaled onto `config`'s schedule."""
+    return ARMS[arm] + grid_overrides(arm, setting) + (lr_overrides(lr, config) if lr is not None else [])
 
 
 def setting_label(setting: float | tuple) -> str:
@@ -381,8 +388,7 @@ def main(argv: Sequence[str] | None = None) -> dict:
             for lr in sorted({lr for lrs in arm_lrs.values() for lr in lrs}, key=lambda x: x or 0):
                 for arm in [a for a in args.arms if lr in arm_lrs[a]]:
                     for setting in arm_settings[arm]:
-                        sets = (ARMS[arm] + grid_overrides(arm, setting)
-                                + (lr_overrides(lr) if lr is not None else []) + list(args.overrides))
+                        sets = arm_overrides(arm, lr, setting) + list(args.overrides)
                         # The evaluations get the user's overrides (those shaping the model), not the arm's.
                         runs[(arm, lr, setting, seed)] = (
                             run_dir(output_dir, arm, seed, lr, setting),

@@ -23,12 +23,11 @@ import os
 from collections.abc import Sequence
 
 from tools.cli import emit_record, tool_parser
-from tools.compare import ARMS, SELECTED_LR, grid_overrides, mean_std, selection
+from tools.compare import SELECTED_LR, arm_overrides, mean_std, selection
 from tools.launch import in_root, run_side_by_side
 from tools.runs import (
     fresh,
     last_checkpoint,
-    lr_overrides,
     prepare_pretraining,
     pretrain_command,
     read_log,
@@ -38,17 +37,12 @@ from tools.runs import (
 from training.cli import Parser, run_main
 from training.config_resolve import resolve_config
 
-__all__ = ["DOWNSTREAM_PRETRAIN_CONFIG", "arm_sets", "build_parser", "downstream_summary", "main",
+__all__ = ["DOWNSTREAM_PRETRAIN_CONFIG", "build_parser", "downstream_summary", "main",
            "majority_baseline", "markdown", "pretrain_for_downstream", "run_chains", "run_downstream"]
 
 # The tiny config for 36 epochs, not 12: NLVR2 needs a stronger ITM (docs/synthetic-world.md, 'NLVR2 on the
 # synthetic data').
 DOWNSTREAM_PRETRAIN_CONFIG = 'configs/tiny/Pretrain_long.yaml'
-
-
-def arm_sets(arm: str, lr: float, setting: str | None) -> list[str]:
-    """An arm's --set overrides for its 36-epoch pre-training: the arm's keys, its grid setting, its rate."""
-    return ARMS[arm] + grid_overrides(arm, setting) + lr_overrides(lr, DOWNSTREAM_PRETRAIN_CONFIG)
 
 
 def pretrain_for_downstream(output_dirs: list[str], seeds: list[int | None],
@@ -182,7 +176,7 @@ def main(argv: Sequence[str] | None = None) -> dict:
     dirs = [run_dir(output_dir, arm, seed, *chosen[arm]) for arm, seed in keys]
     with in_root():
         prepare_pretraining()
-        sets = [arm_sets(arm, *chosen[arm]) for arm, _ in keys]
+        sets = [arm_overrides(arm, *chosen[arm], DOWNSTREAM_PRETRAIN_CONFIG) for arm, _ in keys]
         # Every run on one thread, a lone one too: the numbers of the docs' table (and make test-slow's).
         checkpoints = pretrain_for_downstream(dirs, [s for _, s in keys], sets, reuse=args.reuse, threads=1)
         results = run_chains(list(zip(dirs, checkpoints)), threads=1)

@@ -34,12 +34,11 @@ from collections.abc import Sequence
 
 from tools.ablate import PRESETS, ensure_micro_data
 from tools.cli import emit_record, tool_parser
-from tools.compare import ARMS, SELECTED_LR, grid_overrides, mean_std, selection
+from tools.compare import ARMS, SELECTED_LR, arm_overrides, mean_std, selection
 from tools.launch import in_root, run_side_by_side
 from tools.runs import (
     PRETRAIN_CONFIG,
     evaluation_commands,
-    lr_overrides,
     prepare_pretraining,
     pretrain_command,
     read_log,
@@ -177,8 +176,8 @@ def time_beside_baseline(runs: dict[str, tuple[float, str | None]], output_dir: 
         pair = []
         for a in (BASELINE, arm):
             lr, setting = runs[a]
-            sets = (ARMS[a] + grid_overrides(a, setting) + lr_overrides(lr) + list(base_sets)
-                    + [f'max_epoch={epochs}', f'schedular.epochs={epochs}'])
+            sets = arm_overrides(a, lr, setting) + list(base_sets) + [f'max_epoch={epochs}',
+                                                                      f'schedular.epochs={epochs}']
             directory = os.path.join(output_dir, 'timing', slug(arm), slug(a))
             pair.append((pretrain_command(directory, ['--seed', '1', '--set', *sets]), directory))
         run_side_by_side([(c, os.path.join(d, 'stdout.txt')) for c, d in pair], threads=1)
@@ -277,7 +276,7 @@ def main(argv: Sequence[str] | None = None) -> dict:
         spec = {}
         for seed in args.seeds:
             for arm, (lr, setting) in runs.items():
-                sets = ARMS[arm] + grid_overrides(arm, setting) + lr_overrides(lr) + base_sets
+                sets = arm_overrides(arm, lr, setting) + base_sets
                 spec[(arm, seed)] = (run_dir(output_dir, arm, seed, lr, setting),
                                      ['--seed', str(seed), '--set', *sets], [])
         probe_args = ['--limit', str(micro.limit)] if args.micro else []
