@@ -206,7 +206,8 @@ def test_new_arms_sweep_their_grid_with_the_rate_and_are_selected_on_val(monkeyp
     assert grid_overrides("random walk", "k=10,restart=0.3") == ["batching.rwr.neighbours=10",
                                                                  "batching.rwr.restart=0.3"]
     assert grid_overrides("GRIT-VLP + HN-NCE", "beta=1") == ["itc_hn_beta=1"]
-    assert grid_overrides("GRIT-VLP + S-ITC", "s=0.1") == ["itc_smoothing=0.1"]
+    assert grid_overrides("GRIT-VLP + S-ITC", "s=0.5") == ["itc_smoothing=0.5"]
+    assert "s=0.5" in GRIDS["GRIT-VLP + S-ITC"] and "beta=0.5" in GRIDS["GRIT-VLP + HN-NCE"]  # papers' values
     # An arm's run: its keys, then its setting, then its rate (the order the recorded commands have)
     assert arm_overrides("B3", 5e-4, "p=2,m=20") == (ARMS["B3"] + grid_overrides("B3", "p=2,m=20")
                                                      + lr_overrides(5e-4))

@@ -66,7 +66,8 @@ ARMS = {'GRIT-VLP': [],  # the tiny config: N = 8, M = 120, L = 1440 (M/N = 15, 
         'random walk': ['batching.strategy=rwr'],
         'random + HN-NCE': ['batching.strategy=random'],
         'GRIT-VLP + HN-NCE': [],
-        'GRIT-VLP + S-ITC': []}
+        # MAFA's code (jaeseokbyun/MAFA, models/model_pretrain_MAFA.py) smooths from the second epoch on
+        'GRIT-VLP + S-ITC': ['itc_smoothing_epoch=1']}
 # The hyper-parameter grid of each arm that has one: the same size (two settings) for every such arm, each
 # setting swept with every learning rate and selected on val with it (GRID_OVERRIDES: a setting's keys).
 GRIDS = {'B3': ['p=2,m=20', 'p=10,m=30'],  # B3's paper: skip the top p, link the next m
@@ -74,7 +75,7 @@ GRIDS = {'B3': ['p=2,m=20', 'p=10,m=30'],  # B3's paper: skip the top p, link th
          'random walk': ['k=10,restart=0.1', 'k=10,restart=0.3'],
          'random + HN-NCE': ['beta=0.5', 'beta=1'],
          'GRIT-VLP + HN-NCE': ['beta=0.5', 'beta=1'],
-         'GRIT-VLP + S-ITC': ['s=0.1', 's=0.2']}
+         'GRIT-VLP + S-ITC': ['s=0.2', 's=0.5']}  # 0.5: MAFA's own value
 
 
 def grid_overrides(arm: str, setting: str | None) -> list[str]:
