@@ -6,6 +6,7 @@ import contextlib
 import json
 import os
 import socket
+import subprocess
 
 import pytest
 import torch
@@ -171,3 +172,19 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def script_env(**extra: str) -> dict:
+    """The environment of a script a test starts: one thread, the repository importable, output unbuffered
+    (tests read it while the run goes on), and no WORLD_SIZE inherited from a launcher around pytest."""
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=ROOT, PYTHONUNBUFFERED="1", **extra)
+    env.pop("WORLD_SIZE", None)
+    return env
+
+
+def run_script(args: list[str], expect: int = 0, timeout: float = 400) -> subprocess.CompletedProcess:
+    """Run a command in the repository root with script_env(); assert its exit code, showing its output's
+    tail when it differs."""
+    proc = subprocess.run(args, cwd=ROOT, env=script_env(), capture_output=True, text=True, timeout=timeout)
+    assert proc.returncode == expect, proc.stdout[-3000:] + proc.stderr[-3000:]
+    return proc

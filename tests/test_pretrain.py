@@ -12,7 +12,15 @@ import time
 
 import pytest
 import torch
-from conftest import assert_resumed_from, free_port, read_latest, run_here, small_pretrain_sets
+from conftest import (
+    assert_resumed_from,
+    free_port,
+    read_latest,
+    run_here,
+    run_script,
+    script_env,
+    small_pretrain_sets,
+)
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 LOG_KEYS = {'epoch', 'step', 'lr', 'loss_itc', 'loss_cons', 'loss_itm', 'loss_mlm', 'train_seconds',
@@ -40,18 +48,6 @@ def overrides(data: str, **extra) -> list[str]:
     values = {'grit.queue_size': 40, 'grit.search_space': 16, 'max_epoch': 2, 'schedular.epochs': 2,
               'schedular.warmup_steps': 4, 'print_freq': 1000, **extra}
     return ['--set', *small_pretrain_sets(data, **values)]
-
-
-def env() -> dict:
-    e = dict(os.environ, OMP_NUM_THREADS='1', PYTHONPATH=ROOT)
-    e.pop('WORLD_SIZE', None)
-    return e
-
-
-def run(args: list[str], timeout: float = 300) -> subprocess.CompletedProcess:
-    proc = subprocess.run(args, cwd=ROOT, env=env(), capture_output=True, text=True, timeout=timeout)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    return proc
 
 
 def read_log(out: str) -> list[dict]:
@@ -107,7 +103,7 @@ def test_two_processes(data_dir, tmp_path, launcher):
             'Pretrain.py', '--config', 'configs/tiny/Pretrain.yaml', '--output_dir', out, '--device', 'cpu',
             *overrides(data_dir, batch_size=6, **{'grit.search_space': 12, 'grit.queue_size': 36,
                                                   'grit.mode': mode})]
-    run(cmd)
+    run_script(cmd)
     log = read_log(out)
     assert [r['epoch'] for r in log] == [0, 1]
     n = n_entries(data_dir)
@@ -125,11 +121,11 @@ def test_resume_equals_uninterrupted(data_dir, tmp_path):
     common = ['--config', 'configs/tiny/Pretrain.yaml', '--device', 'cpu',
               *overrides(data_dir, checkpoint_every_steps=3)]
     full = str(tmp_path / 'full')
-    run([sys.executable, 'Pretrain.py', '--output_dir', full, *common])
+    run_script([sys.executable, 'Pretrain.py', '--output_dir', full, *common])
 
     broken = str(tmp_path / 'broken')
     proc = subprocess.Popen([sys.executable, 'Pretrain.py', '--output_dir', broken, *common], cwd=ROOT,
-                            env=env(), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+                            env=script_env(), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     per_epoch = n_entries(data_dir) // 8
     step = (per_epoch // 3 + 1) * 3  # epoch 1's first step checkpoint (one every 3 steps)
     assert per_epoch < step < 2 * per_epoch
@@ -152,7 +148,7 @@ def test_resume_equals_uninterrupted(data_dir, tmp_path):
     assert not os.path.exists(os.path.join(broken, 'checkpoint_01.pth'))  # stopped inside epoch 1
     latest = read_latest(broken)  # the step checkpoint waited for, or a newer one of epoch 1
     assert latest['path'].startswith('checkpoint_step_') and latest['step'] >= step and latest['epoch'] == 1
-    run([sys.executable, 'Pretrain.py', '--output_dir', broken, '--resume', *common])
+    run_script([sys.executable, 'Pretrain.py', '--output_dir', broken, '--resume', *common])
     assert_resumed_from(broken, latest)
 
     a = torch.load(os.path.join(full, 'checkpoint_01.pth'), map_location='cpu', weights_only=True)

@@ -13,7 +13,15 @@ import sys
 
 import pytest
 import torch
-from conftest import assert_resumed_from, free_port, read_latest, small_pretrain_sets, tiny_config
+from conftest import (
+    assert_resumed_from,
+    free_port,
+    read_latest,
+    run_script,
+    script_env,
+    small_pretrain_sets,
+    tiny_config,
+)
 from PIL import Image
 
 from dataset.bad_samples import SkipBadCollate, SkipBadSamples
@@ -75,18 +83,6 @@ def overrides(data: str, train_file: str, **extra) -> list[str]:
     return ['--set', *small_pretrain_sets(data, **values)]
 
 
-def env() -> dict:
-    e = dict(os.environ, OMP_NUM_THREADS='1', PYTHONPATH=ROOT, PYTHONUNBUFFERED='1')
-    e.pop('WORLD_SIZE', None)
-    return e
-
-
-def run(args: list[str], expect: int = 0, timeout: float = 300) -> subprocess.CompletedProcess:
-    proc = subprocess.run(args, cwd=ROOT, env=env(), capture_output=True, text=True, timeout=timeout)
-    assert proc.returncode == expect, proc.stdout[-3000:] + proc.stderr[-3000:]
-    return proc
-
-
 def read_log(out: str) -> list[dict]:
     with open(os.path.join(out, 'log.txt')) as f:
         return [json.loads(line) for line in f]
@@ -140,8 +136,8 @@ def test_bad_samples_counted_and_grit_exact(data_dir, bad_list, tmp_path, proces
         cmd = [sys.executable, '-m', 'torch.distributed.run', '--nproc_per_node=2',
                '--master_port', str(free_port()), 'Pretrain.py']
         extra = {'batch_size': 4}  # 2 x 4: the same 5 global batches of 8
-    proc = run([*cmd, '--config', 'configs/tiny/Pretrain.yaml', '--output_dir', out, '--device', 'cpu',
-                *overrides(data_dir, path, **extra)])
+    proc = run_script([*cmd, '--config', 'configs/tiny/Pretrain.yaml', '--output_dir', out, '--device', 'cpu',
+                       *overrides(data_dir, path, **extra)])
     log = read_log(out)
     assert [r['bad_samples'] for r in log] == [5, 5]  # every index is visited once per epoch
     assert [r['skipped_steps'] for r in log] == [0, 0]
@@ -166,8 +162,9 @@ def test_bad_samples_counted_and_grit_exact(data_dir, bad_list, tmp_path, proces
 def test_too_many_bad_samples_stop_with_message(data_dir, bad_list, tmp_path):
     path, _ = bad_list
     out = str(tmp_path / 'run')
-    proc = run([sys.executable, 'Pretrain.py', '--config', 'configs/tiny/Pretrain.yaml', '--output_dir', out,
-                '--device', 'cpu', *overrides(data_dir, path, max_bad_fraction=0.1)], expect=1)
+    command = [sys.executable, 'Pretrain.py', '--config', 'configs/tiny/Pretrain.yaml', '--output_dir', out,
+               '--device', 'cpu', *overrides(data_dir, path, max_bad_fraction=0.1)]
+    proc = run_script(command, expect=1)
     assert 'error: 5 of the 40 samples of this epoch (0) were bad' in proc.stderr
     assert 'max_bad_fraction=0.1' in proc.stderr
     assert [r['epoch'] for r in read_log(out)] == [0]
@@ -195,10 +192,10 @@ def test_sigterm_saves_and_resume_is_exact(data_dir, tmp_path, processes, requeu
                 'cpu', *overrides(data_dir, os.path.join(data_dir, 'pretrain.json'), **extra)]
 
     full = str(tmp_path / 'full')
-    run(command('--output_dir', full))
+    run_script(command('--output_dir', full))
 
     cut = str(tmp_path / 'cut')
-    proc = subprocess.Popen(command('--output_dir', cut), cwd=ROOT, env=env(), start_new_session=True,
+    proc = subprocess.Popen(command('--output_dir', cut), cwd=ROOT, env=script_env(), start_new_session=True,
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     lines = []
     for line in proc.stdout:  # progress lines '[k/N]': signal in the middle of epoch 1
@@ -216,7 +213,7 @@ def test_sigterm_saves_and_resume_is_exact(data_dir, tmp_path, processes, requeu
     assert not os.path.exists(os.path.join(cut, 'checkpoint_01.pth'))
     for world in requeued_on:  # requeued onto another number of processes: copies of the stopped run
         shutil.copytree(cut, f'{cut}_on_{world}')
-    run(command('--output_dir', cut, '--resume'))
+    run_script(command('--output_dir', cut, '--resume'))
     assert_resumed_from(cut, latest)
 
     a, b = load(os.path.join(full, 'checkpoint_01.pth')), load(os.path.join(cut, 'checkpoint_01.pth'))
@@ -240,10 +237,10 @@ def assert_continues_on(world: int, out: str, latest: dict, data_dir: str, extra
     launch = [sys.executable] if world == 1 else [
         sys.executable, '-m', 'torch.distributed.run', f'--nproc_per_node={world}',
         '--master_port', str(free_port())]
-    proc = run([*launch, 'Pretrain.py', '--output_dir', out, '--resume', '--config',
-                'configs/tiny/Pretrain.yaml', '--device', 'cpu',
-                *overrides(data_dir, os.path.join(data_dir, 'pretrain.json'), **extra,
-                           checkpoint_every_steps=steps)])
+    proc = run_script([*launch, 'Pretrain.py', '--output_dir', out, '--resume', '--config',
+                       'configs/tiny/Pretrain.yaml', '--device', 'cpu',
+                       *overrides(data_dir, os.path.join(data_dir, 'pretrain.json'), **extra,
+                                  checkpoint_every_steps=steps)])
     assert_resumed_from(out, latest)
     assert (f'resumed on another number of processes: saved by 2 (global batch 8, 14 steps per epoch), now '
             f'{world} (global batch {4 * world}, {steps} steps per epoch)') in proc.stdout
@@ -269,7 +266,7 @@ def test_sigterm_to_the_process_group_with_loader_workers(data_dir, tmp_path):
     out = str(tmp_path / 'cut')
     args = ['--config', 'configs/tiny/Pretrain.yaml', '--device', 'cpu', '--output_dir', out,
             *overrides(data_dir, os.path.join(data_dir, 'pretrain.json'), print_freq=1, num_workers=2)]
-    proc = subprocess.Popen([sys.executable, 'Pretrain.py', *args], cwd=ROOT, env=env(), text=True,
+    proc = subprocess.Popen([sys.executable, 'Pretrain.py', *args], cwd=ROOT, env=script_env(), text=True,
                             start_new_session=True, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
     lines = []
     for line in proc.stdout:
@@ -282,7 +279,7 @@ def test_sigterm_to_the_process_group_with_loader_workers(data_dir, tmp_path):
     assert proc.returncode == 128 + signal.SIGTERM, output[-3000:]
     latest = read_latest(out)
     assert latest['path'].startswith('checkpoint_step_')
-    run([sys.executable, 'Pretrain.py', '--resume', *args])
+    run_script([sys.executable, 'Pretrain.py', '--resume', *args])
     assert_resumed_from(out, latest)
     assert [r['epoch'] for r in read_log(out)] == [0, 1]
 

@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
-from conftest import free_port, run_here, small_pretrain_sets
+from conftest import free_port, run_here, script_env, small_pretrain_sets
 from PIL import Image
 
 from dataset import SkipBadSamples, train_transform
@@ -429,19 +429,13 @@ def test_config_keys_for_shards():
 # ------------------------------------------------------------------------------------------ Pretrain.py
 
 
-def _env() -> dict:
-    e = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=ROOT)
-    e.pop("WORLD_SIZE", None)
-    return e
-
-
 def _pretrain(data: str, out: str, *extra: str, launcher: list[str] | None = None,
               check: bool = True) -> subprocess.CompletedProcess:
     values = {"grit.queue_size": 40, "grit.search_space": 16, "max_epoch": 2, "schedular.epochs": 2,
               "schedular.warmup_steps": 4, "print_freq": 1000}
     cmd = [*(launcher or [sys.executable]), "Pretrain.py", "--config", "configs/tiny/Pretrain.yaml",
            "--output_dir", out, "--device", "cpu", "--set", *small_pretrain_sets(data, **values), *extra]
-    proc = subprocess.run(cmd, cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=400)
+    proc = subprocess.run(cmd, cwd=ROOT, env=script_env(), capture_output=True, text=True, timeout=400)
     if check:
         assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     return proc
