@@ -144,8 +144,8 @@ def itc_loss(
     Loss-side answers to hard and false negatives (not in GRIT-VLP; 0 = off, exactly the paper's ITC):
       * hn_beta: HN-NCE (Radenovic et al., CVPR 2023): in both directions every negative's exp-logit in
         the denominator is weighted by w_ij = n_i softmax_j(hn_beta * logit_ij) over the row's n_i
-        negatives (weights detached; the positive's weight alpha = 1), so that the hardest negatives
-        count more and the weights still sum to n_i; the consistency term keeps the plain softmaxes.
+        negatives (the weights differentiated too; the positive's weight alpha = 1), so that the hardest
+        negatives count more and the weights still sum to n_i; the consistency term keeps the plain softmaxes.
       * smoothing: MAFA's smoothed ITC targets (S-ITC, CVPR 2024): each row's target becomes
         (1 - smoothing) * target + smoothing * uniform over the row's valid columns.
     """
@@ -243,12 +243,13 @@ def masked_mean(values: Tensor, weight: Tensor) -> Tensor:
 
 def hard_negative_logits(logits: Tensor, negative: Tensor, beta: float) -> Tensor:
     """HN-NCE's logits (B, N): each negative's logit plus log w_ij, w_ij = n_i softmax_j(beta * logit_ij)
-    over the row's n_i negatives (`negative` (B, N) bool), the weights detached; other entries unchanged.
-    beta = 0 gives w = 1: the plain logits."""
-    with torch.no_grad():
-        scaled = (beta * logits).masked_fill(~negative, float("-inf"))
-        count = negative.sum(dim=1, keepdim=True).clamp(min=1).to(logits.dtype)
-        log_w = count.log() + scaled - torch.logsumexp(scaled, dim=1, keepdim=True)
+    over the row's n_i negatives (`negative` (B, N) bool); other entries unchanged. beta = 0 gives w = 1:
+    the plain logits. The weights are differentiated with the rest, as the paper's loss is written and as
+    public implementations do."""
+    # A finite fill, not -inf: a row without negatives must give a finite gradient, not 0 * nan.
+    scaled = (beta * logits).masked_fill(~negative, _MASKED_LOGIT)
+    count = negative.sum(dim=1, keepdim=True).clamp(min=1).to(logits.dtype)
+    log_w = count.log() + scaled - torch.logsumexp(scaled, dim=1, keepdim=True)
     return logits + torch.where(negative, log_w, torch.zeros_like(logits))
 
 

@@ -60,18 +60,47 @@ def test_hn_nce_is_the_papers_formula(beta):
     assert out["loss_itc"] > itc_loss(image, text, TEMP)["loss_itc"]  # hard negatives weigh more
 
 
-def test_hn_nce_weights_are_detached():
+def hn_nce_tensor(logits: torch.Tensor, beta: float) -> torch.Tensor:
+    """The same formula on tensors, so autograd differentiates all of it (the weights included): the mean
+    over rows of -log(e^{l_ii} / (e^{l_ii} + sum_{j!=i} w_ij e^{l_ij}))."""
+    b = logits.shape[0]
+    off = ~torch.eye(b, dtype=torch.bool)
+    e_beta = torch.exp(beta * logits) * off
+    weight = (b - 1) * e_beta / e_beta.sum(dim=1, keepdim=True)
+    denominator = logits.diagonal().exp() + (weight * logits.exp() * off).sum(dim=1)
+    return (denominator.log() - logits.diagonal()).mean()
+
+
+@pytest.mark.parametrize("beta", [0.5, 1.0])
+def test_hn_nce_gradient_is_the_formulas(beta):
+    """The weights are not constants: the gradient is the whole formula's, as the paper writes it."""
     image, text = feats(seed=2)
     image.requires_grad_(True)
-    loss = itc_loss(image, text, TEMP, hn_beta=1.0)["loss_itc"]
+    loss = itc_loss(image, text, TEMP, hn_beta=beta)["loss_itc"]
     (grad,) = torch.autograd.grad(loss, image)
-    # the reference: the weights as constants, the logits differentiated
-    logits_i2t = image @ text.T / TEMP
-    logits_t2i = text @ image.T / TEMP
+    reference = (hn_nce_tensor(image @ text.T / TEMP, beta) + hn_nce_tensor(text @ image.T / TEMP, beta)) / 2
+    (ref,) = torch.autograd.grad(reference, image)
+    torch.testing.assert_close(grad, ref, rtol=1e-9, atol=1e-12)
+    # ... and differs from the gradient with the weights held constant
     negative = ~torch.eye(6, dtype=torch.bool)
-    ce = lambda x: F.cross_entropy(hard_negative_logits(x, negative, 1.0), torch.arange(6))  # noqa: E731
-    (ref,) = torch.autograd.grad((ce(logits_i2t) + ce(logits_t2i)) / 2, image)
-    torch.testing.assert_close(grad, ref, rtol=1e-10, atol=1e-12)
+    both = (image @ text.T / TEMP, text @ image.T / TEMP)
+    with torch.no_grad():
+        frozen = [hard_negative_logits(x, negative, beta) - x for x in both]
+    ce = [F.cross_entropy(x + w, torch.arange(6)) for x, w in zip(both, frozen)]
+    (held,) = torch.autograd.grad((ce[0] + ce[1]) / 2, image)
+    assert (grad - held).abs().max() > 1e-3
+
+
+def test_hn_nce_row_without_negatives_is_finite():
+    """A row whose every column is a positive (or masked) has no weight to normalise: plain logits, and a
+    finite gradient."""
+    logits = torch.randn(3, 4, dtype=torch.float64, requires_grad=True)
+    negative = torch.tensor([[False, True, True, True], [False, False, False, False],
+                             [True, False, True, False]])
+    out = hard_negative_logits(logits, negative, 1.0)
+    torch.testing.assert_close(out[1], logits[1], rtol=0, atol=0)
+    (grad,) = torch.autograd.grad(out.logsumexp(dim=1).sum(), logits)
+    assert torch.isfinite(grad).all()
 
 
 @pytest.mark.parametrize("smoothing", [0.1, 0.3])
