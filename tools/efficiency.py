@@ -18,7 +18,9 @@ that epoch, with the runs two side by side on one thread each, and, since second
 load, the time in epochs of training steps: the epochs plus the strategy's work over the run's median
 step time per epoch (time_epochs; the step is the same for every arm). --timing E also measures each arm's
 per-epoch seconds side by side with ALBEF_Base's: fresh E-epoch pre-trainings of both at once, one thread
-each, into <output_dir>/timing/ (run it on an otherwise idle machine).
+each, into <output_dir>/timing/ (run it on an otherwise idle machine; a pair timed before with the same
+commands is read from its timing.json); the tables' and the figure's seconds are then each point's epochs
+at its arm's measured per-epoch time, which compare across arms as the logged seconds do not.
 
 Written into --output_dir: efficiency.json (every point), efficiency.md (mean ± sample std per epoch,
 and the epochs and seconds to reach ALBEF_Base's final R@1 per seed), efficiency.png (2 x 2: re-ranked
@@ -28,6 +30,7 @@ and ITC-only R@1 against epochs and against seconds; mean over seeds with a band
 
 from __future__ import annotations
 
+import json
 import os
 import statistics
 from collections.abc import Sequence
@@ -39,6 +42,7 @@ from tools.launch import in_root, run_side_by_side
 from tools.runs import (
     PRETRAIN_CONFIG,
     evaluation_commands,
+    fresh,
     prepare_pretraining,
     pretrain_command,
     read_log,
@@ -50,9 +54,9 @@ from tools.runs import (
 from training.cli import Parser, run_main
 from training.config_resolve import resolve_config
 
-__all__ = ["ARM_LR", "EFFICIENCY_ARMS", "arm_run", "build_parser", "curves_table", "epoch_timing",
-           "epochs_to_reach", "evaluate_epochs", "main", "plot", "point", "time_beside_baseline",
-           "timing_table", "zeroshot_dir"]
+__all__ = ["ARM_LR", "EFFICIENCY_ARMS", "add_timed_seconds", "arm_run", "build_parser", "curves_table",
+           "epoch_timing", "epochs_to_reach", "evaluate_epochs", "main", "plot", "point",
+           "time_beside_baseline", "timing_table", "zeroshot_dir"]
 
 EFFICIENCY_ARMS = ('ALBEF_Base', 'ALBEF_Base50', 'GRIT-VLP')
 ALBEF_ARMS = ('ALBEF_Base', 'ALBEF_Base50')  # the baselines; every other arm is measured against ALBEF_Base
@@ -68,6 +72,12 @@ def arm_run(arm: str) -> tuple[float, str | None]:
 
 
 SCORES = {'mean_r1': 'zero-shot mean R@1, ITM re-ranked', 'itc_mean_r1': 'zero-shot mean R@1, ITC only'}
+# The seconds a point can be shown at: as logged, or its epochs at the per-epoch time measured side by side.
+CLOCKS = {'seconds': 'cumulative epoch_seconds as logged',
+          'timed_seconds': 'epochs × the arm\'s per-epoch seconds measured side by side with ALBEF_Base\'s '
+                           '(--timing)'}
+CLOCK_LABELS = {'seconds': 'wall-clock seconds (sum of epoch_seconds)',
+                'timed_seconds': 'seconds at the per-epoch time measured side by side'}
 
 
 def zeroshot_dir(directory: str, e: int, last: int) -> str:
@@ -110,13 +120,15 @@ def epochs_to_reach(curve: list[dict], target: float, score: str = 'mean_r1') ->
     return next((p for p in curve if p[score] >= target), None)
 
 
-def curves_table(curves: dict[str, dict[int, list[dict]]], seeds: Sequence[int]) -> tuple[str, dict]:
+def curves_table(curves: dict[str, dict[int, list[dict]]], seeds: Sequence[int],
+                 clock: str = 'seconds') -> tuple[str, dict]:
     """Markdown: mean ± std per arm and epoch for both scorings; each arm's (not the ALBEF baselines') epochs
-    and seconds to reach ALBEF_Base's final R@1 per seed (the same seed's ALBEF_Base run). Returns (text,
-    the reach record {scoring: {arm: {seed: ...}}})."""
+    and seconds to reach ALBEF_Base's final R@1 per seed (the same seed's ALBEF_Base run). clock: the points'
+    seconds shown ('seconds' as logged, or 'timed_seconds', add_timed_seconds). Returns (text, the reach
+    record {scoring: {arm: {seed: ...}}})."""
     arms = list(curves)
     lines = [f'Zero-shot test mean R@1 per epoch (seeds {", ".join(map(str, seeds))}; mean ± sample std; '
-             'seconds: cumulative epoch_seconds)', '']
+             f'seconds: {CLOCKS[clock]})', '']
     for score, label in SCORES.items():
         lines += [f'{label}:', '', '| epoch | ' + ' | '.join(f'{a} | {a} s' for a in arms) + ' |',
                   '|---|' + '---|---|' * len(arms)]
@@ -124,7 +136,7 @@ def curves_table(curves: dict[str, dict[int, list[dict]]], seeds: Sequence[int])
             cells = []
             for a in arms:
                 m, sd = mean_std([curves[a][s][i][score] for s in seeds])
-                t = statistics.fmean(curves[a][s][i]['seconds'] for s in seeds)
+                t = statistics.fmean(curves[a][s][i][clock] for s in seeds)
                 cells.append((f'{m:.2f} ± {sd:.2f}' if len(seeds) > 1 else f'{m:.2f}') + f' | {t:.0f}')
             lines.append(f'| {p["epoch"]} | ' + ' | '.join(cells) + ' |')
         lines.append('')
@@ -147,11 +159,14 @@ def curves_table(curves: dict[str, dict[int, list[dict]]], seeds: Sequence[int])
                         'target': base[score], 'target_epoch': base['epoch'],
                         'target_seconds': base['seconds'], 'epoch': hit['epoch'] if hit else None,
                         'seconds': hit['seconds'] if hit else None,
-                        'time_epochs': hit.get('time_epochs') if hit else None}
+                        'time_epochs': hit.get('time_epochs') if hit else None,
+                        **({'timed_seconds': hit['timed_seconds'] if hit else None,
+                            'target_timed_seconds': base['timed_seconds']}
+                           if clock == 'timed_seconds' else {})}
                     time = f' ({hit["time_epochs"]:.2f})' if hit and 'time_epochs' in hit else ''
-                    cells.append(f'{hit["epoch"]}{time} | {hit["seconds"]:.0f}' if hit else 'not reached | –')
+                    cells.append(f'{hit["epoch"]}{time} | {hit[clock]:.0f}' if hit else 'not reached | –')
                 lines.append(f'| {s} | {score} | {base[score]:.2f} (epoch {base["epoch"]}) | '
-                             f'{base["seconds"]:.0f} | ' + ' | '.join(cells) + ' |')
+                             f'{base[clock]:.0f} | ' + ' | '.join(cells) + ' |')
     return '\n'.join(lines) + '\n', reach
 
 
@@ -166,11 +181,24 @@ def epoch_timing(base_log: list[dict], arm_log: list[dict]) -> dict:
             'grit_seconds': median(arm_log, 'grit_seconds')}
 
 
+def add_timed_seconds(curves: dict[str, dict[int, list[dict]]], timing: dict[str, dict]) -> None:
+    """Give every point `timed_seconds`: its epochs times its arm's per-epoch seconds measured side by side
+    (--timing; ALBEF_Base's: the median of its runs beside the arms). Unlike the logged seconds, which
+    depend on what else the machine ran that hour, these compare across arms."""
+    per_epoch = {arm: t['epoch_seconds'] for arm, t in timing.items()}
+    per_epoch[BASELINE] = statistics.median(t['albef_base_epoch_seconds'] for t in timing.values())
+    for arm, per_seed in curves.items():
+        for curve in per_seed.values():
+            for p in curve:
+                p['timed_seconds'] = p['epoch'] * per_epoch[arm]
+
+
 def time_beside_baseline(runs: dict[str, tuple[float, str | None]], output_dir: str, epochs: int,
                          base_sets: Sequence[str]) -> dict[str, dict]:
     """Each arm's per-epoch time measured side by side with ALBEF_Base's: a fresh `epochs`-epoch pre-training
     of both (seed 1, one thread each, the same config as their curves' runs but for the epoch count) into
-    output_dir/timing/<arm>/, on a machine nothing else uses. Returns {arm: epoch_timing}."""
+    output_dir/timing/<arm>/, on a machine nothing else uses; a pair already timed with the same commands
+    (its timing.json) is read, not run again. Returns {arm: epoch_timing}."""
     timing = {}
     for arm in [a for a in runs if a != BASELINE]:
         pair = []
@@ -179,10 +207,23 @@ def time_beside_baseline(runs: dict[str, tuple[float, str | None]], output_dir: 
             sets = arm_overrides(a, lr, setting) + list(base_sets) + [f'max_epoch={epochs}',
                                                                       f'schedular.epochs={epochs}']
             directory = os.path.join(output_dir, 'timing', slug(arm), slug(a))
-            pair.append((pretrain_command(directory, ['--seed', '1', '--set', *sets]), directory))
+            command = pretrain_command(directory, ['--seed', '1', '--set', *sets], clear=False)
+            pair.append((command, directory))
+        record = os.path.join(output_dir, 'timing', slug(arm), 'timing.json')
+        commands = [c for c, _ in pair]
+        if os.path.isfile(record):
+            with open(record, encoding='utf-8') as f:
+                saved = json.load(f)
+            if saved['commands'] == commands:
+                timing[arm] = saved['timing']
+                continue
+        for _, d in pair:
+            fresh(d)
         run_side_by_side([(c, os.path.join(d, 'stdout.txt')) for c, d in pair], threads=1)
         base_log, arm_log = (read_log(os.path.join(d, 'log.txt')) for _, d in pair)
         timing[arm] = epoch_timing(base_log, arm_log)
+        with open(record, 'w', encoding='utf-8') as f:
+            json.dump({'commands': commands, 'timing': timing[arm]}, f)
     return timing
 
 
@@ -197,8 +238,10 @@ def timing_table(timing: dict[str, dict], epochs: int) -> str:
     return '\n'.join(lines) + '\n'
 
 
-def plot(curves: dict[str, dict[int, list[dict]]], seeds: Sequence[int], path: str) -> str:
-    """efficiency.png: R@1 (re-ranked, ITC only) against epochs and against seconds, mean ± std band."""
+def plot(curves: dict[str, dict[int, list[dict]]], seeds: Sequence[int], path: str,
+         clock: str = 'seconds') -> str:
+    """efficiency.png: R@1 (re-ranked, ITC only) against epochs and against seconds (clock: the points' key,
+    as in curves_table), mean ± std band."""
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
 
@@ -206,7 +249,7 @@ def plot(curves: dict[str, dict[int, list[dict]]], seeds: Sequence[int], path: s
     FigureCanvasAgg(fig)
     axes = fig.subplots(2, 2)
     for row, (score, label) in enumerate(SCORES.items()):
-        for col, x in enumerate(('epoch', 'seconds')):
+        for col, x in enumerate(('epoch', clock)):
             ax = axes[row][col]
             for arm, per_seed in curves.items():
                 n = len(per_seed[seeds[0]])
@@ -216,7 +259,7 @@ def plot(curves: dict[str, dict[int, list[dict]]], seeds: Sequence[int], path: s
                 ax.plot(xs, means, marker='o', markersize=3, label=arm)
                 if len(seeds) > 1:
                     ax.fill_between(xs, [m - sd for m, sd in stats], [m + sd for m, sd in stats], alpha=0.2)
-            ax.set_xlabel('epoch' if x == 'epoch' else 'wall-clock seconds (sum of epoch_seconds)')
+            ax.set_xlabel('epoch' if x == 'epoch' else CLOCK_LABELS[clock])
             ax.set_ylabel(label)
             ax.grid(alpha=0.3)
             ax.legend(fontsize=8)
@@ -291,13 +334,18 @@ def main(argv: Sequence[str] | None = None) -> dict:
     for (arm, seed), (directory, _, _) in spec.items():
         log = read_log(os.path.join(directory, 'pretrain', 'log.txt'))
         curves.setdefault(arm, {})[seed] = [point(directory, e, log) for e in epochs]
-    text, reach = curves_table(curves, args.seeds)
+    # With --timing the seconds are the side-by-side ones: the logged seconds of runs made hours apart
+    # on a shared machine differ 2x for one arm.
+    clock = 'timed_seconds' if timing else 'seconds'
+    if timing:
+        add_timed_seconds(curves, timing)
+    text, reach = curves_table(curves, args.seeds, clock)
     if timing:
         text += '\n' + timing_table(timing, args.timing)
     os.makedirs(output_dir, exist_ok=True)
     with open(os.path.join(output_dir, 'efficiency.md'), 'w', encoding='utf-8') as f:
         f.write(text)
-    figure = plot(curves, args.seeds, os.path.join(output_dir, 'efficiency.png'))
+    figure = plot(curves, args.seeds, os.path.join(output_dir, 'efficiency.png'), clock)
     print(text)
     print(f'written: {output_dir}/efficiency.md, {figure}, {output_dir}/efficiency.json')
     record = {'seeds': args.seeds, 'learning_rates': {a: lr for a, (lr, _) in runs.items()},
