@@ -106,25 +106,29 @@ def test_each_arm_is_timed_beside_albef_base_on_one_thread_each(monkeypatch, tmp
 
 
 def test_timed_seconds_are_epochs_at_the_side_by_side_epoch_time():
-    """With --timing the seconds axis and the reach table's seconds are each point's epochs times its arm's
-    per-epoch seconds measured beside ALBEF_Base (ALBEF_Base's own: the median of its runs beside the arms),
-    whatever the logged seconds (a paused epoch)."""
+    """With --timing the seconds axis and the reach table's seconds are each point's epochs times ALBEF_Base's
+    per-epoch seconds (the median of its runs beside the arms) times the arm's ratio to the ALBEF_Base run
+    beside it, whatever the logged seconds (a paused epoch)."""
     def curve(seconds):
         return [{"epoch": e, "seconds": seconds * e, "mean_r1": 10.0 * e, "itc_mean_r1": 11.0 * e}
                 for e in (1, 2, 3)]
 
     curves = {"ALBEF_Base": {1: curve(40.0)}, "GRIT-VLP": {1: curve(20.0)}, "B3": {1: curve(90.0)}}
-    timing = {"GRIT-VLP": {"epoch_seconds": 12.0, "albef_base_epoch_seconds": 11.0},
-              "B3": {"epoch_seconds": 13.0, "albef_base_epoch_seconds": 12.0}}
+    # B3 was timed when the machine was busier (ALBEF_Base beside it 15 s, not 10 s): its ratio counts
+    timing = {"GRIT-VLP": {"epoch_seconds": 11.0, "albef_base_epoch_seconds": 10.0, "ratio": 1.1},
+              "B3": {"epoch_seconds": 18.0, "albef_base_epoch_seconds": 15.0, "ratio": 1.2},
+              "GCBS": {"epoch_seconds": 10.0, "albef_base_epoch_seconds": 10.0, "ratio": 1.0}}
+    curves["GCBS"] = {1: curve(30.0)}
     efficiency.add_timed_seconds(curves, timing)
-    assert [p["timed_seconds"] for p in curves["B3"][1]] == [13.0, 26.0, 39.0]
-    assert [p["timed_seconds"] for p in curves["ALBEF_Base"][1]] == [11.5, 23.0, 34.5]
+    assert [p["timed_seconds"] for p in curves["ALBEF_Base"][1]] == [10.0, 20.0, 30.0]
+    assert [p["timed_seconds"] for p in curves["B3"][1]] == pytest.approx([12.0, 24.0, 36.0])
+    assert [p["timed_seconds"] for p in curves["GRIT-VLP"][1]] == pytest.approx([11.0, 22.0, 33.0])
     text, reach = efficiency.curves_table(curves, [1], "timed_seconds")
-    assert "epochs × the arm's per-epoch seconds measured side by side" in text
+    assert "epochs × ALBEF_Base's per-epoch seconds × the arm's ratio to it" in text
     hit = reach["mean_r1"]["B3"][1]  # ALBEF_Base ends at 30.0: B3 reaches it at epoch 3
-    assert hit["epoch"] == 3 and hit["timed_seconds"] == 39.0 and hit["seconds"] == 270.0
-    assert hit["target_timed_seconds"] == 34.5
-    assert "| 1 | mean_r1 | 30.00 (epoch 3) | 34 | 3 | 36 | 3 | 39 |" in text
+    assert hit["epoch"] == 3 and hit["timed_seconds"] == pytest.approx(36.0) and hit["seconds"] == 270.0
+    assert hit["target_timed_seconds"] == 30.0
+    assert "| 1 | mean_r1 | 30.00 (epoch 3) | 30 | 3 | 33 | 3 | 36 | 3 | 30 |" in text
 
 
 def test_timing_without_albef_base_is_refused_in_one_line(capsys):

@@ -20,7 +20,8 @@ step time per epoch (time_epochs; the step is the same for every arm). --timing 
 per-epoch seconds side by side with ALBEF_Base's: fresh E-epoch pre-trainings of both at once, one thread
 each, into <output_dir>/timing/ (run it on an otherwise idle machine; a pair timed before with the same
 commands is read from its timing.json); the tables' and the figure's seconds are then each point's epochs
-at its arm's measured per-epoch time, which compare across arms as the logged seconds do not.
+at its arm's measured per-epoch time (ALBEF_Base's times the arm's ratio to it), which compare across arms
+as the logged seconds do not.
 
 Written into --output_dir: efficiency.json (every point), efficiency.md (mean ± sample std per epoch,
 and the epochs and seconds to reach ALBEF_Base's final R@1 per seed), efficiency.png (2 x 2: re-ranked
@@ -74,8 +75,8 @@ def arm_run(arm: str) -> tuple[float, str | None]:
 SCORES = {'mean_r1': 'zero-shot mean R@1, ITM re-ranked', 'itc_mean_r1': 'zero-shot mean R@1, ITC only'}
 # The seconds a point can be shown at: as logged, or its epochs at the per-epoch time measured side by side.
 CLOCKS = {'seconds': 'cumulative epoch_seconds as logged',
-          'timed_seconds': 'epochs × the arm\'s per-epoch seconds measured side by side with ALBEF_Base\'s '
-                           '(--timing)'}
+          'timed_seconds': 'epochs × ALBEF_Base\'s per-epoch seconds × the arm\'s ratio to it, measured side '
+                           'by side (--timing)'}
 CLOCK_LABELS = {'seconds': 'wall-clock seconds (sum of epoch_seconds)',
                 'timed_seconds': 'seconds at the per-epoch time measured side by side'}
 
@@ -182,11 +183,14 @@ def epoch_timing(base_log: list[dict], arm_log: list[dict]) -> dict:
 
 
 def add_timed_seconds(curves: dict[str, dict[int, list[dict]]], timing: dict[str, dict]) -> None:
-    """Give every point `timed_seconds`: its epochs times its arm's per-epoch seconds measured side by side
-    (--timing; ALBEF_Base's: the median of its runs beside the arms). Unlike the logged seconds, which
-    depend on what else the machine ran that hour, these compare across arms."""
-    per_epoch = {arm: t['epoch_seconds'] for arm, t in timing.items()}
-    per_epoch[BASELINE] = statistics.median(t['albef_base_epoch_seconds'] for t in timing.values())
+    """Give every point `timed_seconds`: its epochs times its arm's per-epoch seconds from the side-by-side
+    timing (--timing): ALBEF_Base's epoch (the median of its runs beside the arms) times the arm's ratio to
+    the ALBEF_Base run beside it. The ratio, not the arm's own seconds: the machine's load moved between the
+    pairs (ALBEF_Base's epoch took 30 to 36 s across them). Unlike the logged seconds, these compare across
+    arms."""
+    base = statistics.median(t['albef_base_epoch_seconds'] for t in timing.values())
+    per_epoch = {arm: t['ratio'] * base for arm, t in timing.items()}
+    per_epoch[BASELINE] = base
     for arm, per_seed in curves.items():
         for curve in per_seed.values():
             for p in curve:
