@@ -99,7 +99,7 @@ def test_each_arm_is_timed_beside_albef_base_on_one_thread_each(monkeypatch, tmp
     assert timing == {"GRIT-VLP": {"epoch_seconds": 12.0, "albef_base_epoch_seconds": 11.5,
                                    "ratio": pytest.approx(12.0 / 11.5), "grit_seconds": 0.5}}
     assert "| GRIT-VLP | 12.00 s | 11.50 s | 1.043 | 0.500 s |" in efficiency.timing_table(timing, 3)
-    # timed again with the same commands: read from its timing.json, nothing launched
+    # timed again with the same commands: read from its result.json, nothing launched
     assert efficiency.time_beside_baseline(runs, str(tmp_path), 3, []) == timing and len(launched) == 1
     efficiency.time_beside_baseline(runs, str(tmp_path), 4, [])  # another epoch count: timed afresh
     assert len(launched) == 2

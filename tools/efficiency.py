@@ -19,7 +19,7 @@ load, the time in epochs of training steps: the epochs plus the strategy's work 
 step time per epoch (time_epochs; the step is the same for every arm). --timing E also measures each arm's
 per-epoch seconds side by side with ALBEF_Base's: fresh E-epoch pre-trainings of both at once, one thread
 each, into <output_dir>/timing/ (run it on an otherwise idle machine; a pair timed before with the same
-commands is read from its timing.json); the tables' and the figure's seconds are then each point's epochs
+commands is read from its result.json); the tables' and the figure's seconds are then each point's epochs
 at its arm's measured per-epoch time (ALBEF_Base's times the arm's ratio to it), which compare across arms
 as the logged seconds do not.
 
@@ -50,6 +50,7 @@ from tools.runs import (
     read_retrieval,
     run_dir,
     run_pairs,
+    saved_result,
     slug,
 )
 from training.cli import Parser, run_main
@@ -202,7 +203,7 @@ def time_beside_baseline(runs: dict[str, tuple[float, str | None]], output_dir: 
     """Each arm's per-epoch time measured side by side with ALBEF_Base's: a fresh `epochs`-epoch pre-training
     of both (seed 1, one thread each, the same config as their curves' runs but for the epoch count) into
     output_dir/timing/<arm>/, on a machine nothing else uses; a pair already timed with the same commands
-    (its timing.json) is read, not run again. Returns {arm: epoch_timing}."""
+    (its result.json, tools.runs.saved_result) is read, not run again. Returns {arm: epoch_timing}."""
     timing = {}
     for arm in [a for a in runs if a != BASELINE]:
         pair = []
@@ -213,21 +214,19 @@ def time_beside_baseline(runs: dict[str, tuple[float, str | None]], output_dir: 
             directory = os.path.join(output_dir, 'timing', slug(arm), slug(a))
             command = pretrain_command(directory, ['--seed', '1', '--set', *sets], clear=False)
             pair.append((command, directory))
-        record = os.path.join(output_dir, 'timing', slug(arm), 'timing.json')
-        commands = [c for c, _ in pair]
-        if os.path.isfile(record):
-            with open(record, encoding='utf-8') as f:
-                saved = json.load(f)
-            if saved['commands'] == commands:
-                timing[arm] = saved['timing']
-                continue
+        # One record for the pair, reused as tools.compare reuses a run: its two commands joined.
+        pair_dir, both = os.path.join(output_dir, 'timing', slug(arm)), pair[0][0] + pair[1][0]
+        saved = saved_result(pair_dir, both)
+        if saved:
+            timing[arm] = saved['timing']
+            continue
         for _, d in pair:
             fresh(d)
         run_side_by_side([(c, os.path.join(d, 'stdout.txt')) for c, d in pair], threads=1)
         base_log, arm_log = (read_log(os.path.join(d, 'log.txt')) for _, d in pair)
         timing[arm] = epoch_timing(base_log, arm_log)
-        with open(record, 'w', encoding='utf-8') as f:
-            json.dump({'commands': commands, 'timing': timing[arm]}, f)
+        with open(os.path.join(pair_dir, 'result.json'), 'w', encoding='utf-8') as f:
+            json.dump({'command': both, 'timing': timing[arm]}, f)
     return timing
 
 
