@@ -1,6 +1,6 @@
 """`make demo`: tiny GRIT-VLP pre-training on the built-in synthetic data (the paper's M/N = 15) and, side
 by side, the same run with random batches (CPU, under 5 minutes), each at the learning rate tools.compare
-selected for it on val (tools.compare.SELECTED_LR), then, for both, zero-shot retrieval (ITM re-ranked and
+selected for it on val (tools.arms.SELECTED_LR), then, for both, zero-shot retrieval (ITM re-ranked and
 ITC only) and the compositional ITM probe, printed side by side with their per-epoch grit_hardness and ITM
 loss. One seed of the README's comparison (`python -m tools.compare`, 3 seeds, the rates swept).
 
@@ -19,7 +19,8 @@ import time
 from collections.abc import Sequence
 
 from models.pretrain import ALBEF_Base
-from tools.compare import ARMS, SELECTED_LR, side_by_side
+from tools.arms import ARMS, SELECTED_LR
+from tools.compare import side_by_side
 from tools.downstream import (
     DOWNSTREAM_PRETRAIN_CONFIG,
     downstream_summary,
@@ -82,7 +83,7 @@ def main(argv: Sequence[str] | None = None) -> None:
 
     print('\n=== GRIT-VLP tiny pre-training (synthetic data, CPU) ===')
     print(table(runs['GRIT-VLP'][0], COLUMNS))
-    print('\nlearning rates (selected on val, tools.compare.SELECTED_LR): '
+    print('\nlearning rates (selected on val, tools.arms.SELECTED_LR): '
           + ', '.join(f'{name} {SELECTED_LR[name]:g}' for name in runs))
     print(side_by_side(runs))
     if downstream:

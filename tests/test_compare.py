@@ -7,7 +7,8 @@ import json
 import os
 import statistics
 
-from tools.compare import ARMS, COLUMNS, report, select_lr, side_by_side, summary_row
+from tools.arms import ARMS
+from tools.compare import COLUMNS, report, select_lr, side_by_side, summary_row
 from tools.runs import PRETRAIN_CONFIG, lr_overrides, read_evaluation, run_dir
 from training.config_resolve import resolve_config
 
@@ -191,34 +192,11 @@ def _grid_sweep(seeds: list[int], **figures: float) -> dict:
                    (2.5e-4, "p=10,m=30"): {s: row(47.0, 55.0 + 2 * s) for s in seeds}}}
 
 
-def test_new_arms_sweep_their_grid_with_the_rate_and_are_selected_on_val(monkeypatch):
-    """Each strategy or loss switch is an arm; an arm with a hyper-parameter gets a grid of the same size
-    as every other such arm, each setting swept with every rate, the pair selected on val alone; the test
-    rows at the selection get mean, sample std, median and range, and gaps to GRIT-VLP and to random
-    batches paired by seed."""
-    from tools.compare import GRIDS, arm_overrides, grid_overrides, setting_label
-    from tools.runs import lr_overrides
-
-    monkeypatch.chdir(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    assert {len(g) for g in GRIDS.values()} == {2}  # the same tuning budget for every arm with a grid
-    assert grid_overrides("B3", "p=2,m=20") == ["batching.b3.rank_skip=2", "batching.b3.rank_window=20"]
-    assert grid_overrides("GCBS", "k=5") == ["batching.gcbs.neighbours=5"]
-    assert grid_overrides("random walk", "k=10,restart=0.3") == ["batching.rwr.neighbours=10",
-                                                                 "batching.rwr.restart=0.3"]
-    assert grid_overrides("GRIT-VLP + HN-NCE", "beta=1") == ["itc_hn_beta=1"]
-    assert grid_overrides("GRIT-VLP + S-ITC", "s=0.5") == ["itc_smoothing=0.5"]
-    assert "s=0.5" in GRIDS["GRIT-VLP + S-ITC"] and "beta=0.5" in GRIDS["GRIT-VLP + HN-NCE"]  # papers' values
-    # An arm's run: its keys, then its setting, then its rate (the order the recorded commands have)
-    assert arm_overrides("B3", 5e-4, "p=2,m=20") == (ARMS["B3"] + grid_overrides("B3", "p=2,m=20")
-                                                     + lr_overrides(5e-4))
-    assert arm_overrides("GRIT-VLP", None, None) == ARMS["GRIT-VLP"]
-    for arm, settings in GRIDS.items():  # every arm and setting is a config the pre-training accepts
-        for setting in settings:
-            config = resolve_config("pretrain", PRETRAIN_CONFIG, ARMS[arm] + grid_overrides(arm, setting),
-                                    check_paths=False)
-            assert config.strategy == {"B3": "b3", "GCBS": "gcbs", "random walk": "rwr",
-                                       "random + HN-NCE": "random"}.get(arm, "grit"), arm
-    assert run_dir("/o", "B3", 1, 5e-4, "p=2,m=20") == "/o/seed1/b3_lr0.0005_p_2_m_20"
+def test_new_arms_are_selected_with_their_grid_setting_on_val():
+    """An arm with a hyper-parameter grid is selected as a (rate, setting) pair on val alone; the test rows
+    at the selection get mean, sample std, median and range, and gaps to GRIT-VLP and to random batches
+    paired by seed."""
+    from tools.arms import setting_label
 
     seeds = [1, 2, 3]
     text, record = report(_grid_sweep(seeds), seeds)
@@ -257,7 +235,8 @@ def test_the_markdown_table_shows_each_arm_at_its_selection_with_spread_gap_and_
     assert lines[0] == "one seed (1): its values"  # no spread claimed for one seed
     b3 = next(line for line in lines if line.startswith("| B3 |")).split(" | ")
     assert b3[2] == "57.00" and b3[-1] == "-4.00 |"  # its value and its gap, no "± nan"
-    from tools.compare import setting_label, sweep_table
+    from tools.arms import setting_label
+    from tools.compare import sweep_table
 
     record["sweep"] = {arm: {setting_label(k): rows for k, rows in by.items()}
                        for arm, by in _grid_sweep(seeds).items()}
@@ -289,7 +268,7 @@ def test_the_selected_runs_are_the_sweeps_own_folders_and_commands(tmp_path, mon
     setting is refused."""
     import pytest
 
-    from tools import compare
+    from tools import arms, compare
 
     monkeypatch.chdir(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     monkeypatch.setattr(compare, "prepare_pretraining", lambda overrides=(): None)
@@ -302,11 +281,11 @@ def test_the_selected_runs_are_the_sweeps_own_folders_and_commands(tmp_path, mon
     monkeypatch.setattr(compare, "run_pairs", fake_pairs)
     out = str(tmp_path / "cmp")
     compare.main(["--seeds", "1", "--lrs", "2.5e-4", "5e-4", "--arms", "B3", "--output_dir", out])
-    monkeypatch.setitem(compare.SELECTED_LR, "B3", 5e-4)
-    monkeypatch.delitem(compare.SELECTED_SETTING, "B3", raising=False)
+    monkeypatch.setitem(arms.SELECTED_LR, "B3", 5e-4)
+    monkeypatch.delitem(arms.SELECTED_SETTING, "B3", raising=False)
     with pytest.raises(SystemExit):  # the rate alone is not B3's selection
         compare.main(["--seeds", "1", "--selected", "--arms", "B3", "--output_dir", out])
-    monkeypatch.setitem(compare.SELECTED_SETTING, "B3", "p=2,m=20")
+    monkeypatch.setitem(arms.SELECTED_SETTING, "B3", "p=2,m=20")
     compare.main(["--seeds", "1", "--selected", "--arms", "B3", "--output_dir", out])
     sweep, selected = asked[0], asked[-1]
     assert len(sweep) == 4 and list(selected) == [("B3", 5e-4, "p=2,m=20", 1)]

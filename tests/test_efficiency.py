@@ -38,16 +38,16 @@ def test_every_other_arm_is_measured_against_albef_base_at_its_selection(monkeyp
     text, reach = efficiency.curves_table(curves, [1])
     assert reach["mean_r1"]["B3"][1]["epoch"] == 1 and reach["mean_r1"]["GRIT-VLP"][1]["epoch"] == 2
     assert "B3 epoch" in text and "ALBEF_Base epoch" not in text
-    from tools import compare
+    from tools import arms
 
-    monkeypatch.setitem(compare.SELECTED_LR, "B3", 5e-4)
-    monkeypatch.setitem(compare.SELECTED_SETTING, "B3", "p=2,m=20")
+    monkeypatch.setitem(arms.SELECTED_LR, "B3", 5e-4)
+    monkeypatch.setitem(arms.SELECTED_SETTING, "B3", "p=2,m=20")
     assert efficiency.arm_run("B3") == (5e-4, "p=2,m=20")
     assert efficiency.arm_run("ALBEF_Base") == (efficiency.ARM_LR["ALBEF_Base"], None)
-    monkeypatch.delitem(compare.SELECTED_SETTING, "B3")
+    monkeypatch.delitem(arms.SELECTED_SETTING, "B3")
     with pytest.raises(ValueError, match="'B3' has no selection yet"):  # its rate alone is not B3's selection
         efficiency.arm_run("B3")
-    monkeypatch.delitem(compare.SELECTED_LR, "B3")
+    monkeypatch.delitem(arms.SELECTED_LR, "B3")
     with pytest.raises(ValueError, match="'B3' has no selection yet"):
         efficiency.arm_run("B3")
 

@@ -45,7 +45,7 @@ def test_grit_beats_random_batches(comparison, seed):
 @pytest.fixture(scope="module")
 def downstream(comparison):
     """demo --downstream's chain per seed, from a 36-epoch GRIT pre-training: {seed: accuracies}."""
-    from tools.compare import arm_overrides, selection
+    from tools.arms import arm_overrides, selection
     from tools.downstream import DOWNSTREAM_PRETRAIN_CONFIG, pretrain_for_downstream, run_chains
 
     out, _ = comparison

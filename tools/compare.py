@@ -6,13 +6,11 @@ test split reported at that selection, per seed, re-ranked and ITC-only, with th
         [--set key=value ...]
     python -m tools.compare --seeds 11 12 13 --selected     # each arm at its selection only
 
-Every arm (ARMS: GRIT-VLP at the paper's ratio of search space to batch, M/N = 120/8 = 15, which is the
-tiny config's; GRIT-VLP at the earlier tiny config's M/N = 768/8 = 96; random batches, grit.enabled=false;
-the batch-construction strategies B3, GCBS and random walk; HN-NCE on random and on GRIT batches; GRIT with
-S-ITC) pre-trains configs/tiny/Pretrain.yaml once per learning rate and seed (the schedule's floor and
-warm-up start scaled with it), and an arm with a hyper-parameter (GRIDS: the same two-setting grid size
-for every such arm) once per setting too, and is evaluated zero-shot with `python -m Retrieval --evaluate`
-(configs/tiny/Retrieval.yaml: val and test, ITM re-ranked and by the ITC cosine alone) and tools.probe.
+Every arm (tools.arms.ARMS) pre-trains configs/tiny/Pretrain.yaml once per learning rate and seed (the
+schedule's floor and warm-up start scaled with it), and an arm with a hyper-parameter (tools.arms.GRIDS:
+the same two-setting grid size for every such arm) once per setting too, and is evaluated zero-shot with
+`python -m Retrieval --evaluate` (configs/tiny/Retrieval.yaml: val and test, ITM re-ranked and by the ITC
+cosine alone) and tools.probe.
 Each arm's learning rate (and grid setting) is the one with the best mean val R@1 (re-ranked) over the
 seeds (select_lr: the test split is never read to select); the per-seed test rows at it, their mean,
 sample std, median and range, and the gaps to random batches and to GRIT-VLP per seed are printed, then a
@@ -22,10 +20,10 @@ setting's mean val and test R@1, the selection in bold). A row's batch
 figures: the last epoch's hardness both ways and mined-negative false-negative rate, and the same-scene
 share of the batches over epochs 1.. (tools.batch_scenes rebuilds it for runs that did not log it). Runs
 go two side by side, one thread each
-(tools.launch.run_side_by_side): about 2 minutes per run on a 2-core CPU. --reuse keeps a run whose
+(tools.launch.run_side_by_side): about 3.5 minutes per run on a 2-core CPU. --reuse keeps a run whose
 result.json records the same command (the code is not compared: reuse within one checkout; nor is the
 folder, so a copied run folder is reused). `make demo`
-runs one seed of two arms at their selected rates (SELECTED_LR).
+runs one seed of two arms at their selected rates (tools.arms.SELECTED_LR).
 """
 
 from __future__ import annotations
@@ -36,86 +34,20 @@ import statistics
 from collections.abc import Sequence
 
 from grit_io import InputFileError, read_json
+from tools.arms import ARMS, GRIDS, arm_overrides, arm_strategies, selection, setting_label
 from tools.batch_scenes import with_batch_scenes
 from tools.cli import emit_record, tool_parser
 from tools.launch import ROOT, in_root
-from tools.runs import PRETRAIN_CONFIG, lr_overrides, prepare_pretraining, run_dir, run_pairs
+from tools.runs import PRETRAIN_CONFIG, prepare_pretraining, run_dir, run_pairs
 from training.cli import Parser, run_main
 from training.config_resolve import resolve_config
 
-__all__ = ["ARMS", "COLUMNS", "GRIDS", "ITM_CHANCE", "SELECTED_LR", "SELECTED_SETTING", "STRATEGY_BENCH",
-           "arm_overrides", "arm_strategies", "build_parser", "grid_overrides", "main", "markdown_table",
-           "mean_std", "read_costs", "report", "select_lr", "selection", "setting_label", "side_by_side",
-           "spread", "summary_row", "sweep_table"]
+__all__ = ["COLUMNS", "ITM_CHANCE", "STRATEGY_BENCH", "build_parser", "main", "markdown_table", "mean_std",
+           "read_costs", "report", "select_lr", "side_by_side", "spread", "summary_row", "sweep_table"]
 
 STRATEGY_BENCH = 'docs/results/strategy_bench.json'  # the strategies' measured cost (tools.strategy_bench)
 ITM_CHANCE = 0.637  # ITM's loss when it says p(match) = 1/3 (one positive, two mined negatives per pair)
 ITM_LEFT_CHANCE = 0.02  # itm_epoch: the first epoch (1-based) whose mean loss_itm is this far below chance
-# The arms: name -> the overrides of the tiny pre-training config that make it.
-ARMS = {'GRIT-VLP': [],  # the tiny config: N = 8, M = 120, L = 1440 (M/N = 15, the paper's 1920/128)
-        # the tiny config before issue 26
-        'GRIT-VLP M/N=96': ['grit.search_space=768', 'grit.queue_size=1536'],
-        'random batches': ['grit.enabled=false'],
-        # Tables 2 and 4's baselines (configs/ablation/tiny/albef_base*.yaml), for tools.efficiency
-        'ALBEF_Base': ['grit.enabled=false', 'lambda_cons=0.0', 'mlm_probability=0.15'],
-        'ALBEF_Base50': ['grit.enabled=false', 'lambda_cons=0.0'],
-        # Batch construction beside GRIT (docs/batch-construction.md; issue 37), each on the tiny config's
-        # queue and sub-queues (M/N = 15), and the loss-side switches on random and on GRIT batches.
-        'B3': ['batching.strategy=b3'],
-        'GCBS': ['batching.strategy=gcbs'],
-        'random walk': ['batching.strategy=rwr'],
-        'random + HN-NCE': ['batching.strategy=random'],
-        'GRIT-VLP + HN-NCE': [],
-        # MAFA's code (jaeseokbyun/MAFA, models/model_pretrain_MAFA.py) smooths from the second epoch on
-        'GRIT-VLP + S-ITC': ['itc_smoothing_epoch=1']}
-# The hyper-parameter grid of each arm that has one: the same size (two settings) for every such arm, each
-# setting swept with every learning rate and selected on val with it (GRID_OVERRIDES: a setting's keys).
-GRIDS = {'B3': ['p=2,m=20', 'p=10,m=30'],  # B3's paper: skip the top p, link the next m
-         'GCBS': ['k=5', 'k=10'],
-         'random walk': ['k=10,restart=0.1', 'k=10,restart=0.3'],
-         'random + HN-NCE': ['beta=0.5', 'beta=1'],
-         'GRIT-VLP + HN-NCE': ['beta=0.5', 'beta=1'],
-         'GRIT-VLP + S-ITC': ['s=0.2', 's=0.5']}  # 0.5: MAFA's own value
-
-
-def grid_overrides(arm: str, setting: str | None) -> list[str]:
-    """KEY=VALUE overrides of one grid setting of `arm` ('p=2,m=20' -> B3's rank_skip and rank_window)."""
-    if setting is None:
-        return []
-    keys = {'p': 'batching.b3.rank_skip', 'm': 'batching.b3.rank_window', 'restart': 'batching.rwr.restart',
-            'beta': 'itc_hn_beta', 's': 'itc_smoothing',
-            'k': 'batching.gcbs.neighbours' if arm == 'GCBS' else 'batching.rwr.neighbours'}
-    return [f'{keys[name]}={value}' for name, value in (part.split('=') for part in setting.split(','))]
-
-
-def arm_overrides(arm: str, lr: float | None, setting: str | None,
-                  config: str = PRETRAIN_CONFIG) -> list[str]:
-    """KEY=VALUE overrides of one arm's pre-training: its keys (ARMS), its grid setting, its learning rate
-    (None: the config's) scaled onto `config`'s schedule."""
-    return ARMS[arm] + grid_overrides(arm, setting) + (lr_overrides(lr, config) if lr is not None else [])
-
-
-def setting_label(setting: float | tuple) -> str:
-    """A sweep setting as printed and as a JSON key: a learning rate, or 'lr setting' for a grid arm."""
-    return f'{setting:g}' if not isinstance(setting, tuple) else f'{setting[0]:g} {setting[1]}'
-# Each arm's learning rate (and grid setting) as selected on val, best mean val R@1 over seeds 1-3:
-# GRIT-VLP and random batches by `python -m tools.compare --seeds 1 2 3 --lrs 1.25e-4 2.5e-4 5e-4 1e-3
-# --arms GRIT-VLP "random batches"` (README, 'Does GRIT help?'; the demo's), the strategies by
-# `python -m tools.compare --seeds 1 2 3 --lrs 2.5e-4 5e-4 1e-3 --arms B3 GCBS "random walk"
-# --output_dir output/compare_strategies` (docs/batch-construction.md, 2026-11-27).
-SELECTED_LR = {'GRIT-VLP': 5e-4, 'random batches': 2.5e-4, 'B3': 5e-4, 'GCBS': 5e-4, 'random walk': 5e-4}
-SELECTED_SETTING = {'B3': 'p=2,m=20', 'GCBS': 'k=5', 'random walk': 'k=10,restart=0.1'}
-
-
-def selection(arm: str) -> tuple[float, str | None]:
-    """An arm's selected learning rate and grid setting (SELECTED_LR, SELECTED_SETTING); ValueError when
-    its sweep has not selected one yet."""
-    if arm not in SELECTED_LR or (arm in GRIDS and arm not in SELECTED_SETTING):
-        raise ValueError(f'{arm!r} has no selection yet (tools.compare.SELECTED_LR and, for an arm with a '
-                         'grid, SELECTED_SETTING: run its sweep with tools.compare first)')
-    return SELECTED_LR[arm], SELECTED_SETTING.get(arm)
-
-
 def summary_row(rows: list[dict], retrieval: dict, probe_result: dict) -> dict:
     """The numbers of one run that the tables show: test (and val) R@1 re-ranked and ITC-only, the probe."""
     # The batch figures of the last epoch (nan where a run has none: an older run, random batches' groups);
@@ -262,13 +194,6 @@ TABLE = (('mean_r1', 'test mean R@1, ITM re-ranked', 2), ('itc_mean_r1', 'ITC on
          ('itm_false_negatives', 'mined ITM false negatives', 3),
          ('batch_same_scene', 'same-scene share of batches', 4),
          ('grit_share', 'batching work, share of the run', 4))
-
-
-def arm_strategies(arms: Sequence[str], overrides: Sequence[str] = ()) -> dict[str, str]:
-    """Each arm's batching strategy (its config's batching.strategy, with the sweep's --set): whose cost it
-    pays."""
-    return {a: resolve_config('pretrain', PRETRAIN_CONFIG, [*ARMS[a], *overrides], check_paths=False).strategy
-            for a in arms}
 
 
 def markdown_table(record: dict, costs: dict[str, float] | None = None) -> str:

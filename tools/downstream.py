@@ -1,6 +1,6 @@
 """The downstream chain per arm and seed: a 36-epoch pre-training (configs/tiny/Pretrain_long.yaml), then
 NLVR2 (text assignment, fine-tune, the best dev epoch) and VQA from its checkpoint, for GRIT-VLP and
-random batches, each at its learning rate (and grid setting) selected on val (tools.compare.SELECTED_LR,
+random batches, each at its learning rate (and grid setting) selected on val (tools.arms.SELECTED_LR,
 SELECTED_SETTING).
 
     python -m tools.downstream --seeds 1 2 3 [--arms GRIT-VLP "random batches"] \
@@ -22,8 +22,9 @@ import json
 import os
 from collections.abc import Sequence
 
+from tools.arms import SELECTED_LR, arm_overrides, selection
 from tools.cli import emit_record, tool_parser
-from tools.compare import SELECTED_LR, arm_overrides, mean_std, selection
+from tools.compare import mean_std
 from tools.launch import in_root, run_side_by_side
 from tools.runs import (
     fresh,

@@ -1,16 +1,16 @@
 """The paper's efficiency claim in miniature: zero-shot R@1 against epochs and against wall-clock seconds for
-ALBEF_Base, ALBEF_Base50 and GRIT-VLP (or any of tools.compare's arms), per seed, and after how many epochs
+ALBEF_Base, ALBEF_Base50 and GRIT-VLP (or any of tools.arms' arms), per seed, and after how many epochs
 each arm reaches ALBEF_Base's final recall.
 
     python -m tools.efficiency --seeds 1 2 3 [--output_dir output/compare] [--epochs 1 2 4 ...] [--micro]
         [--arms ALBEF_Base GRIT-VLP B3 ...] [--timing EPOCHS]
 
-The arms are tools.compare's (ARMS): ALBEF_Base (random batches, 15 % masking, no consistency loss),
+The arms are tools.arms' (ARMS): ALBEF_Base (random batches, 15 % masking, no consistency loss),
 ALBEF_Base50 (the same with 50 % masking) and GRIT-VLP (the tiny config: 50 % masking, GRIT at M/N = 15,
 consistency loss 0.2), each pre-trained with configs/tiny/Pretrain.yaml for its 12 epochs. GRIT-VLP runs
-at its learning rate selected on val (tools.compare.SELECTED_LR); the two ALBEF arms, random-batch arms
+at its learning rate selected on val (tools.arms.SELECTED_LR); the two ALBEF arms, random-batch arms
 like tools.compare's, at the random-batch arm's (a choice: they were not swept separately); every other arm
-at its selected rate and grid setting (tools.compare.SELECTED_LR, SELECTED_SETTING). The runs are
+at its selected rate and grid setting (tools.arms.SELECTED_LR, SELECTED_SETTING). The runs are
 tools.compare's, in its folders, so with the same --output_dir a finished compare run is reused. Every
 epoch's checkpoint (or those --epochs names, 1-based) is evaluated zero-shot on the test split (ITM
 re-ranked and ITC only); wall-clock is the sum of the log's epoch_seconds (GRIT's work included) up to
@@ -37,8 +37,9 @@ import statistics
 from collections.abc import Sequence
 
 from tools.ablate import PRESETS, ensure_micro_data
+from tools.arms import ARMS, SELECTED_LR, arm_overrides, selection
 from tools.cli import emit_record, tool_parser
-from tools.compare import ARMS, SELECTED_LR, arm_overrides, mean_std, selection
+from tools.compare import mean_std
 from tools.launch import in_root, run_side_by_side
 from tools.runs import (
     PRETRAIN_CONFIG,
@@ -284,7 +285,7 @@ def build_parser() -> Parser:
                         'efficiency.{json,md,png} (default: output/compare)')
     p.add_argument('--arms', nargs='+', choices=list(ARMS), default=list(EFFICIENCY_ARMS),
                    help='the arms (default: ALBEF_Base, ALBEF_Base50, GRIT-VLP); an arm other than the ALBEF '
-                        'ones runs at its selection (tools.compare.SELECTED_LR, SELECTED_SETTING)')
+                        'ones runs at its selection (tools.arms.SELECTED_LR, SELECTED_SETTING)')
     p.add_argument('--timing', type=int, default=0, metavar='EPOCHS',
                    help=f'also time each arm\'s epochs side by side with {BASELINE}\'s: fresh EPOCHS-epoch '
                         'pre-trainings of both, one thread each, on an otherwise idle machine (default: 0, '
