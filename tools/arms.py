@@ -67,6 +67,8 @@ def arm_overrides(arm: str, lr: float | None, setting: str | None,
 def setting_label(setting: float | tuple) -> str:
     """A sweep setting as printed and as a JSON key: a learning rate, or 'lr setting' for a grid arm."""
     return f'{setting:g}' if not isinstance(setting, tuple) else f'{setting[0]:g} {setting[1]}'
+
+
 # Each arm's learning rate (and grid setting) as selected on val, best mean val R@1 over seeds 1-3:
 # GRIT-VLP and random batches by `python -m tools.compare --seeds 1 2 3 --lrs 1.25e-4 2.5e-4 5e-4 1e-3
 # --arms GRIT-VLP "random batches"` (README, 'Does GRIT help?'; the demo's), the strategies by
@@ -83,8 +85,6 @@ def selection(arm: str) -> tuple[float, str | None]:
         raise ValueError(f'{arm!r} has no selection yet (tools.arms.SELECTED_LR and, for an arm with a '
                          'grid, SELECTED_SETTING: run its sweep with tools.compare first)')
     return SELECTED_LR[arm], SELECTED_SETTING.get(arm)
-
-
 
 
 def arm_strategies(arms: Sequence[str], overrides: Sequence[str] = ()) -> dict[str, str]:
