@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import os
 import statistics
 
@@ -291,3 +292,54 @@ def test_the_selected_runs_are_the_sweeps_own_folders_and_commands(tmp_path, mon
     assert len(sweep) == 4 and list(selected) == [("B3", 5e-4, "p=2,m=20", 1)]
     assert selected[("B3", 5e-4, "p=2,m=20", 1)] == sweep[("B3", 5e-4, "p=2,m=20", 1)]
     assert os.path.isfile(os.path.join(out, "compare.md"))
+
+
+def test_merged_rows_are_read_not_run_and_a_foreign_record_is_named(tmp_path, monkeypatch):
+    """--merge: the rows an earlier compare.json holds are taken from it (null back to nan) and only the rest
+    is run; the record says which came from where; a record made with other --set overrides, or holding
+    other figures for a row another file holds, is refused naming the file."""
+    import pytest
+
+    from grit_io import InputFileError
+    from tools import compare
+
+    monkeypatch.chdir(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    monkeypatch.setattr(compare, "prepare_pretraining", lambda overrides=(): None)
+    asked = []
+
+    def fake_pairs(runs, reuse=False):
+        asked.append(sorted(runs))
+        return {key: _run(0.4, 6.0 + key[3], 4.0, 0.9) for key in runs}
+
+    monkeypatch.setattr(compare, "run_pairs", fake_pairs)
+    first = str(tmp_path / "first")
+    arms = ["--arms", "GRIT-VLP", "random batches"]
+    compare.main(["--seeds", "1", "--selected", *arms, "--output_dir", first])
+    earlier = os.path.join(first, "compare.json")
+    with open(earlier) as f:
+        saved = json.load(f)
+    assert saved["sweep"]["random batches"]["0.00025"]["1"]["batch_groups"] is None  # nan written as null
+    out = str(tmp_path / "both")
+    record = compare.main(["--seeds", "1", "2", "--selected", *arms, "--output_dir", out, "--merge", earlier])
+    assert [key[3] for key in asked[-1]] == [2, 2]  # seed 1 of both arms was read, not run
+    row = record["sweep"]["GRIT-VLP"]["0.0005"]
+    written = saved["sweep"]["GRIT-VLP"]["0.0005"]["1"]
+    assert {k: v for k, v in row[1].items() if v == v} == {k: v for k, v in written.items() if v is not None}
+    assert math.isnan(row[1]["batch_groups"]) and row[2]["txt_r1"] == 8.0
+    assert record["summary"]["GRIT-VLP"]["txt_r1"]["mean"] == 7.5
+    assert record["merged_from"] == {"files": [earlier], "rows": {"GRIT-VLP": ["0.0005 seed 1"],
+                                                                  "random batches": ["0.00025 seed 1"]}}
+    assert "not run: GRIT-VLP 0.0005 seed 1" in open(os.path.join(out, "compare.md")).read()
+    with pytest.raises(InputFileError, match="compare.json: made with --set"):
+        compare.main(["--seeds", "1", "--selected", "--arms", "GRIT-VLP", "--output_dir", out,
+                      "--merge", earlier, "--set", "queue_size=64"])
+    saved["sweep"]["GRIT-VLP"]["0.0005"]["1"]["txt_r1"] = 1.0
+    other = tmp_path / "other.json"
+    other.write_text(json.dumps(saved))
+    assert compare.merged_rows([earlier, earlier], [])  # the same rows twice (nulls included) agree
+    with pytest.raises(InputFileError, match="other.json: GRIT-VLP 0.0005 seed 1 differs"):
+        compare.merged_rows([earlier, str(other)], [])
+    not_compare = tmp_path / "eff.json"
+    not_compare.write_text(json.dumps({"curves": {}}))
+    with pytest.raises(InputFileError, match="eff.json: not a tools.compare record"):
+        compare.merged_rows([str(not_compare)], [])

@@ -162,3 +162,61 @@ def test_efficiency_micro_writes_table_figure_and_json(in_repo, tmp_path, monkey
         assert f.read(8) == b"\x89PNG\r\n\x1a\n"
     assert "against ALBEF_Base's final R@1" in open(os.path.join(out, "efficiency.md")).read()
     assert set(record["reach_albef_base_final"]) == {"mean_r1", "itc_mean_r1"}
+
+
+def test_merged_curves_and_timings_are_read_not_run_and_a_foreign_record_is_named(tmp_path, monkeypatch):
+    """--merge: the curves and timed pairs an earlier efficiency.json holds for an arm run the same way are
+    taken from it, only the rest is run; a record of another rate, epochs or timing length is not used."""
+    from grit_io import InputFileError
+
+    monkeypatch.chdir(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    monkeypatch.setattr(efficiency, "prepare_pretraining", lambda overrides=(): None)
+    lrs = {"ALBEF_Base": efficiency.ARM_LR["ALBEF_Base"], "GRIT-VLP": efficiency.ARM_LR["GRIT-VLP"]}
+    timed = {"epoch_seconds": 12.0, "albef_base_epoch_seconds": 10.0, "ratio": 1.2, "grit_seconds": 0.1}
+    saved = {"seeds": [1], "learning_rates": lrs, "settings": {}, "micro": False, "timing_epochs": 3,
+             "curves": {"ALBEF_Base": {"1": _curve([10, 20], 10.0)},
+                        "GRIT-VLP": {"1": [p | {"timed_seconds": 1.0} for p in _curve([15, 30], 8.0)]}},
+             "timing": {"GRIT-VLP": timed}}
+    earlier = tmp_path / "earlier.json"
+    earlier.write_text(json.dumps(saved))
+
+    def no_run(*args, **kwargs):
+        raise AssertionError("a merged curve or timing must not be run")
+
+    monkeypatch.setattr(efficiency, "run_pairs", no_run)
+    # ALBEF_Base alone is left to time beside: nothing runs
+    monkeypatch.setattr(efficiency, "time_beside_baseline", lambda runs, *a: no_run() if runs.keys() - {
+        "ALBEF_Base"} else {})
+    out = str(tmp_path / "eff")
+    args = ["--seeds", "1", "--output_dir", out, "--merge", str(earlier), "--epochs", "1", "2"]
+    record = efficiency.main([*args, "--arms", "ALBEF_Base", "GRIT-VLP", "--timing", "3"])
+    grit = record["curves"]["GRIT-VLP"]["1"]
+    assert [p["mean_r1"] for p in grit] == [15, 30] and record["timing"] == {"GRIT-VLP": timed}
+    assert [p["timed_seconds"] for p in grit] == pytest.approx([12.0, 24.0])  # this run's, not the file's 1.0
+    assert record["reach_albef_base_final"]["mean_r1"]["GRIT-VLP"]["1"]["epoch"] == 2
+    assert record["merged_from"] == {"files": [str(earlier)], "timing": ["GRIT-VLP"],
+                                     "curves": {"ALBEF_Base": [1], "GRIT-VLP": [1]}}
+    assert "not run: the curves of ALBEF_Base seeds 1; GRIT-VLP seeds 1; the timing of GRIT-VLP" in open(
+        os.path.join(out, "efficiency.md")).read()
+
+    asked = []
+
+    def stop(spec, **kwargs):
+        asked.append(sorted(spec))
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(efficiency, "run_pairs", stop)
+    with pytest.raises(KeyboardInterrupt):  # B3 is not in the file: only B3 is run
+        efficiency.main([*args, "--arms", "ALBEF_Base", "GRIT-VLP", "B3"])
+    assert asked == [[("B3", 1)]]
+    timed_arms = []
+    monkeypatch.setattr(efficiency, "time_beside_baseline",
+                        lambda runs, *a: timed_arms.append(sorted(runs)) or {"GRIT-VLP": timed})
+    efficiency.main([*args, "--arms", "ALBEF_Base", "GRIT-VLP", "--timing", "4"])  # timed over 3 epochs there
+    assert timed_arms == [["ALBEF_Base", "GRIT-VLP"]]
+    with pytest.raises(InputFileError, match="earlier.json: GRIT-VLP seed 1 has epochs"):
+        efficiency.main([*args, "3", "--arms", "GRIT-VLP"])
+    saved["learning_rates"]["GRIT-VLP"] = 1e-3
+    earlier.write_text(json.dumps(saved))
+    with pytest.raises(InputFileError, match="earlier.json: ran GRIT-VLP at"):
+        efficiency.main([*args, "--arms", "GRIT-VLP"])

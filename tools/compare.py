@@ -3,7 +3,7 @@ test split reported at that selection, per seed, re-ranked and ITC-only, with th
 
     python -m tools.compare --seeds 1 2 3 --lrs 1.25e-4 2.5e-4 5e-4 1e-3 \
         [--arms GRIT-VLP "GRIT-VLP M/N=96" "random batches"] [--output_dir output/compare] [--reuse] \
-        [--set key=value ...]
+        [--set key=value ...] [--merge COMPARE_JSON ...]
     python -m tools.compare --seeds 11 12 13 --selected     # each arm at its selection only
 
 Every arm (tools.arms.ARMS) pre-trains configs/tiny/Pretrain.yaml once per learning rate and seed (the
@@ -24,6 +24,10 @@ go two side by side, one thread each
 result.json records the same command (the code is not compared: reuse within one checkout; nor is the
 folder, so a copied run folder is reused). `make demo`
 runs one seed of two arms at their selected rates (tools.arms.SELECTED_LR).
+--merge reads rows from earlier compare.json records instead of running them (a sweep run in parts, on
+other machines, or kept after its run folders are gone): a row there of an asked arm, setting and seed is
+taken as it is, the files must have been made with the same --set, and the record names what came from
+where (merged_from).
 """
 
 from __future__ import annotations
@@ -43,7 +47,8 @@ from training.cli import Parser, run_main
 from training.config_resolve import resolve_config
 
 __all__ = ["COLUMNS", "ITM_CHANCE", "STRATEGY_BENCH", "build_parser", "main", "markdown_table", "mean_std",
-           "read_costs", "report", "select_lr", "side_by_side", "spread", "summary_row", "sweep_table"]
+           "merged_rows", "read_costs", "report", "select_lr", "side_by_side", "spread", "summary_row",
+           "sweep_key", "sweep_table"]
 
 STRATEGY_BENCH = 'docs/results/strategy_bench.json'  # the strategies' measured cost (tools.strategy_bench)
 ITM_CHANCE = 0.637  # ITM's loss when it says p(match) = 1/3 (one positive, two mined negatives per pair)
@@ -264,6 +269,36 @@ def read_costs(path: str) -> dict[str, float]:
                              f'share_of_step: {e!r})') from e
 
 
+def sweep_key(lr: float, setting: str | None) -> float | tuple:
+    """A sweep setting: the learning rate, or (lr, grid setting) for an arm with a grid."""
+    return (lr, setting) if setting is not None else lr
+
+
+def merged_rows(paths: Sequence[str], overrides: Sequence[str]) -> dict[tuple[str, str, int], dict]:
+    """{(arm, setting label, seed): summary row} of earlier compare.json records (null read back as nan);
+    InputFileError naming the file when it is not a compare record, was made with other --set overrides,
+    or holds a row another file holds with other figures."""
+    rows: dict[tuple[str, str, int], dict] = {}
+    source: dict[tuple[str, str, int], tuple[str, dict]] = {}
+    for path in paths:
+        saved = read_json(path, 'compare record (tools.compare --output_dir .../compare.json)')
+        if not isinstance(saved, dict) or not isinstance(saved.get('sweep'), dict):
+            raise InputFileError(f'{path}: not a tools.compare record (no "sweep")')
+        if list(saved.get('overrides', [])) != list(overrides):
+            raise InputFileError(f'{path}: made with --set {saved.get("overrides")}, this comparison with '
+                                 f'--set {list(overrides)}: its rows are other runs')
+        for arm, by_label in saved['sweep'].items():
+            for label, by_seed in by_label.items():
+                for seed, row in by_seed.items():
+                    key = (arm, label, int(seed))
+                    if key in source and source[key][1] != row:  # as written (null, not nan: nan != nan)
+                        raise InputFileError(f'{path}: {arm} {label} seed {seed} differs from the same row '
+                                             f'in {source[key][0]}')
+                    source[key] = (path, row)
+                    rows[key] = {k: math.nan if v is None else v for k, v in row.items()}
+    return rows
+
+
 def build_parser() -> Parser:
     """The command line."""
     p = tool_parser('tools.compare', __doc__.splitlines()[0])
@@ -287,6 +322,9 @@ def build_parser() -> Parser:
     p.add_argument('--costs', default=None,
                    help='tools.strategy_bench\'s JSON: each strategy\'s cost at the paper\'s sizes, a column '
                         f'of compare.md (default: the repository\'s {STRATEGY_BENCH}; left out when missing)')
+    p.add_argument('--merge', nargs='+', default=[], metavar='COMPARE_JSON',
+                   help='earlier compare.json records made with the same --set: a row they hold (arm, '
+                        'setting, seed) is read from them, not run; the record names them (merged_from)')
     return p
 
 
@@ -306,6 +344,9 @@ def main(argv: Sequence[str] | None = None) -> dict:
     arm_lrs = {arm: [chosen[arm][0]] if args.selected else args.lrs or [None] for arm in args.arms}
     # An arm's hyper-parameter grid is swept beside the rates; --selected takes the selected setting.
     arm_settings = {arm: [chosen[arm][1]] if args.selected else GRIDS.get(arm, [None]) for arm in args.arms}
+    merge = merged_rows([os.path.abspath(m) for m in args.merge], args.overrides)
+    sweep: dict[str, dict[float | tuple, dict[int, dict]]] = {}
+    merged_from: dict[str, list[str]] = {}
     with in_root():
         prepare_pretraining(args.overrides)
         base = resolve_config('pretrain', PRETRAIN_CONFIG, list(args.overrides), check_paths=False)
@@ -314,26 +355,32 @@ def main(argv: Sequence[str] | None = None) -> dict:
             for lr in sorted({lr for lrs in arm_lrs.values() for lr in lrs}, key=lambda x: x or 0):
                 for arm in [a for a in args.arms if lr in arm_lrs[a]]:
                     for setting in arm_settings[arm]:
+                        key = sweep_key(lr if lr is not None else base.optimizer.lr, setting)
+                        if (arm, setting_label(key), seed) in merge:  # read, not run
+                            row = merge[(arm, setting_label(key), seed)]
+                            sweep.setdefault(arm, {}).setdefault(key, {})[seed] = row
+                            merged_from.setdefault(arm, []).append(f'{setting_label(key)} seed {seed}')
+                            continue
                         sets = arm_overrides(arm, lr, setting) + list(args.overrides)
                         # The evaluations get the user's overrides (those shaping the model), not the arm's.
                         runs[(arm, lr, setting, seed)] = (
                             run_dir(output_dir, arm, seed, lr, setting),
                             ['--seed', str(seed), *(['--set', *sets] if sets else [])], list(args.overrides))
-        results = run_pairs(runs, reuse=args.reuse)
-    sweep: dict[str, dict[float | tuple, dict[int, dict]]] = {}
+        results = run_pairs(runs, reuse=args.reuse) if runs else {}
     for (arm, lr, setting, seed), (log, retrieval, probe) in results.items():
         pre_dir = os.path.join(runs[(arm, lr, setting, seed)][0], 'pretrain')
         with in_root():  # batch_same_scene rebuilt from the checkpoints of a run made before it was logged
             log = with_batch_scenes(log, pre_dir)
-        lr = lr if lr is not None else base.optimizer.lr
-        key = (lr, setting) if setting is not None else lr
+        key = sweep_key(lr if lr is not None else base.optimizer.lr, setting)
         sweep.setdefault(arm, {}).setdefault(key, {})[seed] = summary_row(log, retrieval, probe)
     sweep = {arm: sweep[arm] for arm in args.arms}  # the arms in the order asked for
+    merged_from = {arm: merged_from[arm] for arm in args.arms if arm in merged_from}
     text, record = report(sweep, args.seeds)
     print(text)
     record = {'sweep': {arm: {setting_label(k): rows for k, rows in by_key.items()}
                         for arm, by_key in sweep.items()},
               **record, 'seeds': args.seeds, 'overrides': args.overrides,
+              **({'merged_from': {'files': args.merge, 'rows': merged_from}} if merged_from else {}),
               'protocol': 'each arm at the learning rate of best mean val R@1 (re-ranked); test reported'}
     emit_record(record, output_dir, 'compare')
     default_costs = os.path.join(ROOT, STRATEGY_BENCH)  # the shipped one may be absent from a copy: no column
@@ -341,6 +388,9 @@ def main(argv: Sequence[str] | None = None) -> dict:
              else read_costs(default_costs) if os.path.isfile(default_costs) else None)
     with in_root():  # the arms' configs are read where their relative paths point
         table = markdown_table(record, costs) + '\nThe sweep (selected in bold):\n\n' + sweep_table(record)
+    if merged_from:
+        table += (f'\nRead from {", ".join(args.merge)} (--merge), not run: '
+                  + '; '.join(f'{arm} {", ".join(rows)}' for arm, rows in merged_from.items()) + '\n')
     with open(os.path.join(output_dir, 'compare.md'), 'w', encoding='utf-8') as f:
         f.write(table)
     return record

@@ -3,7 +3,7 @@ ALBEF_Base, ALBEF_Base50 and GRIT-VLP (or any of tools.arms' arms), per seed, an
 each arm reaches ALBEF_Base's final recall.
 
     python -m tools.efficiency --seeds 1 2 3 [--output_dir output/compare] [--epochs 1 2 4 ...] [--micro]
-        [--arms ALBEF_Base GRIT-VLP B3 ...] [--timing EPOCHS]
+        [--arms ALBEF_Base GRIT-VLP B3 ...] [--timing EPOCHS] [--merge EFFICIENCY_JSON ...]
 
 The arms are tools.arms' (ARMS): ALBEF_Base (random batches, 15 % masking, no consistency loss),
 ALBEF_Base50 (the same with 50 % masking) and GRIT-VLP (the tiny config: 50 % masking, GRIT at M/N = 15,
@@ -27,6 +27,10 @@ Written into --output_dir: efficiency.json (every point), efficiency.md (mean ±
 and the epochs and seconds to reach ALBEF_Base's final R@1 per seed), efficiency.png (2 x 2: re-ranked
 and ITC-only R@1 against epochs and against seconds; mean over seeds with a band of ± one std).
 --micro runs the pipeline in about two minutes (tools.ablate's micro preset: 100 images, 2 epochs).
+--merge reads curves and timed pairs from earlier efficiency.json records instead of running them (arms
+measured in parts, or kept after their run folders are gone): an asked arm's curve of a seed, and its timing
+with --timing of the same epoch count, are taken as they are when the file ran that arm at the same rate and
+setting, the same --epochs and --micro; the record names what came from where (merged_from).
 """
 
 from __future__ import annotations
@@ -36,6 +40,7 @@ import os
 import statistics
 from collections.abc import Sequence
 
+from grit_io import InputFileError, read_json
 from tools.ablate import PRESETS, ensure_micro_data
 from tools.arms import ARMS, SELECTED_LR, arm_overrides, selection
 from tools.cli import emit_record, tool_parser
@@ -58,8 +63,8 @@ from training.cli import Parser, run_main
 from training.config_resolve import resolve_config
 
 __all__ = ["ARM_LR", "EFFICIENCY_ARMS", "add_timed_seconds", "arm_run", "build_parser", "curves_table",
-           "epoch_timing", "epochs_to_reach", "evaluate_epochs", "main", "plot", "point",
-           "time_beside_baseline", "timing_table", "zeroshot_dir"]
+           "epoch_timing", "epochs_to_reach", "evaluate_epochs", "main", "merge_note", "merged_curves",
+           "plot", "point", "time_beside_baseline", "timing_table", "zeroshot_dir"]
 
 EFFICIENCY_ARMS = ('ALBEF_Base', 'ALBEF_Base50', 'GRIT-VLP')
 ALBEF_ARMS = ('ALBEF_Base', 'ALBEF_Base50')  # the baselines; every other arm is measured against ALBEF_Base
@@ -274,6 +279,56 @@ def plot(curves: dict[str, dict[int, list[dict]]], seeds: Sequence[int], path: s
     return path
 
 
+Curves = dict[tuple[str, int], list[dict]]  # (arm, seed) -> its points
+
+
+def merged_curves(paths: Sequence[str], runs: dict[str, tuple[float, str | None]], epochs: Sequence[int],
+                  micro: bool, timing_epochs: int) -> tuple[Curves, dict[str, dict]]:
+    """({(arm, seed): curve}, {arm: timing}) of earlier efficiency.json records, for the arms of `runs` (arm
+    -> its rate and setting) the files ran the same way, at these 1-based epochs; a timing only when the file
+    timed pairs of timing_epochs epochs. InputFileError naming the file when it is not an efficiency record,
+    ran an arm at another rate or setting, other epochs or --micro, or differs from another file's."""
+    curves: Curves = {}
+    timing: dict[str, dict] = {}
+    source: dict[tuple[str, int | None], str] = {}
+    for path in paths:
+        saved = read_json(path, 'efficiency record (tools.efficiency --output_dir .../efficiency.json)')
+        if not isinstance(saved, dict) or not isinstance(saved.get('curves'), dict):
+            raise InputFileError(f'{path}: not a tools.efficiency record (no "curves")')
+        if bool(saved.get('micro')) != micro:
+            raise InputFileError(f'{path}: made with micro={saved.get("micro")}, this run with micro={micro}')
+        for arm in [a for a in saved['curves'] if a in runs]:
+            made = (saved.get('learning_rates', {}).get(arm), saved.get('settings', {}).get(arm))
+            if made != runs[arm]:
+                raise InputFileError(f'{path}: ran {arm} at (lr, setting) {made}, this run at {runs[arm]}')
+            for seed, curve in saved['curves'][arm].items():
+                if (made := [p['epoch'] for p in curve]) != list(epochs):
+                    raise InputFileError(f'{path}: {arm} seed {seed} has epochs {made}, this run evaluates '
+                                         f'{list(epochs)}')
+                # Each point's seconds at the side-by-side time are this run's to give (add_timed_seconds).
+                found = [{k: v for k, v in p.items() if k != 'timed_seconds'} for p in curve]
+                key = (arm, int(seed))
+                if key in curves and curves[key] != found:
+                    raise InputFileError(f'{path}: {arm} seed {seed} differs from {source[key]}\'s')
+                curves[key], source[key] = found, path
+            timed = saved.get('timing', {}).get(arm)
+            if timed and saved.get('timing_epochs') == timing_epochs:
+                if arm in timing and timing[arm] != timed:
+                    raise InputFileError(f'{path}: {arm}\'s timing differs from {source[(arm, None)]}\'s')
+                timing[arm], source[(arm, None)] = timed, path
+    return curves, timing
+
+
+def merge_note(merged_from: dict) -> str:
+    """The line of efficiency.md that says which curves and timings were read from --merge's files."""
+    if not merged_from:
+        return ''
+    curves = '; '.join(f'{a} seeds {", ".join(map(str, ss))}' for a, ss in merged_from['curves'].items())
+    timed = f'; the timing of {", ".join(merged_from["timing"])}' if merged_from['timing'] else ''
+    files = ', '.join(merged_from['files'])
+    return f'\nRead from {files} (--merge), not run: the curves of {curves}{timed}\n'
+
+
 def build_parser() -> Parser:
     """The command line."""
     p = tool_parser('tools.efficiency', __doc__.splitlines()[0])
@@ -292,6 +347,10 @@ def build_parser() -> Parser:
                         'none)')
     p.add_argument('--micro', action='store_true',
                    help='tools.ablate\'s micro preset: 100 images, 2 epochs, evaluated on the same 100')
+    p.add_argument('--merge', nargs='+', default=[], metavar='EFFICIENCY_JSON',
+                   help='earlier efficiency.json records: the curves (and --timing pairs of as many epochs) '
+                        'of the arms they ran at the same rate, setting, --epochs and --micro are read from '
+                        'them, not run; the record names them (merged_from)')
     return p
 
 
@@ -320,24 +379,42 @@ def main(argv: Sequence[str] | None = None) -> dict:
         if BASELINE not in runs:
             print(f'tools.efficiency: without {BASELINE} in --arms there is no final recall to reach; '
                   'only the curves are written', flush=True)
+        merged, merged_timing = merged_curves([os.path.abspath(m) for m in args.merge], runs,
+                                              [e + 1 for e in epochs], args.micro, args.timing)
         spec = {}
         for seed in args.seeds:
             for arm, (lr, setting) in runs.items():
+                if (arm, seed) in merged:
+                    continue
                 sets = arm_overrides(arm, lr, setting) + base_sets
                 spec[(arm, seed)] = (run_dir(output_dir, arm, seed, lr, setting),
                                      ['--seed', str(seed), '--set', *sets], [])
         probe_args = ['--limit', str(micro.limit)] if args.micro else []
-        run_pairs(spec, reuse=True, eval_overrides=eval_sets, probe_args=probe_args)
+        if spec:
+            run_pairs(spec, reuse=True, eval_overrides=eval_sets, probe_args=probe_args)
         commands = [(c, os.path.join(c[c.index('--output_dir') + 1], 'stdout.txt'))
                     for d, _, sets in spec.values()
                     for c in evaluate_epochs(d, epochs, max_epoch - 1, sets, eval_sets)]
         for start in range(0, len(commands), 2):
             run_side_by_side(commands[start:start + 2])
-        timing = time_beside_baseline(runs, output_dir, args.timing, base_sets) if args.timing else {}
+        timing = {}
+        if args.timing:
+            to_time = {a: r for a, r in runs.items() if a not in merged_timing}
+            timed = time_beside_baseline(to_time, output_dir, args.timing, base_sets)
+            timing = {a: merged_timing[a] if a in merged_timing else timed[a] for a in runs if a != BASELINE}
     curves: dict[str, dict[int, list[dict]]] = {}
-    for (arm, seed), (directory, _, _) in spec.items():
-        log = read_log(os.path.join(directory, 'pretrain', 'log.txt'))
-        curves.setdefault(arm, {})[seed] = [point(directory, e, log) for e in epochs]
+    for arm in runs:
+        for seed in args.seeds:
+            if (arm, seed) in merged:
+                curves.setdefault(arm, {})[seed] = merged[(arm, seed)]
+                continue
+            directory = spec[(arm, seed)][0]
+            log = read_log(os.path.join(directory, 'pretrain', 'log.txt'))
+            curves.setdefault(arm, {})[seed] = [point(directory, e, log) for e in epochs]
+    merged_from = {'files': args.merge,
+                   'curves': {a: [s for s in args.seeds if (a, s) in merged] for a in runs
+                              if any((a, s) in merged for s in args.seeds)},
+                   'timing': [a for a in timing if a in merged_timing]} if args.merge else {}
     # With --timing the seconds are the side-by-side ones: the logged seconds of runs made hours apart
     # on a shared machine differ 2x for one arm.
     clock = 'timed_seconds' if timing else 'seconds'
@@ -346,6 +423,7 @@ def main(argv: Sequence[str] | None = None) -> dict:
     text, reach = curves_table(curves, args.seeds, clock)
     if timing:
         text += '\n' + timing_table(timing, args.timing)
+    text += merge_note(merged_from)
     os.makedirs(output_dir, exist_ok=True)
     with open(os.path.join(output_dir, 'efficiency.md'), 'w', encoding='utf-8') as f:
         f.write(text)
@@ -357,7 +435,8 @@ def main(argv: Sequence[str] | None = None) -> dict:
               'curves': {arm: {str(s): c for s, c in per.items()} for arm, per in curves.items()},
               'reach_albef_base_final': {k: {a: {str(s): v for s, v in per.items()} for a, per in r.items()}
                                          for k, r in reach.items()},
-              'timing': timing}
+              'timing': timing, 'timing_epochs': args.timing,
+              **({'merged_from': merged_from} if merged_from else {})}
     return emit_record(record, output_dir, 'efficiency')
 
 
