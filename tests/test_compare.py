@@ -327,9 +327,10 @@ def test_merged_rows_are_read_not_run_and_a_foreign_record_is_named(tmp_path, mo
     assert {k: v for k, v in row[1].items() if v == v} == {k: v for k, v in written.items() if v is not None}
     assert math.isnan(row[1]["batch_groups"]) and row[2]["txt_r1"] == 8.0
     assert record["summary"]["GRIT-VLP"]["txt_r1"]["mean"] == 7.5
-    assert record["merged_from"] == {"files": [earlier], "rows": {"GRIT-VLP": ["0.0005 seed 1"],
-                                                                  "random batches": ["0.00025 seed 1"]}}
-    assert "not run: GRIT-VLP 0.0005 seed 1" in open(os.path.join(out, "compare.md")).read()
+    assert record["merged_from"] == {"files": [earlier], "rows": {"GRIT-VLP": {"0.0005": [1]},
+                                                                  "random batches": {"0.00025": [1]}}}
+    assert "not run: GRIT-VLP 0.0005 seeds 1; random batches 0.00025 seeds 1" in open(
+        os.path.join(out, "compare.md")).read()
     with pytest.raises(InputFileError, match="compare.json: made with --set"):
         compare.main(["--seeds", "1", "--selected", "--arms", "GRIT-VLP", "--output_dir", out,
                       "--merge", earlier, "--set", "queue_size=64"])

@@ -346,7 +346,7 @@ def main(argv: Sequence[str] | None = None) -> dict:
     arm_settings = {arm: [chosen[arm][1]] if args.selected else GRIDS.get(arm, [None]) for arm in args.arms}
     merge = merged_rows([os.path.abspath(m) for m in args.merge], args.overrides)
     sweep: dict[str, dict[float | tuple, dict[int, dict]]] = {}
-    merged_from: dict[str, list[str]] = {}
+    merged_from: dict[str, dict[str, list[int]]] = {}  # arm -> setting -> the seeds read
     with in_root():
         prepare_pretraining(args.overrides)
         base = resolve_config('pretrain', PRETRAIN_CONFIG, list(args.overrides), check_paths=False)
@@ -359,7 +359,7 @@ def main(argv: Sequence[str] | None = None) -> dict:
                         if (arm, setting_label(key), seed) in merge:  # read, not run
                             row = merge[(arm, setting_label(key), seed)]
                             sweep.setdefault(arm, {}).setdefault(key, {})[seed] = row
-                            merged_from.setdefault(arm, []).append(f'{setting_label(key)} seed {seed}')
+                            merged_from.setdefault(arm, {}).setdefault(setting_label(key), []).append(seed)
                             continue
                         sets = arm_overrides(arm, lr, setting) + list(args.overrides)
                         # The evaluations get the user's overrides (those shaping the model), not the arm's.
@@ -390,7 +390,9 @@ def main(argv: Sequence[str] | None = None) -> dict:
         table = markdown_table(record, costs) + '\nThe sweep (selected in bold):\n\n' + sweep_table(record)
     if merged_from:
         table += (f'\nRead from {", ".join(args.merge)} (--merge), not run: '
-                  + '; '.join(f'{arm} {", ".join(rows)}' for arm, rows in merged_from.items()) + '\n')
+                  + '; '.join(f'{arm} {label} seeds {", ".join(map(str, seeds))}'
+                              for arm, by_label in merged_from.items() for label, seeds in by_label.items())
+                  + '\n')
     with open(os.path.join(output_dir, 'compare.md'), 'w', encoding='utf-8') as f:
         f.write(table)
     return record
