@@ -41,6 +41,7 @@ from tools.cli import emit_record, tool_parser
 from tools.launch import in_root, run
 from tools.report import load_runs, write_report
 from tools.runs import fresh, read_log
+from tools.stats import mean_std
 from training.cli import Parser, run_main
 from training.config_files import ConfigError
 from training.config_resolve import config_to_dict, resolve_config
@@ -241,7 +242,7 @@ def mean_spread(values: Sequence[float]) -> str:
     """'m ± s' (sample standard deviation over seeds), or 'm' for one value."""
     if len(values) == 1:
         return f"{values[0]:.3f}" if abs(values[0]) < 10 else f"{values[0]:.2f}"
-    mean, sd = statistics.fmean(values), statistics.stdev(values)
+    mean, sd = mean_std(values)
     return f"{mean:.3f} ± {sd:.3f}" if abs(mean) < 10 else f"{mean:.2f} ± {sd:.2f}"
 
 

@@ -43,11 +43,12 @@ from tools.batch_scenes import with_batch_scenes
 from tools.cli import emit_record, tool_parser
 from tools.launch import ROOT, in_root
 from tools.runs import PRETRAIN_CONFIG, prepare_pretraining, run_dir, run_pairs
+from tools.stats import mean_std, spread
 from training.cli import Parser, run_main
 from training.config_resolve import resolve_config
 
-__all__ = ["COLUMNS", "ITM_CHANCE", "STRATEGY_BENCH", "build_parser", "main", "markdown_table", "mean_std",
-           "merged_rows", "read_costs", "report", "select_lr", "side_by_side", "spread", "summary_row",
+__all__ = ["COLUMNS", "ITM_CHANCE", "STRATEGY_BENCH", "build_parser", "main", "markdown_table",
+           "merged_rows", "read_costs", "report", "select_lr", "side_by_side", "summary_row",
            "sweep_key", "sweep_table"]
 
 STRATEGY_BENCH = 'docs/results/strategy_bench.json'  # the strategies' measured cost (tools.strategy_bench)
@@ -113,20 +114,6 @@ def select_lr(val_scores: dict[float, list[float]]) -> float:
     """The learning rate whose mean val score over the seeds is highest (the first of equal ones): the
     selection sees val numbers only, so the test split cannot steer it."""
     return max(val_scores, key=lambda lr: statistics.fmean(val_scores[lr]))
-
-
-def mean_std(values: Sequence[float]) -> tuple[float, float]:
-    """Mean and sample standard deviation (nan for one value)."""
-    return statistics.fmean(values), statistics.stdev(values) if len(values) > 1 else math.nan
-
-
-def spread(values: Sequence[float]) -> dict[str, float]:
-    """Mean, sample std, median, min and max of per-seed values (all nan if one is: some runs lack it)."""
-    if any(math.isnan(v) for v in values):
-        return dict.fromkeys(('mean', 'std', 'median', 'min', 'max'), math.nan)
-    mean, std = mean_std(values)
-    return {'mean': mean, 'std': std, 'median': statistics.median(values), 'min': min(values),
-            'max': max(values)}
 
 
 COLUMNS = ('loss_itm', 'itm_epoch', 'grit_hardness', 'grit_hardness_t2i', 'itm_false_negatives',

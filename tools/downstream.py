@@ -24,7 +24,6 @@ from collections.abc import Sequence
 
 from tools.arms import SELECTED_LR, arm_overrides, selection
 from tools.cli import emit_record, tool_parser
-from tools.compare import mean_std
 from tools.launch import in_root, run_side_by_side
 from tools.runs import (
     fresh,
@@ -35,6 +34,7 @@ from tools.runs import (
     run_dir,
     saved_result,
 )
+from tools.stats import mean_std
 from training.cli import Parser, run_main
 from training.config_resolve import resolve_config
 

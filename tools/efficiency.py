@@ -44,7 +44,6 @@ from grit_io import InputFileError, read_json
 from tools.ablate import PRESETS, ensure_micro_data
 from tools.arms import ARMS, SELECTED_LR, arm_overrides, selection
 from tools.cli import emit_record, tool_parser
-from tools.compare import mean_std
 from tools.launch import in_root, run_side_by_side
 from tools.runs import (
     PRETRAIN_CONFIG,
@@ -59,6 +58,7 @@ from tools.runs import (
     saved_result,
     slug,
 )
+from tools.stats import mean_std
 from training.cli import Parser, run_main
 from training.config_resolve import resolve_config
 

@@ -1,0 +1,22 @@
+"""tools.stats: the per-seed figures the comparison tools report."""
+
+from __future__ import annotations
+
+import math
+import statistics
+
+from tools.stats import mean_std, spread
+
+
+def test_mean_and_sample_std_over_seeds_and_one_seed_has_no_std():
+    mean, std = mean_std([60.0, 62.0, 67.0])
+    assert mean == 63.0 and math.isclose(std, statistics.stdev([60.0, 62.0, 67.0]))
+    assert math.isclose(std, math.sqrt(((3 ** 2) + 1 + 4 ** 2) / 2))  # n - 1 in the denominator
+    one = mean_std([5.0])
+    assert one[0] == 5.0 and math.isnan(one[1])
+
+
+def test_spread_gives_median_and_range_and_is_nan_when_a_seed_lacks_the_figure():
+    assert spread([3.0, 1.0, 2.0, 10.0]) == {"mean": 4.0, "std": statistics.stdev([3.0, 1.0, 2.0, 10.0]),
+                                             "median": 2.5, "min": 1.0, "max": 10.0}
+    assert all(math.isnan(v) for v in spread([1.0, math.nan]).values())
