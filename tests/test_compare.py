@@ -301,7 +301,7 @@ def test_merged_rows_are_read_not_run_and_a_foreign_record_is_named(tmp_path, mo
     import pytest
 
     from grit_io import InputFileError
-    from tools import compare
+    from tools import compare, records
 
     monkeypatch.chdir(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     monkeypatch.setattr(compare, "prepare_pretraining", lambda overrides=(): None)
@@ -337,10 +337,10 @@ def test_merged_rows_are_read_not_run_and_a_foreign_record_is_named(tmp_path, mo
     saved["sweep"]["GRIT-VLP"]["0.0005"]["1"]["txt_r1"] = 1.0
     other = tmp_path / "other.json"
     other.write_text(json.dumps(saved))
-    assert compare.merged_rows([earlier, earlier], [])  # the same rows twice (nulls included) agree
+    assert records.merged_rows([earlier, earlier], [])  # the same rows twice (nulls included) agree
     with pytest.raises(InputFileError, match="other.json: GRIT-VLP 0.0005 seed 1 differs"):
-        compare.merged_rows([earlier, str(other)], [])
+        records.merged_rows([earlier, str(other)], [])
     not_compare = tmp_path / "eff.json"
     not_compare.write_text(json.dumps({"curves": {}}))
     with pytest.raises(InputFileError, match="eff.json: not a tools.compare record"):
-        compare.merged_rows([str(not_compare)], [])
+        records.merged_rows([str(not_compare)], [])

@@ -42,13 +42,14 @@ from tools.arms import ARMS, GRIDS, arm_overrides, arm_strategies, selection, se
 from tools.batch_scenes import with_batch_scenes
 from tools.cli import emit_record, tool_parser
 from tools.launch import ROOT, in_root
+from tools.records import merge_note, merged_rows
 from tools.runs import PRETRAIN_CONFIG, prepare_pretraining, run_dir, run_pairs
 from tools.stats import mean_std, spread
 from training.cli import Parser, run_main
 from training.config_resolve import resolve_config
 
 __all__ = ["COLUMNS", "ITM_CHANCE", "STRATEGY_BENCH", "build_parser", "main", "markdown_table",
-           "merged_rows", "read_costs", "report", "select_lr", "side_by_side", "summary_row",
+           "read_costs", "report", "select_lr", "side_by_side", "summary_row",
            "sweep_key", "sweep_table"]
 
 STRATEGY_BENCH = 'docs/results/strategy_bench.json'  # the strategies' measured cost (tools.strategy_bench)
@@ -261,31 +262,6 @@ def sweep_key(lr: float, setting: str | None) -> float | tuple:
     return (lr, setting) if setting is not None else lr
 
 
-def merged_rows(paths: Sequence[str], overrides: Sequence[str]) -> dict[tuple[str, str, int], dict]:
-    """{(arm, setting label, seed): summary row} of earlier compare.json records (null read back as nan);
-    InputFileError naming the file when it is not a compare record, was made with other --set overrides,
-    or holds a row another file holds with other figures."""
-    rows: dict[tuple[str, str, int], dict] = {}
-    source: dict[tuple[str, str, int], tuple[str, dict]] = {}
-    for path in paths:
-        saved = read_json(path, 'compare record (tools.compare --output_dir .../compare.json)')
-        if not isinstance(saved, dict) or not isinstance(saved.get('sweep'), dict):
-            raise InputFileError(f'{path}: not a tools.compare record (no "sweep")')
-        if list(saved.get('overrides', [])) != list(overrides):
-            raise InputFileError(f'{path}: made with --set {saved.get("overrides")}, this comparison with '
-                                 f'--set {list(overrides)}: its rows are other runs')
-        for arm, by_label in saved['sweep'].items():
-            for label, by_seed in by_label.items():
-                for seed, row in by_seed.items():
-                    key = (arm, label, int(seed))
-                    if key in source and source[key][1] != row:  # as written (null, not nan: nan != nan)
-                        raise InputFileError(f'{path}: {arm} {label} seed {seed} differs from the same row '
-                                             f'in {source[key][0]}')
-                    source[key] = (path, row)
-                    rows[key] = {k: math.nan if v is None else v for k, v in row.items()}
-    return rows
-
-
 def build_parser() -> Parser:
     """The command line."""
     p = tool_parser('tools.compare', __doc__.splitlines()[0])
@@ -375,11 +351,9 @@ def main(argv: Sequence[str] | None = None) -> dict:
              else read_costs(default_costs) if os.path.isfile(default_costs) else None)
     with in_root():  # the arms' configs are read where their relative paths point
         table = markdown_table(record, costs) + '\nThe sweep (selected in bold):\n\n' + sweep_table(record)
-    if merged_from:
-        table += (f'\nRead from {", ".join(args.merge)} (--merge), not run: '
-                  + '; '.join(f'{arm} {label} seeds {", ".join(map(str, seeds))}'
-                              for arm, by_label in merged_from.items() for label, seeds in by_label.items())
-                  + '\n')
+    read = [f'{arm} {label} seeds {", ".join(map(str, seeds))}'
+            for arm, by_label in merged_from.items() for label, seeds in by_label.items()]
+    table += merge_note(args.merge, read)
     with open(os.path.join(output_dir, 'compare.md'), 'w', encoding='utf-8') as f:
         f.write(table)
     return record

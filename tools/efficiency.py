@@ -40,11 +40,11 @@ import os
 import statistics
 from collections.abc import Sequence
 
-from grit_io import InputFileError, read_json
 from tools.ablate import PRESETS, ensure_micro_data
 from tools.arms import ARMS, SELECTED_LR, arm_overrides, selection
 from tools.cli import emit_record, tool_parser
 from tools.launch import in_root, run_side_by_side
+from tools.records import merge_note, merged_curves
 from tools.runs import (
     PRETRAIN_CONFIG,
     evaluation_commands,
@@ -63,8 +63,8 @@ from training.cli import Parser, run_main
 from training.config_resolve import resolve_config
 
 __all__ = ["ARM_LR", "EFFICIENCY_ARMS", "add_timed_seconds", "arm_run", "build_parser", "curves_table",
-           "epoch_timing", "epochs_to_reach", "evaluate_epochs", "main", "merge_note", "merged_curves",
-           "plot", "point", "time_beside_baseline", "timing_table", "zeroshot_dir"]
+           "epoch_timing", "epochs_to_reach", "evaluate_epochs", "main", "plot", "point",
+           "time_beside_baseline", "timing_table", "zeroshot_dir"]
 
 EFFICIENCY_ARMS = ('ALBEF_Base', 'ALBEF_Base50', 'GRIT-VLP')
 ALBEF_ARMS = ('ALBEF_Base', 'ALBEF_Base50')  # the baselines; every other arm is measured against ALBEF_Base
@@ -279,56 +279,6 @@ def plot(curves: dict[str, dict[int, list[dict]]], seeds: Sequence[int], path: s
     return path
 
 
-Curves = dict[tuple[str, int], list[dict]]  # (arm, seed) -> its points
-
-
-def merged_curves(paths: Sequence[str], runs: dict[str, tuple[float, str | None]], epochs: Sequence[int],
-                  micro: bool, timing_epochs: int) -> tuple[Curves, dict[str, dict]]:
-    """({(arm, seed): curve}, {arm: timing}) of earlier efficiency.json records, for the arms of `runs` (arm
-    -> its rate and setting) the files ran the same way, at these 1-based epochs; a timing only when the file
-    timed pairs of timing_epochs epochs. InputFileError naming the file when it is not an efficiency record,
-    ran an arm at another rate or setting, other epochs or --micro, or differs from another file's."""
-    curves: Curves = {}
-    timing: dict[str, dict] = {}
-    source: dict[tuple[str, int | None], str] = {}
-    for path in paths:
-        saved = read_json(path, 'efficiency record (tools.efficiency --output_dir .../efficiency.json)')
-        if not isinstance(saved, dict) or not isinstance(saved.get('curves'), dict):
-            raise InputFileError(f'{path}: not a tools.efficiency record (no "curves")')
-        if bool(saved.get('micro')) != micro:
-            raise InputFileError(f'{path}: made with micro={saved.get("micro")}, this run with micro={micro}')
-        for arm in [a for a in saved['curves'] if a in runs]:
-            made = (saved.get('learning_rates', {}).get(arm), saved.get('settings', {}).get(arm))
-            if made != runs[arm]:
-                raise InputFileError(f'{path}: ran {arm} at (lr, setting) {made}, this run at {runs[arm]}')
-            for seed, curve in saved['curves'][arm].items():
-                if (made := [p['epoch'] for p in curve]) != list(epochs):
-                    raise InputFileError(f'{path}: {arm} seed {seed} has epochs {made}, this run evaluates '
-                                         f'{list(epochs)}')
-                # Each point's seconds at the side-by-side time are this run's to give (add_timed_seconds).
-                found = [{k: v for k, v in p.items() if k != 'timed_seconds'} for p in curve]
-                key = (arm, int(seed))
-                if key in curves and curves[key] != found:
-                    raise InputFileError(f'{path}: {arm} seed {seed} differs from {source[key]}\'s')
-                curves[key], source[key] = found, path
-            timed = saved.get('timing', {}).get(arm)
-            if timed and saved.get('timing_epochs') == timing_epochs:
-                if arm in timing and timing[arm] != timed:
-                    raise InputFileError(f'{path}: {arm}\'s timing differs from {source[(arm, None)]}\'s')
-                timing[arm], source[(arm, None)] = timed, path
-    return curves, timing
-
-
-def merge_note(merged_from: dict) -> str:
-    """The line of efficiency.md that says which curves and timings were read from --merge's files."""
-    if not merged_from:
-        return ''
-    curves = '; '.join(f'{a} seeds {", ".join(map(str, ss))}' for a, ss in merged_from['curves'].items())
-    timed = f'; the timing of {", ".join(merged_from["timing"])}' if merged_from['timing'] else ''
-    files = ', '.join(merged_from['files'])
-    return f'\nRead from {files} (--merge), not run: the curves of {curves}{timed}\n'
-
-
 def build_parser() -> Parser:
     """The command line."""
     p = tool_parser('tools.efficiency', __doc__.splitlines()[0])
@@ -423,7 +373,11 @@ def main(argv: Sequence[str] | None = None) -> dict:
     text, reach = curves_table(curves, args.seeds, clock)
     if timing:
         text += '\n' + timing_table(timing, args.timing)
-    text += merge_note(merged_from)
+    curves_read = '; '.join(f'{a} seeds {", ".join(map(str, ss))}'
+                            for a, ss in merged_from.get('curves', {}).items())
+    read = [f'the curves of {curves_read}'] if curves_read else []
+    read += [f'the timing of {", ".join(merged_from["timing"])}'] if merged_from.get('timing') else []
+    text += merge_note(args.merge, read)
     os.makedirs(output_dir, exist_ok=True)
     with open(os.path.join(output_dir, 'efficiency.md'), 'w', encoding='utf-8') as f:
         f.write(text)

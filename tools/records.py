@@ -1,0 +1,83 @@
+"""Rows, curves and timed pairs read back from the records earlier comparisons wrote (`--merge` of
+tools.compare and tools.efficiency): a sweep run in parts, on several machines, or whose run folders are
+gone. A record is taken only where it was made the way this run would make it; otherwise, or where two
+records disagree about one entry, InputFileError names the file."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Hashable, Sequence
+
+from grit_io import InputFileError, read_json
+
+__all__ = ["Curves", "merge_note", "merged_curves", "merged_rows"]
+
+Curves = dict[tuple[str, int], list[dict]]  # (arm, seed) -> its points
+
+
+def _record(path: str, tool: str, field: str) -> dict:
+    """The JSON record `tool` wrote at path; InputFileError naming it when it is not one (no `field`)."""
+    saved = read_json(path, f'{tool} record ({tool} --output_dir .../{tool.split(".")[-1]}.json)')
+    if not isinstance(saved, dict) or not isinstance(saved.get(field), dict):
+        raise InputFileError(f'{path}: not a {tool} record (no "{field}")')
+    return saved
+
+
+def _take(store: dict, source: dict, key: Hashable, value: object, path: str, what: str) -> None:
+    """store[key] = value, read from path; InputFileError when an earlier file gave it another value."""
+    if key in store and store[key] != value:
+        raise InputFileError(f'{path}: {what} differs from the same in {source[key]}')
+    store[key], source[key] = value, path
+
+
+def merged_rows(paths: Sequence[str], overrides: Sequence[str]) -> dict[tuple[str, str, int], dict]:
+    """{(arm, setting label, seed): summary row} of earlier compare.json records (null read back as nan);
+    InputFileError naming the file when it is not a compare record, was made with other --set overrides,
+    or holds a row another file holds with other figures."""
+    rows: dict[tuple[str, str, int], dict] = {}
+    source: dict = {}
+    for path in paths:
+        saved = _record(path, 'tools.compare', 'sweep')
+        if list(saved.get('overrides', [])) != list(overrides):
+            raise InputFileError(f'{path}: made with --set {saved.get("overrides")}, this comparison with '
+                                 f'--set {list(overrides)}: its rows are other runs')
+        for arm, by_label in saved['sweep'].items():
+            for label, by_seed in by_label.items():
+                for seed, row in by_seed.items():  # compared as written: null, not nan (nan != nan)
+                    _take(rows, source, (arm, label, int(seed)), row, path, f'{arm} {label} seed {seed}')
+    return {key: {k: math.nan if v is None else v for k, v in row.items()} for key, row in rows.items()}
+
+
+def merged_curves(paths: Sequence[str], runs: dict[str, tuple[float, str | None]], epochs: Sequence[int],
+                  micro: bool, timing_epochs: int) -> tuple[Curves, dict[str, dict]]:
+    """({(arm, seed): curve}, {arm: timing}) of earlier efficiency.json records, for the arms of `runs` (arm
+    -> its rate and setting) the files ran the same way, at these 1-based epochs; a timing only when the file
+    timed pairs of timing_epochs epochs. InputFileError naming the file when it is not an efficiency record,
+    ran an arm at another rate or setting, other epochs or --micro, or differs from another file's."""
+    curves: Curves = {}
+    timing: dict[str, dict] = {}
+    source: dict = {}
+    for path in paths:
+        saved = _record(path, 'tools.efficiency', 'curves')
+        if bool(saved.get('micro')) != micro:
+            raise InputFileError(f'{path}: made with micro={saved.get("micro")}, this run with micro={micro}')
+        for arm in [a for a in saved['curves'] if a in runs]:
+            made = (saved.get('learning_rates', {}).get(arm), saved.get('settings', {}).get(arm))
+            if made != runs[arm]:
+                raise InputFileError(f'{path}: ran {arm} at (lr, setting) {made}, this run at {runs[arm]}')
+            for seed, curve in saved['curves'][arm].items():
+                if (made := [p['epoch'] for p in curve]) != list(epochs):
+                    raise InputFileError(f'{path}: {arm} seed {seed} has epochs {made}, this run evaluates '
+                                         f'{list(epochs)}')
+                # Each point's seconds at the side-by-side time are this run's to give (add_timed_seconds).
+                found = [{k: v for k, v in p.items() if k != 'timed_seconds'} for p in curve]
+                _take(curves, source, (arm, int(seed)), found, path, f'{arm} seed {seed}')
+            timed = saved.get('timing', {}).get(arm)
+            if timed and saved.get('timing_epochs') == timing_epochs:
+                _take(timing, source, arm, timed, path, f'{arm}\'s timing')
+    return curves, timing
+
+
+def merge_note(files: Sequence[str], parts: Sequence[str]) -> str:
+    """The line of a tool's .md saying what was read from --merge's files instead of run ('' if nothing)."""
+    return f'\nRead from {", ".join(files)} (--merge), not run: {"; ".join(parts)}\n' if parts else ''
