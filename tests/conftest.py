@@ -3,10 +3,13 @@
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import json
 import os
+import signal
 import socket
 import subprocess
+import tempfile
 
 import pytest
 import torch
@@ -166,12 +169,88 @@ def one_thread():
     torch.set_num_threads(threads)
 
 
+# ------------------------------------------------------------------------------------------ timing
+# The rule: no test's outcome depends on how fast one process runs relative to another (the suite runs on
+# two busy cores, beside other work, in CI). In particular:
+# - A run is killed or pre-empted at a step the test names, from inside the run: GRIT_VLP_FAULT
+#   (training/faults.py, fault_env below). `kill` dies right after that step; `hold` waits after it until
+#   the test's signal comes (signal_when_held), so the step a run stops at is fixed whatever the load.
+#   Never "sleep a moment, then signal", nor signal on a progress line the run may already have passed.
+# - A test waits for an event (a line the run prints, a process's exit), never for a duration, and never
+#   polls a file against a deadline.
+# - A timeout is a hang guard only (HANG_GUARD_S), never what an assertion depends on.
+# - A port a launcher binds is one nothing else can be handed meanwhile (free_port).
+# - No assertion on wall-clock time: a "fast enough" check measures the process's own CPU time.
+
+HANG_GUARD_S = 600
+"""The longest any process a test starts (or waits for) may take before the test calls it hung: about ten
+times the longest such run here (a torchrun pre-training, about a minute beside a full load)."""
+
+_PORTS_LOW = 20000  # up to the kernel's first ephemeral port (32768 here); the SLURM tests derive theirs
+
+
+def _ephemeral_low() -> int:
+    """The first port the kernel hands out on its own (bind to 0, outgoing connections)."""
+    try:
+        with open("/proc/sys/net/ipv4/ip_local_port_range", encoding="ascii") as f:
+            return int(f.read().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768  # Linux's default
+
+
 def free_port() -> int:
-    """A TCP port no process listens on now (the OS picks it), for a launcher's --master_port: a fixed
-    port can still be held by a run a test has just killed."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    """A TCP port for a launcher's --master_port (or MASTER_PORT) that nothing can take before the run binds
+    it: from 20000 up to the kernel's ephemeral range (32768-60999 here), so no bind to port 0 and no outgoing
+    connection (another test's gloo ring, a store client) is ever handed it; never the same one twice
+    running in this machine's test processes (a counter under a file lock, shared by every pytest worker
+    and suite); and free now. A port the OS picked (bind to 0, then closed) could be handed to any other
+    process before the launcher, seconds of imports later, binds it."""
+    span = max(_ephemeral_low() - _PORTS_LOW, 1000)
+    path = os.path.join(tempfile.gettempdir(), "grit-vlp-test-ports")
+    with open(path, "a+", encoding="ascii") as f:
+        fcntl.flock(f, fcntl.LOCK_EX)  # released when the file closes
+        f.seek(0)
+        text = f.read().strip()
+        first = int(text) if text.isdigit() else 0
+        for count in range(first, first + span):
+            port = _PORTS_LOW + count % span
+            with socket.socket() as s:
+                try:
+                    s.bind(("127.0.0.1", port))
+                except OSError:
+                    continue  # held by some other program: the next one
+            break
+        else:
+            raise RuntimeError(f"no free port in {_PORTS_LOW}-{_PORTS_LOW + span - 1}")
+        f.seek(0)
+        f.truncate()
+        f.write(str(count + 1))
+    return port
+
+
+def fault_env(step: int, action: str, rank: int = 0) -> dict[str, str]:
+    """The environment variable that makes a run's rank `rank` kill itself (action 'kill') or hold until a
+    signal ('hold') right after global step `step` (training/faults.py): for script_env(**...)."""
+    from training.faults import ENV
+
+    return {ENV: f"{step}:{action}:{rank}"}
+
+
+def signal_when_held(proc: subprocess.Popen, signum: int = signal.SIGTERM) -> str:
+    """Read a run's output (text, stderr merged into stdout) until it says it holds (fault_env's 'hold'),
+    then send `signum` to its process group (start it with start_new_session=True), as a cluster signals
+    every process of a job; returns the output read. The run cannot go on before the signal comes, so the
+    step it stops at does not depend on when this process gets to read."""
+    from training.faults import ENV
+
+    lines = []
+    for line in proc.stdout:
+        lines.append(line)
+        if line.startswith(f"{ENV}: ") and " holds after step " in line:
+            os.killpg(proc.pid, signum)
+            return "".join(lines)
+    proc.wait(timeout=HANG_GUARD_S)
+    raise AssertionError(f"the run ended (exit {proc.returncode}) without holding: " + "".join(lines)[-3000:])
 
 
 def script_env(**extra: str) -> dict:
@@ -182,9 +261,11 @@ def script_env(**extra: str) -> dict:
     return env
 
 
-def run_script(args: list[str], expect: int = 0, timeout: float = 400) -> subprocess.CompletedProcess:
-    """Run a command in the repository root with script_env(); assert its exit code, showing its output's
-    tail when it differs."""
-    proc = subprocess.run(args, cwd=ROOT, env=script_env(), capture_output=True, text=True, timeout=timeout)
+def run_script(args: list[str], expect: int = 0, env: dict[str, str] | None = None
+               ) -> subprocess.CompletedProcess:
+    """Run a command in the repository root with script_env(**env); assert its exit code, showing its
+    output's tail when it differs."""
+    proc = subprocess.run(args, cwd=ROOT, env=script_env(**(env or {})), capture_output=True, text=True,
+                          timeout=HANG_GUARD_S)
     assert proc.returncode == expect, proc.stdout[-3000:] + proc.stderr[-3000:]
     return proc

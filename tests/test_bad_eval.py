@@ -10,12 +10,12 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 from pathlib import Path
 
 import pytest
 import torch
 import torch.multiprocessing as mp
+from conftest import free_port
 
 from models.vqa import vqa_accuracy
 
@@ -135,16 +135,6 @@ def test_nlvr_accuracy_is_over_the_good_pairs(tmp_path, unreadable, capsys):
     assert all(f"val entry {i}: " in err for i in (0, 5, 9, 15)) and "empty after cleaning" in err
 
 
-def _free_ports(n: int) -> list[int]:
-    sockets = [socket.socket() for _ in range(n)]
-    for s in sockets:  # all bound at once: n different ports
-        s.bind(("127.0.0.1", 0))
-    ports = [s.getsockname()[1] for s in sockets]
-    for s in sockets:
-        s.close()
-    return ports
-
-
 def _evaluate_on_rank(rank: int, world_size: int, jobs: list[tuple[str, int, list[str]]]) -> None:
     """One rank of gloo jobs (script, port, argv), launched the way torchrun would (environment)."""
     import importlib
@@ -167,9 +157,8 @@ def test_two_ranks_sum_sharded_counts_and_agree_on_retrieval_candidates(tmp_path
     nlvr_bad, nlvr_clean = _nlvr_files(tmp_path, unreadable)
     retrieval_bad, retrieval_clean, _, _ = _retrieval_files(tmp_path, unreadable)
     nlvr_out, retrieval_out = str(tmp_path / "nlvr"), str(tmp_path / "retrieval")
-    ports = _free_ports(2)
-    jobs = [("NLVR", ports[0], _nlvr_args(nlvr_out, nlvr_bad, nlvr_clean)),
-            ("Retrieval", ports[1], _retrieval_args(retrieval_out, retrieval_bad, retrieval_clean))]
+    jobs = [("NLVR", free_port(), _nlvr_args(nlvr_out, nlvr_bad, nlvr_clean)),
+            ("Retrieval", free_port(), _retrieval_args(retrieval_out, retrieval_bad, retrieval_clean))]
     mp.spawn(_evaluate_on_rank, args=(2, jobs), nprocs=2, join=True)
     nlvr = _last_record(nlvr_out)
     assert nlvr["val_bad_samples"] == 4 and nlvr["test_bad_samples"] == 0

@@ -10,7 +10,7 @@ import sys
 
 import pytest
 import torch
-from conftest import ROOT, small_pretrain_sets
+from conftest import HANG_GUARD_S, ROOT, small_pretrain_sets
 
 import NLVR
 import Pretrain
@@ -130,7 +130,7 @@ def test_a_script_process_exits_2_with_one_line_and_writes_nothing(tmp_path):
     out = tmp_path / "out"
     proc = subprocess.run([sys.executable, "-m", "Pretrain", "--config", os.path.join(ROOT, TINY[Pretrain]),
                            "--output_dir", str(out), "--set", "lamda_cons=0.1"],
-                          cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120)
+                          cwd=tmp_path, env=env, capture_output=True, text=True, timeout=HANG_GUARD_S)
     assert proc.returncode == 2, proc.stderr[-2000:]
     assert proc.stderr.strip().splitlines() == [
         "error: unknown config key 'lamda_cons' (did you mean 'lambda_cons'?) in --set"]

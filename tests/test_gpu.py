@@ -25,7 +25,7 @@ import torch
 import torch._inductor.config
 import torch.distributed as dist
 import torch.nn.functional as F
-from conftest import ROOT, small_pretrain_sets, tiny_config, word_tokenizer
+from conftest import HANG_GUARD_S, ROOT, small_pretrain_sets, tiny_config, word_tokenizer
 from timm.models.vision_transformer import Block
 from transformers import BatchEncoding
 
@@ -418,7 +418,7 @@ def pretrain(data: str, out: str, epochs: int, *flags: str) -> subprocess.Comple
     env.pop("WORLD_SIZE", None)
     proc = subprocess.run([sys.executable, "Pretrain.py", "--config", "configs/tiny/Pretrain.yaml",
                            "--output_dir", out, "--device", DEVICE, *flags, "--set", *sets],
-                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=HANG_GUARD_S)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     return proc
 

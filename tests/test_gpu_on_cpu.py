@@ -17,7 +17,7 @@ import subprocess
 import sys
 
 import pytest
-from conftest import ROOT
+from conftest import HANG_GUARD_S, ROOT
 
 RESUME = "tests/test_gpu.py::test_save_and_resume_on_the_device_equals_the_unbroken_run"
 INDUCTOR = "tests/test_gpu.py::test_compiled_training_forward_matches_eager"
@@ -27,7 +27,7 @@ def _gpu_tests_on_cpu(*args: str) -> tuple[subprocess.CompletedProcess, dict[str
     env = dict(os.environ, GRIT_GPU_TEST_DEVICE="cpu", OMP_NUM_THREADS="1")
     proc = subprocess.run(
         [sys.executable, "-m", "pytest", "-m", "gpu", "-rs", "-p", "no:cacheprovider", *args],
-        cwd=ROOT, env=env, capture_output=True, text=True, timeout=540)
+        cwd=ROOT, env=env, capture_output=True, text=True, timeout=HANG_GUARD_S)
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-2000:]
     summary = proc.stdout.strip().splitlines()[-1]
     counts = {word: int(n) for n, word in re.findall(r"(\d+) (passed|skipped|deselected|failed)", summary)}

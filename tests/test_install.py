@@ -15,6 +15,7 @@ import sys
 import zipfile
 
 import pytest
+from conftest import HANG_GUARD_S
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SOURCES = ["pyproject.toml", "grit", "grit_io.py", "models", "dataset", "training", "tools", "Pretrain.py",
@@ -37,7 +38,7 @@ def wheel(tmp_path_factory) -> str:
             shutil.copy(path, src / name)
     proc = subprocess.run([sys.executable, "-m", "pip", "wheel", "--quiet", "--no-deps",
                            "--no-build-isolation", "--wheel-dir", str(out), str(src)],
-                          capture_output=True, text=True, timeout=300)
+                          capture_output=True, text=True, timeout=HANG_GUARD_S)
     assert proc.returncode == 0, proc.stderr[-3000:]
     (path,) = [os.path.join(out, f) for f in os.listdir(out) if f.endswith(".whl")]
     return path
@@ -48,7 +49,7 @@ def installed(wheel, tmp_path_factory) -> str:
     """The wheel installed into an empty folder: the folder."""
     target = tmp_path_factory.mktemp("site")
     proc = subprocess.run([sys.executable, "-m", "pip", "install", "--quiet", "--no-deps", "--target",
-                           str(target), wheel], capture_output=True, text=True, timeout=300)
+                           str(target), wheel], capture_output=True, text=True, timeout=HANG_GUARD_S)
     assert proc.returncode == 0, proc.stderr[-3000:]
     return str(target)
 
@@ -92,7 +93,7 @@ array = load_index_array("order.json", 24).tolist()
 print(json.dumps({{"file": grit.__file__, "epoch": list(s), "array": array}}))
 """
     proc = subprocess.run([sys.executable, "-c", code], cwd=str(tmp_path), env=_env(installed),
-                          capture_output=True, text=True, timeout=120)
+                          capture_output=True, text=True, timeout=HANG_GUARD_S)
     assert proc.returncode == 0, proc.stderr[-2000:]
     out = json.loads(proc.stdout)
     assert out["file"].startswith(installed) and out["array"] == list(range(23, -1, -1))
@@ -105,7 +106,7 @@ print(json.dumps({{"file": grit.__file__, "epoch": list(s), "array": array}}))
 def test_clip_example_runs_after_install_and_its_grit_batches_are_harder(installed, tmp_path, in_repo):
     proc = subprocess.run([sys.executable, os.path.join(ROOT, "examples", "clip_grit.py"), "--data",
                            os.path.join(ROOT, "data", "synthetic")], cwd=str(tmp_path), env=_env(installed),
-                          capture_output=True, text=True, timeout=300)
+                          capture_output=True, text=True, timeout=HANG_GUARD_S)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "hardness of its batches" in proc.stdout
     rows = json.loads(proc.stdout.strip().splitlines()[-1])["batch_hardness"]
@@ -122,7 +123,8 @@ def test_the_clip_example_takes_another_strategy_by_one_flag(installed, tmp_path
     information."""
     proc = subprocess.run([sys.executable, os.path.join(ROOT, "examples", "clip_grit.py"), "--data",
                            os.path.join(ROOT, "data", "synthetic"), "--strategy", "b3", "--epochs", "4"],
-                          cwd=str(tmp_path), env=_env(installed), capture_output=True, text=True, timeout=300)
+                          cwd=str(tmp_path), env=_env(installed), capture_output=True, text=True,
+                          timeout=HANG_GUARD_S)
     assert proc.returncode == 0, proc.stderr[-3000:]
     out = json.loads(proc.stdout.strip().splitlines()[-1])
     assert out["strategy"] == "b3"

@@ -6,16 +6,13 @@ from __future__ import annotations
 
 import json
 import os
-import random
 import re
-import signal
 import subprocess
 import sys
-import time
 
 import pytest
 import torch
-from conftest import ROOT, free_port, small_pretrain_sets
+from conftest import HANG_GUARD_S, ROOT, fault_env, free_port, small_pretrain_sets
 
 from training.config_files import ConfigError
 from training.distributed import first_host, slurm_environment
@@ -62,15 +59,22 @@ def test_first_host_and_the_variables_srun_sets():
 
 def test_two_processes_started_with_slurm_variables_alone_train_together(data_dir, tmp_path):
     out = str(tmp_path / "srun")
-    job = str(os.getpid() % 10000)
-    procs = [subprocess.Popen([sys.executable, *_args(data_dir, out)], cwd=ROOT, stdout=subprocess.PIPE,
-                              stderr=subprocess.PIPE, text=True,
-                              env=_env(SLURM_PROCID=str(r), SLURM_NTASKS="2", SLURM_LOCALID=str(r),
-                                       SLURM_JOB_ID=job, SLURM_JOB_NODELIST="localhost"))
-             for r in range(2)]
-    outputs = [p.communicate(timeout=300) for p in procs]
+    port = free_port()  # 20000-32767: as the port derived from the job id, 20000 + job id % 20000
+    job = str(port - 20000)
+    # Output to files, not pipes: waiting on rank 0's pipes while rank 1's filled would deadlock both.
+    files = [(tmp_path / f"rank{r}.out", tmp_path / f"rank{r}.err") for r in range(2)]
+    procs = []
+    for r, (o, e) in enumerate(files):
+        with open(o, "w") as stdout, open(e, "w") as stderr:
+            procs.append(subprocess.Popen([sys.executable, *_args(data_dir, out)], cwd=ROOT, stdout=stdout,
+                                          stderr=stderr, env=_env(SLURM_PROCID=str(r), SLURM_NTASKS="2",
+                                                                  SLURM_LOCALID=str(r), SLURM_JOB_ID=job,
+                                                                  SLURM_JOB_NODELIST="localhost")))
+    for p in procs:
+        p.wait(timeout=HANG_GUARD_S)
+    outputs = [(o.read_text(), e.read_text()) for o, e in files]
     assert [p.returncode for p in procs] == [0, 0], outputs[0][1][-2000:] + outputs[1][1][-2000:]
-    assert f"srun: 2 tasks, process group at localhost:{20000 + int(job)}" in outputs[0][0]
+    assert f"srun: 2 tasks, process group at localhost:{port}" in outputs[0][0]
     assert "world size 2 (gloo)" in outputs[0][0]
     log = [json.loads(line) for line in open(os.path.join(out, "log.txt"))]
     n = len(json.load(open(os.path.join(data_dir, "pretrain.json"))))
@@ -80,54 +84,42 @@ def test_two_processes_started_with_slurm_variables_alone_train_together(data_di
     assert nxt.numel() == n // 12 * 12 and nxt.unique().numel() == nxt.numel()
 
 
-def _workers(out: str) -> list[int]:
-    """The pids of the Pretrain.py workers (not torchrun) writing into `out`."""
-    pids = []
-    for pid in filter(str.isdigit, os.listdir("/proc")):
-        try:
-            with open(f"/proc/{pid}/cmdline", "rb") as f:
-                args = f.read().split(b"\0")
-        except OSError:
-            continue
-        if b"Pretrain.py" in args and out.encode() in args and b"torch.distributed.run" not in args:
-            pids.append(int(pid))
-    return pids
-
-
 def _torchrun(port: int) -> list[str]:
     return [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", "--max-restarts", "1",
             "--rdzv-backend", "c10d", "--rdzv-endpoint", f"localhost:{port}"]
 
 
 def test_a_worker_killed_mid_run_restarts_and_ends_as_if_never_interrupted(data_dir, tmp_path):
-    port = free_port()
     whole, killed = str(tmp_path / "whole"), str(tmp_path / "killed")
     extra = {"checkpoint_every_steps": 3, "max_epoch": 3, "schedular.epochs": 3}
-    proc = subprocess.run([*_torchrun(port), *_args(data_dir, whole, **extra), "--resume"], cwd=ROOT,
-                          env=_env(), capture_output=True, text=True, timeout=300)
+    proc = subprocess.run([*_torchrun(free_port()), *_args(data_dir, whole, **extra), "--resume"], cwd=ROOT,
+                          env=_env(), capture_output=True, text=True, timeout=HANG_GUARD_S)
     assert proc.returncode == 0, proc.stderr[-3000:]
 
-    run = subprocess.Popen([*_torchrun(port + 1), *_args(data_dir, killed, **extra), "--resume"], cwd=ROOT,
-                           env=_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    deadline = time.time() + 240
-    while not any(n.startswith("checkpoint_step_") for n in (os.listdir(killed) if os.path.isdir(killed)
-                                                             else [])) and time.time() < deadline:
-        time.sleep(0.05)
-    time.sleep(random.Random(os.getpid()).uniform(0.0, 0.5))  # a moment after the first step checkpoint
-    victims = _workers(killed)
-    assert len(victims) == 2, victims
-    os.kill(victims[1], signal.SIGKILL)
-    stdout, stderr = run.communicate(timeout=300)
-    assert run.returncode == 0, stderr[-3000:]
+    # Rank 1 SIGKILLs itself right after the step that follows epoch 1's first step checkpoint
+    # (GRIT_VLP_FAULT; tests/conftest.py's rule). The newest checkpoint is then that step checkpoint:
+    # rank 0 wrote it, latest.json last, before the next step's gradients could be all-reduced with rank
+    # 1; and rank 0 can write no other, every later step needing rank 1. So the restart must resume from
+    # exactly that file. (Killed at the checkpoint's own step, rank 0 could still be writing it.)
+    with open(os.path.join(data_dir, "pretrain.json")) as f:
+        per_epoch = len(json.load(f)) // 12  # 2 ranks x 6
+    saved = (per_epoch // 3 + 1) * 3  # checkpoint_every_steps 3
+    assert per_epoch < saved < saved + 1 < 2 * per_epoch  # inside epoch 1, the kill before its end
+    proc = subprocess.run([*_torchrun(free_port()), *_args(data_dir, killed, **extra), "--resume"], cwd=ROOT,
+                          env=_env(**fault_env(saved + 1, "kill", rank=1)), capture_output=True, text=True,
+                          timeout=HANG_GUARD_S)
+    stdout, stderr = proc.stdout, proc.stderr
+    assert proc.returncode == 0, stderr[-3000:]
+    assert f"GRIT_VLP_FAULT: rank 1 kills itself (SIGKILL) after step {saved + 1}" in stdout
     assert "exitcode: -9" in stderr  # torchrun saw the worker die, and restarted the group:
     assert "--resume: no checkpoint" in stdout and stdout.count("resumed from") == 1  # the restart resumed
-    # ... from the step checkpoint it printed, as run_record.jsonl's second start says
+    # ... from that step checkpoint, which it printed, as run_record.jsonl's second start says
+    said = re.search(r"resumed from (\S+): epoch (\d+), step (\d+)", stdout)
+    assert (os.path.basename(said[1]), int(said[2]), int(said[3])) == (
+        f"checkpoint_step_{saved:07d}.pth", 1, saved)
     with open(os.path.join(killed, "run_record.jsonl")) as f:
         starts = [json.loads(line) for line in f]
-    said = re.search(r"resumed from (\S+): epoch (\d+), step (\d+)", stdout)
-    assert [s["resumed_from"] for s in starts] == [None, {"path": said[1], "epoch": int(said[2]),
-                                                          "step": int(said[3])}]
-    assert os.path.basename(said[1]) == f"checkpoint_step_{int(said[3]):07d}.pth"
+    assert [s["resumed_from"] for s in starts] == [None, {"path": said[1], "epoch": 1, "step": saved}]
 
     a = torch.load(os.path.join(whole, "checkpoint_02.pth"), map_location="cpu", weights_only=True)
     b = torch.load(os.path.join(killed, "checkpoint_02.pth"), map_location="cpu", weights_only=True)
@@ -138,16 +130,34 @@ def test_a_worker_killed_mid_run_restarts_and_ends_as_if_never_interrupted(data_
 
 def test_a_rank_left_alone_says_it_is_waiting_and_stops_with_one_error_line(tmp_path):
     """WORLD_SIZE 2 but only rank 0 starts (as a script started in an sbatch file without srun would):
-    it says every interval what it waits for and why that usually happens, then stops at the timeout."""
-    code = ("import training.distributed as d\n"
-            "d._RendezvousWatch.__init__.__defaults__ = (1.0,)\n"  # say it every second, not every minute
+    it says every interval what it waits for and why that usually happens, then stops at the timeout.
+    The rendezvous starts (and with it the store's timeout) once the watcher has said it the first time:
+    otherwise which comes first, the line or the timeout, would be a race between two threads."""
+    code = ("import sys, threading\n"
+            "import torch.distributed as dist\n"
+            "import training.distributed as d\n"
             "from training.cli import run_main\n"
+            "said = threading.Event()\n"
+            "class Stderr:\n"  # the real stderr, noting the watcher's first line
+            "    def write(self, text):\n"
+            "        if 'still waiting' in text:\n"
+            "            said.set()\n"
+            "        return sys.__stderr__.write(text)\n"
+            "    def flush(self):\n"
+            "        sys.__stderr__.flush()\n"
+            "sys.stderr = Stderr()\n"
+            "rendezvous = dist.rendezvous\n"
+            "def after_the_first_line(*args, **kwargs):\n"
+            "    said.wait()\n"
+            "    return rendezvous(*args, **kwargs)\n"
+            "dist.rendezvous = after_the_first_line\n"
+            "d._RendezvousWatch.__init__.__defaults__ = (1.0,)\n"  # say it every second, not every minute
             "run_main(lambda argv: d.init_distributed('cpu', None, timeout_minutes=0.06))\n")
     port = str(free_port())
-    proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120,
-                          env=_env(WORLD_SIZE="2", RANK="0", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1",
-                                   MASTER_PORT=port))
-    assert proc.returncode == 2
+    proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True,
+                          timeout=HANG_GUARD_S, env=_env(WORLD_SIZE="2", RANK="0", LOCAL_RANK="0",
+                                                         MASTER_ADDR="127.0.0.1", MASTER_PORT=port))
+    assert proc.returncode == 2, proc.stderr[-3000:]
     waiting = [line for line in proc.stderr.splitlines() if "still waiting for the process group" in line]
     assert waiting and f"(2 ranks at 127.0.0.1:{port})" in waiting[0] and "--rdzv-backend c10d" in waiting[0]
     assert proc.stderr.strip().splitlines()[-1].startswith(

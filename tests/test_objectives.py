@@ -7,6 +7,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 import torch.nn.functional as F
+from conftest import HANG_GUARD_S
 
 from models.false_negatives import caption_keys, false_negative_mask
 from models.mlm import mask_tokens
@@ -422,7 +423,7 @@ def test_mask_tokens_reproducible_and_edges():
 def _gather_worker(rank, world, init_file):
     dist.init_process_group(
         "gloo", init_method=f"file://{init_file}", rank=rank, world_size=world,
-        timeout=datetime.timedelta(seconds=60),
+        timeout=datetime.timedelta(seconds=HANG_GUARD_S),
     )
     try:
         b, d = 3, 8

@@ -8,7 +8,7 @@ import subprocess
 import sys
 
 import pytest
-from conftest import run_here, small_pretrain_sets
+from conftest import HANG_GUARD_S, run_here, small_pretrain_sets
 
 from tools.report import (
     NO_MATPLOTLIB,
@@ -221,11 +221,11 @@ def test_command_line_error_is_one_line(tmp_path):
     line, no traceback; so does a flag mistake, naming the command as typed."""
     env = dict(os.environ, PYTHONPATH=ROOT)
     proc = subprocess.run([sys.executable, "-m", "tools.report", "nope"], cwd=tmp_path, env=env,
-                          capture_output=True, text=True, timeout=60)
+                          capture_output=True, text=True, timeout=HANG_GUARD_S)
     assert proc.returncode == 2
     assert proc.stderr.strip() == "error: run directory not found: nope"
     proc = subprocess.run([sys.executable, "-m", "tools.report", "--bogus", "x"], cwd=tmp_path, env=env,
-                          capture_output=True, text=True, timeout=60)
+                          capture_output=True, text=True, timeout=HANG_GUARD_S)
     assert proc.returncode == 2 and proc.stderr.count("\n") == 1
     assert proc.stderr.startswith("error: ") and "(see python -m tools.report --help)" in proc.stderr
 

@@ -12,7 +12,7 @@ import sys
 
 import pytest
 import torch
-from conftest import ROOT, small_pretrain_sets
+from conftest import HANG_GUARD_S, ROOT, small_pretrain_sets
 from test_trainer import FakeTask, fake_run
 
 from training.config_files import ConfigError
@@ -30,6 +30,11 @@ def _events(folder: str):
     return acc
 
 
+# W&B's own limits on its service's start (30 s) and on init (90 s) are timeouts sized for an idle machine:
+# the suite's hang guard replaces them (tests/conftest.py's rule).
+WANDB_WAITS = {"WANDB__SERVICE_WAIT": str(HANG_GUARD_S), "WANDB_INIT_TIMEOUT": str(HANG_GUARD_S)}
+
+
 @pytest.fixture
 def offline_wandb(monkeypatch, tmp_path):
     """No W&B account: no key, no ~/.netrc, no mode set by the user (so the run must go offline)."""
@@ -37,6 +42,8 @@ def offline_wandb(monkeypatch, tmp_path):
         monkeypatch.delenv(name, raising=False)
     monkeypatch.setenv("HOME", str(tmp_path / "home"))
     monkeypatch.setenv("WANDB_SILENT", "true")
+    for name, value in WANDB_WAITS.items():
+        monkeypatch.setenv(name, value)
 
 
 def test_a_run_keeps_metrics_record_console_and_writes_both_backends(tmp_path, capsys, offline_wandb):
@@ -133,11 +140,12 @@ def test_pretrain_pictures_a_random_and_a_grit_batch_and_logs_them(tmp_path):
     values = {"grit.queue_size": 40, "grit.search_space": 16, "max_epoch": 2, "schedular.epochs": 2,
               "schedular.warmup_steps": 4, "print_freq": 5, "batch_pictures": "true"}
     env = {k: v for k, v in os.environ.items() if not k.startswith("WANDB_")}
-    env.update(OMP_NUM_THREADS="1", PYTHONPATH=ROOT, HOME=str(tmp_path / "home"), WANDB_SILENT="true")
+    env.update(OMP_NUM_THREADS="1", PYTHONPATH=ROOT, HOME=str(tmp_path / "home"), WANDB_SILENT="true",
+               **WANDB_WAITS)
     proc = subprocess.run([sys.executable, "Pretrain.py", "--config", "configs/tiny/Pretrain.yaml",
                            "--output_dir", str(out), "--device", "cpu", "--report_to", "tensorboard", "wandb",
                            "--set", *small_pretrain_sets(data, **values)], cwd=ROOT, capture_output=True,
-                          text=True, env=env, timeout=300)
+                          text=True, env=env, timeout=HANG_GUARD_S)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert ("batching.strategy grit (GRIT's greedy alternating chain), concurrent: groups of N = 8 per rank "
             "from sub-queues of M = 16") in proc.stdout

@@ -5,12 +5,12 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
-import socket
 from pathlib import Path
 
 import pytest
 import torch
 import torch.multiprocessing as mp
+from conftest import free_port
 
 from dataset import ImageCollate, create_dataset, ensure_synthetic
 from dataset.bad_samples import SkipBadCollate, SkipBadSamples
@@ -290,12 +290,6 @@ def test_finetuning_writes_outputs_and_keeps_the_best_epoch(finetuned):
     assert rankings["text_to_image"][0]["gt_image_id"] == 0
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _evaluate_on_rank(rank: int, world_size: int, port: int, argv: list[str]) -> None:
     """One rank of a gloo job, launched the way torchrun would (environment variables)."""
     os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world_size),
@@ -318,6 +312,6 @@ def test_one_and_two_processes_give_identical_results(finetuned, data, tmp_path)
     common = ["--config", TINY, "--checkpoint", os.path.join(out, "checkpoint_best.pth"), "--evaluate",
               "--device", "cpu", *overrides(data, rerank_pairs=16)]
     retrieval_main([*common, "--output_dir", str(tmp_path / "one")])
-    mp.spawn(_evaluate_on_rank, args=(2, _free_port(), [*common, "--output_dir", str(tmp_path / "two")]),
+    mp.spawn(_evaluate_on_rank, args=(2, free_port(), [*common, "--output_dir", str(tmp_path / "two")]),
              nprocs=2, join=True)
     assert _last_record(str(tmp_path / "one")) == _last_record(str(tmp_path / "two"))

@@ -14,11 +14,14 @@ import sys
 import pytest
 import torch
 from conftest import (
+    HANG_GUARD_S,
     assert_resumed_from,
+    fault_env,
     free_port,
     read_latest,
     run_script,
     script_env,
+    signal_when_held,
     small_pretrain_sets,
     tiny_config,
 )
@@ -179,7 +182,7 @@ def test_too_many_bad_samples_stop_with_message(data_dir, bad_list, tmp_path):
                                                     pytest.param(2, (1, 3), marks=pytest.mark.slow)],
                          ids=['1', '2', '2-requeued-on-1-and-3'])
 def test_sigterm_saves_and_resume_is_exact(data_dir, tmp_path, processes, requeued_on):
-    extra = {'print_freq': 1}
+    extra = {}
     launch = [sys.executable]
     if processes == 2:  # torchrun forwards the signal; both ranks must stop after the same step
         # ZeRO (training.optimizer): the save on the signal gathers the sharded optimizer state onto
@@ -195,21 +198,20 @@ def test_sigterm_saves_and_resume_is_exact(data_dir, tmp_path, processes, requeu
     run_script(command('--output_dir', full))
 
     cut = str(tmp_path / 'cut')
-    proc = subprocess.Popen(command('--output_dir', cut), cwd=ROOT, env=script_env(), start_new_session=True,
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    lines = []
-    for line in proc.stdout:  # progress lines '[k/N]': signal in the middle of epoch 1
-        lines.append(line)
-        if re.search(r'Pretrain epoch 1 \[\s*3/', line):
-            os.killpg(proc.pid, signal.SIGTERM)  # as a cluster does: every process of the job
-            break
-    rest, _ = proc.communicate(timeout=120)
-    output = ''.join(lines) + rest
+    with open(os.path.join(data_dir, 'pretrain.json')) as f:
+        held = len(json.load(f)) // 8 + 3  # three steps into epoch 1 (a global batch of 8)
+    # Rank 0 holds after that step until the signal (GRIT_VLP_FAULT; tests/conftest.py), which goes, as a
+    # cluster sends it, to every process of the job; every rank then stops after the next step.
+    proc = subprocess.Popen(command('--output_dir', cut), cwd=ROOT, text=True, start_new_session=True,
+                            env=script_env(**fault_env(held, 'hold')), stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT)
+    output = signal_when_held(proc)
+    output += proc.communicate(timeout=HANG_GUARD_S)[0]
     if processes == 1:  # (torchrun's agent itself exits 1 on the signal, after its workers)
         assert proc.returncode == 128 + signal.SIGTERM, output[-3000:]
     assert 'stopping on signal' in output and '--resume' in output, output[-3000:]
     latest = read_latest(cut)
-    assert latest['path'].startswith('checkpoint_step_') and latest['epoch'] == 1
+    assert latest == {'path': f'checkpoint_step_{held + 1:07d}.pth', 'epoch': 1, 'step': held + 1}
     assert not os.path.exists(os.path.join(cut, 'checkpoint_01.pth'))
     for world in requeued_on:  # requeued onto another number of processes: copies of the stopped run
         shutil.copytree(cut, f'{cut}_on_{world}')
@@ -266,19 +268,15 @@ def test_sigterm_to_the_process_group_with_loader_workers(data_dir, tmp_path):
     out = str(tmp_path / 'cut')
     args = ['--config', 'configs/tiny/Pretrain.yaml', '--device', 'cpu', '--output_dir', out,
             *overrides(data_dir, os.path.join(data_dir, 'pretrain.json'), print_freq=1, num_workers=2)]
-    proc = subprocess.Popen([sys.executable, 'Pretrain.py', *args], cwd=ROOT, env=script_env(), text=True,
-                            start_new_session=True, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
-    lines = []
-    for line in proc.stdout:
-        lines.append(line)
-        if re.search(r'Pretrain epoch 0 \[\s*4/', line):
-            os.killpg(proc.pid, signal.SIGTERM)
-            break
-    rest, _ = proc.communicate(timeout=120)
-    output = ''.join(lines) + rest
+    # The main process holds after step 4 until the signal, sent to the process group (GRIT_VLP_FAULT)
+    proc = subprocess.Popen([sys.executable, 'Pretrain.py', *args], cwd=ROOT, text=True,
+                            env=script_env(**fault_env(4, 'hold')), start_new_session=True,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    output = signal_when_held(proc)
+    output += proc.communicate(timeout=HANG_GUARD_S)[0]
     assert proc.returncode == 128 + signal.SIGTERM, output[-3000:]
     latest = read_latest(out)
-    assert latest['path'].startswith('checkpoint_step_')
+    assert latest == {'path': 'checkpoint_step_0000005.pth', 'epoch': 0, 'step': 5}
     run_script([sys.executable, 'Pretrain.py', '--resume', *args])
     assert_resumed_from(out, latest)
     assert [r['epoch'] for r in read_log(out)] == [0, 1]

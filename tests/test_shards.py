@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
-from conftest import free_port, run_here, script_env, small_pretrain_sets
+from conftest import HANG_GUARD_S, free_port, run_here, script_env, small_pretrain_sets
 from PIL import Image
 
 from dataset import SkipBadSamples, train_transform
@@ -391,7 +391,7 @@ def test_converter_command_line(data_dir, tmp_path):
     proc = subprocess.run([sys.executable, "-m", "tools.make_shards", "--train_file", str(missing),
                            "--image_root", data_dir, "--output_dir", out, "--shard_size", "5"],
                           cwd=str(tmp_path), env=dict(os.environ, PYTHONPATH=ROOT, OMP_NUM_THREADS="1"),
-                          capture_output=True, text=True, timeout=120)
+                          capture_output=True, text=True, timeout=HANG_GUARD_S)
     assert proc.returncode == 0, proc.stderr
     record = json.loads(proc.stdout.strip().splitlines()[-1])
     assert record["samples"] == 12 and record["shards"] == 3 and record["missing_images"] == 1
@@ -435,7 +435,8 @@ def _pretrain(data: str, out: str, *extra: str, launcher: list[str] | None = Non
               "schedular.warmup_steps": 4, "print_freq": 1000}
     cmd = [*(launcher or [sys.executable]), "Pretrain.py", "--config", "configs/tiny/Pretrain.yaml",
            "--output_dir", out, "--device", "cpu", "--set", *small_pretrain_sets(data, **values), *extra]
-    proc = subprocess.run(cmd, cwd=ROOT, env=script_env(), capture_output=True, text=True, timeout=400)
+    proc = subprocess.run(cmd, cwd=ROOT, env=script_env(), capture_output=True, text=True,
+                          timeout=HANG_GUARD_S)
     if check:
         assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     return proc

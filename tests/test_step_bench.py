@@ -11,6 +11,7 @@ import sys
 
 import pytest
 import torch
+from conftest import HANG_GUARD_S
 from torch.utils import flop_counter
 
 from models.pretrain import ALBEF_Base
@@ -35,7 +36,7 @@ def result(tmp_path_factory) -> dict:
         [sys.executable, "-m", "tools.step_bench", "--config", CONFIG, "--batch_size", str(BATCH),
          "--steps", "2", "--warmup", "1", "--device", "cpu", "--variants", "default,bf16,albef",
          "--threads", "1", "--peak-sizes", "512", "--output_dir", str(out)],
-        cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+        cwd=ROOT, env=env, capture_output=True, text=True, timeout=HANG_GUARD_S)
     assert proc.returncode == 0, proc.stderr[-2000:]
     lines = proc.stdout.strip().splitlines()
     assert len(lines) == 1, proc.stdout  # one JSON object, nothing else on stdout

@@ -10,7 +10,7 @@ import subprocess
 import sys
 
 import pytest
-from conftest import ROOT
+from conftest import HANG_GUARD_S, ROOT
 
 from tools.cli import emit_record
 from tools.launch import absolute_paths, child_env, launch, python_command
@@ -69,7 +69,7 @@ def test_demo_takes_the_same_flags():
 def test_a_flag_mistake_is_one_line_naming_the_command(tmp_path):
     """From another working directory, with the repository on PYTHONPATH, as any user's shell has it."""
     proc = subprocess.run([sys.executable, "-m", "tools.ablate", "--table", "9"], cwd=tmp_path,
-                          env=child_env(), capture_output=True, text=True, timeout=120)
+                          env=child_env(), capture_output=True, text=True, timeout=HANG_GUARD_S)
     assert proc.returncode == 2 and proc.stdout == ""
     assert proc.stderr.count("\n") == 1 and proc.stderr.startswith("error: argument --table")
     assert proc.stderr.rstrip().endswith("(see python -m tools.ablate --help)")

@@ -5,11 +5,10 @@ import json
 import math
 import multiprocessing as mp
 import os
-import socket
 
 import pytest
 import torch
-from conftest import ROOT
+from conftest import HANG_GUARD_S, ROOT, free_port
 from ruamel.yaml.comments import CommentedMap
 from torch import nn
 
@@ -435,18 +434,16 @@ def _dist_worker(rank, port, out_dir, queue):
 
 
 def test_two_process_gloo(tmp_path):
-    with socket.socket() as s:
-        s.bind(('127.0.0.1', 0))
-        port = s.getsockname()[1]
+    port = free_port()
     # fork: the children reuse the imported torch, so the test costs well under a second
     ctx = mp.get_context('fork')
     queue = ctx.Queue()
     procs = [ctx.Process(target=_dist_worker, args=(r, port, str(tmp_path), queue)) for r in range(2)]
     for p in procs:
         p.start()
-    results = sorted(queue.get(timeout=60) for _ in procs)
+    results = sorted(queue.get(timeout=HANG_GUARD_S) for _ in procs)
     for p in procs:
-        p.join(timeout=30)
+        p.join(timeout=HANG_GUARD_S)
     # mean of ranks 0,1 = 0.5; loss mean over {0,1,2,10,11,12} = 6; only rank 0 saves
     assert results == [(0, 0.5, 6.0, True), (1, 0.5, 6.0, False)]
     assert find_latest_checkpoint(tmp_path).endswith('checkpoint_00.pth')

@@ -40,6 +40,7 @@ from training.checkpoints import (
 from training.cli import Run
 from training.config_resolve import config_to_dict, save_resolved
 from training.distributed import barrier, cleanup, get_world_size, is_main_process, print_main, wrap_ddp
+from training.faults import Fault
 from training.loaders import create_loader
 from training.logger import TrainLogger, append_log
 from training.optimizer import autocast_dtype, build_optimizer, build_scaler, build_scheduler
@@ -147,6 +148,7 @@ class Trainer:
         optimizer = build_optimizer(task.model, config.optimizer, zero=config.zero, fused=config.fused_adamw)
         scaler = build_scaler(config.amp, info.device)
         guard = StepGuard(config.max_skipped_steps)
+        fault = None if self.resume else Fault.from_env()  # GRIT_VLP_FAULT: a fresh start only (faults.py)
         bad_log = BadSampleLog(config.max_bad_fraction, output_dir=self.output_dir)
         best = {task.best_key: -float("inf"), "epoch": -1} if task.best_key else None
         global_batch = task.batch_size * info.world_size
@@ -196,7 +198,8 @@ class Trainer:
                 resumed["continues_at_step"] = global_step
             reporter.record_start(run_record(info.world_size, resumed if self.resume else None))
             self._print_summary(start_epoch, global_step, steps_per_epoch)
-            parts = _Parts(model, loader, optimizer, scheduler, scaler, guard, bad_log, state, reporter)
+            parts = _Parts(model, loader, optimizer, scheduler, scaler, guard, bad_log, state, reporter,
+                           fault)
             return self._epochs(parts, start_epoch, global_step, steps_per_epoch, best)
         finally:
             reporter.close()
@@ -376,6 +379,8 @@ class Trainer:
             if every and global_step % every == 0:
                 save_checkpoint(checkpoint_path(self.output_dir, step=global_step),
                                 **parts.state(epoch, global_step))
+            if parts.fault is not None:
+                parts.fault.after_step(global_step, self.info.rank, guard)
         summary = logger.epoch_summary()
         seconds = time.time() - start
         lr = summary.pop("lr", optimizer.param_groups[0]["lr"])  # mean rate over the epoch's steps
@@ -418,11 +423,11 @@ class Trainer:
 
 class _Parts:
     """What fit() built for the epochs: the wrapped model, loader, optimiser, schedule, scaler, guard, bad-
-    sample log, the checkpoint-state function and the reporter."""
+    sample log, the checkpoint-state function, the reporter and the injected fault (None unless asked)."""
 
     def __init__(self, model: nn.Module, loader: Iterable, optimizer: torch.optim.Optimizer, scheduler: Any,
                  scaler: torch.amp.GradScaler, guard: StepGuard, bad_log: BadSampleLog, state: Any,
-                 reporter: Reporter) -> None:
+                 reporter: Reporter, fault: Fault | None = None) -> None:
         self.model, self.loader, self.optimizer, self.scheduler = model, loader, optimizer, scheduler
         self.scaler, self.guard, self.bad_log, self.state = scaler, guard, bad_log, state
-        self.reporter = reporter
+        self.reporter, self.fault = reporter, fault
