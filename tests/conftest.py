@@ -10,6 +10,7 @@ import signal
 import socket
 import subprocess
 import tempfile
+import threading
 
 import pytest
 import torch
@@ -28,6 +29,20 @@ else:
                               print_blob=True)
     settings.register_profile("dev", max_examples=400, deadline=None, print_blob=True)
     settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
+
+
+@pytest.fixture(autouse=True)
+def _same_random_state():
+    """Every test starts from the same random state, whatever ran before it in its process: pytest-xdist
+    deals the files to its workers in another order on every run, so a test drawing from the global
+    generators (torch, numpy, random) without its own seed would see other numbers each time."""
+    import random
+
+    import numpy as np
+
+    random.seed(0)
+    np.random.seed(0)
+    torch.manual_seed(0)
 
 
 def word_tokenizer(folder, words: list[str]):
@@ -174,7 +189,7 @@ def one_thread():
 # two busy cores, beside other work, in CI). In particular:
 # - A run is killed or pre-empted at a step the test names, from inside the run: GRIT_VLP_FAULT
 #   (training/faults.py, fault_env below). `kill` dies right after that step; `hold` waits after it until
-#   the test's signal comes (signal_when_held), so the step a run stops at is fixed whatever the load.
+#   the test's signal comes (preempt_when_held), so the step a run stops at is fixed whatever the load.
 #   Never "sleep a moment, then signal", nor signal on a progress line the run may already have passed.
 # - A test waits for an event (a line the run prints, a process's exit), never for a duration, and never
 #   polls a file against a deadline.
@@ -236,21 +251,37 @@ def fault_env(step: int, action: str, rank: int = 0) -> dict[str, str]:
     return {ENV: f"{step}:{action}:{rank}"}
 
 
-def signal_when_held(proc: subprocess.Popen, signum: int = signal.SIGTERM) -> str:
-    """Read a run's output (text, stderr merged into stdout) until it says it holds (fault_env's 'hold'),
-    then send `signum` to its process group (start it with start_new_session=True), as a cluster signals
-    every process of a job; returns the output read. The run cannot go on before the signal comes, so the
-    step it stops at does not depend on when this process gets to read."""
+def preempt_when_held(args: list[str], env: dict[str, str], signum: int = signal.SIGTERM
+                      ) -> subprocess.CompletedProcess:
+    """Start `args` in the repository root with script_env(**env) (a fault_env 'hold') in a process group
+    of its own, read its output until it says it holds, send `signum` to the group, as a cluster signals
+    every process of a job, and wait for its end -> its exit code and its whole output (stderr merged).
+    The run cannot go on before the signal comes, so the step it stops at does not depend on when this
+    process gets to read. The pipe is read unbuffered, a byte at a time, up to the line: nothing past it
+    is taken from the pipe, so communicate() gets all the rest."""
     from training.faults import ENV
 
-    lines = []
-    for line in proc.stdout:
-        lines.append(line)
-        if line.startswith(f"{ENV}: ") and " holds after step " in line:
-            os.killpg(proc.pid, signum)
-            return "".join(lines)
-    proc.wait(timeout=HANG_GUARD_S)
-    raise AssertionError(f"the run ended (exit {proc.returncode}) without holding: " + "".join(lines)[-3000:])
+    holds = f"{ENV}: ".encode(), b" holds after step "
+    proc = subprocess.Popen(args, cwd=ROOT, env=script_env(**env), start_new_session=True, bufsize=0,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    guard = threading.Timer(HANG_GUARD_S, os.killpg, (proc.pid, signal.SIGKILL))  # a hung run: EOF below
+    guard.start()
+    read = b""
+    try:
+        while True:
+            line = proc.stdout.readline()
+            read += line
+            if not line:
+                proc.wait()
+                raise AssertionError(f"the run ended (exit {proc.returncode}) without holding: "
+                                     + read.decode(errors="replace")[-3000:])
+            if line.startswith(holds[0]) and holds[1] in line:
+                break
+        os.killpg(proc.pid, signum)
+        rest, _ = proc.communicate(timeout=HANG_GUARD_S)
+    finally:
+        guard.cancel()
+    return subprocess.CompletedProcess(args, proc.returncode, (read + rest).decode(errors="replace"))
 
 
 def script_env(**extra: str) -> dict:

@@ -8,20 +8,17 @@ import os
 import re
 import shutil
 import signal
-import subprocess
 import sys
 
 import pytest
 import torch
 from conftest import (
-    HANG_GUARD_S,
     assert_resumed_from,
     fault_env,
     free_port,
+    preempt_when_held,
     read_latest,
     run_script,
-    script_env,
-    signal_when_held,
     small_pretrain_sets,
     tiny_config,
 )
@@ -202,11 +199,8 @@ def test_sigterm_saves_and_resume_is_exact(data_dir, tmp_path, processes, requeu
         held = len(json.load(f)) // 8 + 3  # three steps into epoch 1 (a global batch of 8)
     # Rank 0 holds after that step until the signal (GRIT_VLP_FAULT; tests/conftest.py), which goes, as a
     # cluster sends it, to every process of the job; every rank then stops after the next step.
-    proc = subprocess.Popen(command('--output_dir', cut), cwd=ROOT, text=True, start_new_session=True,
-                            env=script_env(**fault_env(held, 'hold')), stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT)
-    output = signal_when_held(proc)
-    output += proc.communicate(timeout=HANG_GUARD_S)[0]
+    proc = preempt_when_held(command('--output_dir', cut), fault_env(held, 'hold'))
+    output = proc.stdout
     if processes == 1:  # (torchrun's agent itself exits 1 on the signal, after its workers)
         assert proc.returncode == 128 + signal.SIGTERM, output[-3000:]
     assert 'stopping on signal' in output and '--resume' in output, output[-3000:]
@@ -269,11 +263,8 @@ def test_sigterm_to_the_process_group_with_loader_workers(data_dir, tmp_path):
     args = ['--config', 'configs/tiny/Pretrain.yaml', '--device', 'cpu', '--output_dir', out,
             *overrides(data_dir, os.path.join(data_dir, 'pretrain.json'), print_freq=1, num_workers=2)]
     # The main process holds after step 4 until the signal, sent to the process group (GRIT_VLP_FAULT)
-    proc = subprocess.Popen([sys.executable, 'Pretrain.py', *args], cwd=ROOT, text=True,
-                            env=script_env(**fault_env(4, 'hold')), start_new_session=True,
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
-    output = signal_when_held(proc)
-    output += proc.communicate(timeout=HANG_GUARD_S)[0]
+    proc = preempt_when_held([sys.executable, 'Pretrain.py', *args], fault_env(4, 'hold'))
+    output = proc.stdout
     assert proc.returncode == 128 + signal.SIGTERM, output[-3000:]
     latest = read_latest(out)
     assert latest == {'path': 'checkpoint_step_0000005.pth', 'epoch': 0, 'step': 5}
