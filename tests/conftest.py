@@ -272,7 +272,7 @@ def preempt_when_held(args: list[str], env: dict[str, str], signum: int = signal
             line = proc.stdout.readline()
             read += line
             if not line:
-                proc.wait()
+                proc.wait(timeout=HANG_GUARD_S)
                 raise AssertionError(f"the run ended (exit {proc.returncode}) without holding: "
                                      + read.decode(errors="replace")[-3000:])
             if line.startswith(holds[0]) and holds[1] in line:

@@ -113,7 +113,8 @@ def test_a_script_launched_from_another_directory(tmp_path, monkeypatch):
     (tmp_path / "mine.yaml").write_text(f"base: '{ROOT}/configs/tiny/Retrieval.yaml'\nseed: 7\n")
     monkeypatch.chdir(tmp_path)
     with open("stdout.txt", "w") as out:
-        code = launch(["Retrieval", "--config", "mine.yaml", "--print_config"], stdout=out, threads=1).wait()
+        code = launch(["Retrieval", "--config", "mine.yaml", "--print_config"], stdout=out,
+                      threads=1).wait(timeout=HANG_GUARD_S)
     printed = (tmp_path / "stdout.txt").read_text()
     assert code == 0, printed[-2000:]
     assert printed.startswith("# RetrievalConfig") and "\nseed: 7 " in printed
@@ -139,7 +140,7 @@ def test_a_tool_launched_from_another_directory(tmp_path, monkeypatch, pretrain_
         code = launch(["tools.probe", "--config", os.path.join(ROOT, "configs/tiny/Pretrain.yaml"),
                        "--checkpoint", "mine.pth", "--output_dir", "probe", "--limit", "2",
                        "--device", "cpu"],
-                      stdout=out, threads=1).wait()
+                      stdout=out, threads=1).wait(timeout=HANG_GUARD_S)
     printed = (tmp_path / "stdout.txt").read_text()
     assert code == 0, printed[-2000:]
     record = json.loads((tmp_path / "probe" / "probe.json").read_text())
