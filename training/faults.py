@@ -13,7 +13,8 @@ GRIT_VLP_FAULT="STEP:ACTION[:RANK]" (RANK: 0 when left out), read once when a ru
 
 A resumed start (--resume found a checkpoint) never injects the fault: torchrun restarts its workers with
 the same environment, and a fault that fired again on every restart would never let the run finish.
-Unset (the default), nothing is read or checked per step but one comparison of integers.
+Unset (the default), the trainer holds None and a step costs one `is None` more. A malformed value stops the
+run before it writes anything, with one line naming the variable.
 """
 
 from __future__ import annotations
