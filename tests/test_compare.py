@@ -225,7 +225,8 @@ def test_the_markdown_table_shows_each_arm_at_its_selection_with_spread_gap_and_
     assert b3[1] == "lr 0.00025, p=10,m=30"  # the selection on val, not the best test
     assert b3[2] == "59.00 ± 2.00<br>59.00 [57.00, 61.00]"  # mean ± sample std, median [min, max]
     assert "–" in b3  # a figure the runs did not have (nan) is a dash, not a number
-    assert b3[-2] == "-3.00 ± 1.00<br>(-4.0, -3.0, -2.0)"  # to GRIT-VLP, paired by seed
+    # to GRIT-VLP, paired by seed: mean, 95 % t interval (-3 ± t(0.975, 2)·1/√3), sign count, per seed
+    assert b3[-2] == "-3.00 [-5.48, -0.52]<br>ahead on 0 of 3 seeds<br>(-4.0, -3.0, -2.0)"
     assert b3[-1] == "0.83 % |"
     rand = next(line for line in lines if line.startswith("| random batches |"))
     assert rand.endswith("| 0.00 % |")  # random batches group nothing

@@ -5,7 +5,7 @@ from __future__ import annotations
 import math
 import statistics
 
-from tools.stats import mean_std, spread
+from tools.stats import mean_std, paired_interval, spread
 
 
 def test_mean_and_sample_std_over_seeds_and_one_seed_has_no_std():
@@ -20,3 +20,15 @@ def test_spread_gives_median_and_range_and_is_nan_when_a_seed_lacks_the_figure()
     assert spread([3.0, 1.0, 2.0, 10.0]) == {"mean": 4.0, "std": statistics.stdev([3.0, 1.0, 2.0, 10.0]),
                                              "median": 2.5, "min": 1.0, "max": 10.0}
     assert all(math.isnan(v) for v in spread([1.0, math.nan]).values())
+
+
+def test_paired_interval_is_the_t_interval_with_the_sign_count():
+    gaps = [1.0, 3.0, -0.5, 2.5, 4.0]
+    got = paired_interval(gaps)
+    half = 2.7764451051977987 * statistics.stdev(gaps) / math.sqrt(5)  # t(0.975, 4), from tables
+    assert math.isclose(got["mean"], 2.0) and math.isclose(got["low"], 2.0 - half)
+    assert math.isclose(got["high"], 2.0 + half)
+    assert (got["ahead"], got["behind"], got["level"], got["n"]) == (4, 1, 0, 5)
+    one = paired_interval([2.0])
+    assert one["mean"] == 2.0 and math.isnan(one["low"]) and one["ahead"] == 1
+    assert math.isnan(paired_interval([1.0, math.nan])["high"])

@@ -44,7 +44,7 @@ from tools.cli import emit_record, tool_parser
 from tools.launch import ROOT, in_root
 from tools.records import merge_note, merged_rows
 from tools.runs import PRETRAIN_CONFIG, prepare_pretraining, run_dir, run_pairs
-from tools.stats import mean_std, spread
+from tools.stats import paired_interval, spread
 from training.cli import Parser, run_main
 from training.config_resolve import resolve_config
 
@@ -83,9 +83,19 @@ def summary_row(rows: list[dict], retrieval: dict, probe_result: dict) -> dict:
            'itc_txt_r1': retrieval['test_itc_txt_r1'], 'itc_img_r1': retrieval['test_itc_img_r1'],
            'itc_mean_r1': retrieval['test_itc_mean_r1'],
            'val_mean_r1': retrieval['val_mean_r1'], 'val_itc_mean_r1': retrieval['val_itc_mean_r1'],
-           'probe': probe_result['overall']}
-    out.update({f'probe_{k}': v['accuracy'] for k, v in probe_result['per_kind'].items()})
+           'probe': probe_result['overall'] if probe_result else math.nan}
+    out.update({f'probe_{k}': v['accuracy'] for k, v in (probe_result or {}).get('per_kind', {}).items()})
+    for name in extra_tests(retrieval):  # a corpus's further test splits (tools.runs.Corpus.tests)
+        out.update({f'{name}_{k}': retrieval[f'{name}_{k}'] for k in ('mean_r1', 'itc_mean_r1', 'txt_r1',
+                                                                       'img_r1')})
     return out
+
+
+def extra_tests(record: dict) -> list[str]:
+    """The further test splits whose figures a retrieval record or summary row holds ('artist_mean_r1' ->
+    'artist'), in name order; the val and test splits are not among them."""
+    return sorted({k[:-len('_itc_mean_r1')] for k in record if k.endswith('_itc_mean_r1')}
+                  - {'val', 'test', ''})
 
 
 def side_by_side(runs: dict[str, tuple[list[dict], dict, dict]]) -> str:
@@ -127,12 +137,36 @@ def _width(column: str) -> int:
     return max(11, len(column))
 
 
+def columns(row: dict) -> tuple[str, ...]:
+    """The printed columns of a sweep whose rows look like `row`: COLUMNS, then each further test split's
+    mean R@1 re-ranked and by ITC alone."""
+    return COLUMNS + tuple(f'{name}_{k}' for name in extra_tests(row) for k in ('mean_r1', 'itc_mean_r1'))
+
+
+def gap_figures(row: dict) -> tuple[str, ...]:
+    """The figures whose gaps between arms are reported: test mean R@1 re-ranked and ITC only, the probe,
+    and the same two recalls of each further test split."""
+    return ('mean_r1', 'itc_mean_r1', 'probe') + tuple(f'{name}_{k}' for name in extra_tests(row)
+                                                      for k in ('mean_r1', 'itc_mean_r1'))
+
+
+def interval_text(stats: dict) -> str:
+    """A paired gap as printed: '+2.17 [+0.53, +3.81], ahead on 5 of 6 seeds' (t interval, 95 %)."""
+    if math.isnan(stats['mean']):
+        return '–'
+    bounds = '' if math.isnan(stats['low']) else f' [{stats["low"]:+.2f}, {stats["high"]:+.2f}]'
+    return f'{stats["mean"]:+.2f}{bounds}, ahead on {stats["ahead"]} of {stats["n"]} seeds'
+
+
 def report(sweep: dict[str, dict[float | tuple, dict[int, dict]]], seeds: Sequence[int],
            baselines: Sequence[str] = ('random batches', 'GRIT-VLP')) -> tuple[str, dict]:
     """The printed tables and the JSON summary of a sweep {arm: {setting: {seed: summary_row}}}; a setting
     is a learning rate, or (lr, grid setting) for an arm with a hyper-parameter grid (GRIDS). Each arm's
     setting is the one of best mean val R@1 (re-ranked); the test rows at it are reported per seed with
-    mean, sample std, median and range, and the gaps to each baseline present, paired by seed."""
+    mean, sample std, median and range, and the gaps to each baseline present, paired by seed, each with
+    its 95 % t interval and the count of seeds on each side (tools.stats.paired_interval)."""
+    first = next(iter(next(iter(next(iter(sweep.values())).values())).values()))
+    shown, gapped = columns(first), gap_figures(first)
     lines = ['sweep, mean over seeds (selection: best val mean R@1 re-ranked; test never used)',
              f'{"arm":>18} {"setting":>16} {"val R@1":>9} {"val ITC":>9} {"test R@1":>9} {"test ITC":>9}']
     selected = {}
@@ -145,34 +179,34 @@ def report(sweep: dict[str, dict[float | tuple, dict[int, dict]]], seeds: Sequen
             lines.append(f'{arm:>18} {setting_label(key):>16}' + ''.join(f'{m:>10.2f}' for m in means) + mark)
     lines += ['', 'test split at each arm\'s selected setting (mean R@1 = mean of text and image R@1; '
               'ITC = ranked by the cosine alone)',
-              f'{"seed":>6} {"arm":>18} {"setting":>16}' + ''.join(f' {c:>{_width(c)}}' for c in COLUMNS)]
+              f'{"seed":>6} {"arm":>18} {"setting":>16}' + ''.join(f' {c:>{_width(c)}}' for c in shown)]
     summary = {}
     for arm, key in selected.items():
         rows = sweep[arm][key]
         label = setting_label(key)
         for s in seeds:
             lines.append(f'{s:>6} {arm:>18} {label:>16}'
-                         + ''.join(f' {rows[s][c]:>{_width(c)}.4f}' for c in COLUMNS))
-        stats = {c: spread([rows[s][c] for s in seeds]) for c in COLUMNS}
+                         + ''.join(f' {rows[s][c]:>{_width(c)}.4f}' for c in shown))
+        stats = {c: spread([rows[s][c] for s in seeds]) for c in shown}
         for what in ('mean', 'std', 'median', 'min', 'max'):
             lines.append(f'{what:>6} {arm:>18} {label:>16}'
-                         + ''.join(f' {stats[c][what]:>{_width(c)}.4f}' for c in COLUMNS))
+                         + ''.join(f' {stats[c][what]:>{_width(c)}.4f}' for c in shown))
         lr = key[0] if isinstance(key, tuple) else key
         summary[arm] = {'lr': lr, 'setting': key[1] if isinstance(key, tuple) else None, **stats}
     gaps: dict[str, dict] = {}
     for baseline in [b for b in baselines if b in selected]:
-        lines += ['', f'gap to {baseline} per seed (paired by seed): test mean R@1 re-ranked / ITC only / '
-                  'probe']
+        lines += ['', f'gap to {baseline}, paired by seed: mean [95 % t interval], seeds ahead; per seed']
         gaps[baseline] = {}
         for arm in selected:
             if arm == baseline:
                 continue
             per_seed = {c: [sweep[arm][selected[arm]][s][c] - sweep[baseline][selected[baseline]][s][c]
-                            for s in seeds] for c in ('mean_r1', 'itc_mean_r1', 'probe')}
-            gaps[baseline][arm] = {c: {'per_seed': v, **spread(v)} for c, v in per_seed.items()}
-            cells = [f'{mean_std(v)[0]:+.2f} ± {mean_std(v)[1]:.2f} ('
-                     + ', '.join(f'{x:+.2f}' for x in v) + ')' for v in per_seed.values()]
-            lines.append(f'{arm:>18}: ' + ' / '.join(cells))
+                            for s in seeds] for c in gapped}
+            gaps[baseline][arm] = {c: {'per_seed': v, **spread(v), 'interval': paired_interval(v)}
+                                   for c, v in per_seed.items()}
+            for c, v in per_seed.items():
+                lines.append(f'{arm:>18} {c:>18}: {interval_text(gaps[baseline][arm][c]["interval"])}; '
+                             + ', '.join(f'{x:+.2f}' for x in v))
     selected_json = {a: (list(k) if isinstance(k, tuple) else k) for a, k in selected.items()}
     # 'gaps' stays the gap to random batches (as before); every baseline's under gaps_to.
     return '\n'.join(lines), {'selected_lr': selected_json, 'summary': summary,
@@ -189,39 +223,53 @@ TABLE = (('mean_r1', 'test mean R@1, ITM re-ranked', 2), ('itc_mean_r1', 'ITC on
          ('grit_share', 'batching work, share of the run', 4))
 
 
+def _cell(v: dict, digits: int, n: int) -> str:
+    """A figure's spread over seeds as a table cell: mean ± sample std, median [min, max]."""
+    if math.isnan(v['mean']):
+        return '–'
+    if n == 1:  # one seed: its value, no spread
+        return f'{v["mean"]:.{digits}f}'
+    return (f'{v["mean"]:.{digits}f} ± {v["std"]:.{digits}f}<br>{v["median"]:.{digits}f} '
+            f'[{v["min"]:.{digits}f}, {v["max"]:.{digits}f}]')
+
+
+def _gap_cell(gap: dict | None, n: int) -> str:
+    """A paired gap as a table cell: mean [95 % t interval], seeds ahead, and the per-seed gaps."""
+    if gap is None:
+        return ''
+    if n == 1:
+        return f'{gap["mean"]:+.2f}'
+    interval = gap.get('interval') or paired_interval(gap['per_seed'])
+    return (interval_text(interval).replace(', ahead', '<br>ahead') + '<br>('
+            + ', '.join(f'{x:+.1f}' for x in gap['per_seed']) + ')')
+
+
 def markdown_table(record: dict, costs: dict[str, float] | None = None) -> str:
     """The comparison as one markdown table, an arm per row at its selection: each figure's mean ± sample
-    std over the seeds with its median and range, the paired gap to GRIT-VLP, and (costs: strategy -> share
-    of a paper-size step, tools.strategy_bench) the strategy's cost."""
+    std over the seeds with its median and range, the paired gaps to GRIT-VLP (test R@1 re-ranked, and the
+    same on each further test split) with their 95 % t intervals and sign counts, and (costs: strategy ->
+    share of a paper-size step, tools.strategy_bench) the strategy's cost."""
     summary, gaps = record['summary'], record.get('gaps_to', {}).get('GRIT-VLP', {})
     n = len(record['seeds'])
     strategies = arm_strategies(list(summary), record.get('overrides', [])) if costs is not None else {}
-    head = ['arm', 'selected on val'] + [h for _, h, _ in TABLE] + ['gap to GRIT-VLP (paired)']
+    extra = extra_tests(next(iter(summary.values())))
+    table = list(TABLE)
+    for name in reversed(extra):  # after the test split's two recalls
+        table[2:2] = [(f'{name}_mean_r1', f'{name} test mean R@1, re-ranked', 2),
+                      (f'{name}_itc_mean_r1', f'{name}: ITC only', 2)]
+    gap_keys = ['mean_r1'] + [f'{name}_mean_r1' for name in extra]
+    head = ['arm', 'selected on val'] + [h for _, h, _ in table]
+    head += ['gap to GRIT-VLP (paired)'] + [f'{name} gap to GRIT-VLP' for name in extra]
     head += ['cost, share of a step'] if costs is not None else []
     seeds = ', '.join(map(str, record['seeds']))
     about = (f'one seed ({seeds}): its values' if n == 1 else
-             f'mean ± sample std over {n} seeds ({seeds}); below: median [min, max]')
+             f'mean ± sample std over {n} seeds ({seeds}); below: median [min, max]. Gaps: mean '
+             '[95 % t interval], the seeds on which the arm is ahead, and the per-seed gaps')
     lines = [about, '', '| ' + ' | '.join(head) + ' |', '|' + '---|' * len(head)]
     for arm, stats in summary.items():
         chosen = f'lr {stats["lr"]:g}' + (f', {stats["setting"]}' if stats.get('setting') else '')
-        cells = [arm, chosen]
-        for key, _, digits in TABLE:
-            v = stats[key]
-            if math.isnan(v['mean']):
-                cells.append('–')
-            elif n == 1:  # one seed: its value, no spread
-                cells.append(f'{v["mean"]:.{digits}f}')
-            else:
-                cells.append(f'{v["mean"]:.{digits}f} ± {v["std"]:.{digits}f}<br>{v["median"]:.{digits}f} '
-                             f'[{v["min"]:.{digits}f}, {v["max"]:.{digits}f}]')
-        gap = gaps.get(arm, {}).get('mean_r1')
-        if gap is None:
-            cells.append('')
-        elif n == 1:
-            cells.append(f'{gap["mean"]:+.2f}')
-        else:
-            cells.append(f'{gap["mean"]:+.2f} ± {gap["std"]:.2f}<br>('
-                         + ', '.join(f'{x:+.1f}' for x in gap['per_seed']) + ')')
+        cells = [arm, chosen] + [_cell(stats[key], digits, n) for key, _, digits in table]
+        cells += [_gap_cell(gaps.get(arm, {}).get(key), n) for key in gap_keys]
         if costs is not None:
             share = 0.0 if strategies[arm] == 'random' else costs.get(strategies[arm])
             cells.append('–' if share is None else f'{100 * share:.2f} %')

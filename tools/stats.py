@@ -1,5 +1,6 @@
-"""The per-seed statistics every comparison tool reports: mean and sample standard deviation, and the
-spread (mean, std, median, min, max) of a figure over seeds."""
+"""The per-seed statistics every comparison tool reports: mean and sample standard deviation, the spread
+(mean, std, median, min, max) of a figure over seeds, and the paired 95 % interval of a gap between two
+arms with the count of seeds on each side."""
 
 from __future__ import annotations
 
@@ -7,7 +8,7 @@ import math
 import statistics
 from collections.abc import Sequence
 
-__all__ = ["mean_std", "spread"]
+__all__ = ["mean_std", "paired_interval", "spread"]
 
 
 def mean_std(values: Sequence[float]) -> tuple[float, float]:
@@ -22,3 +23,21 @@ def spread(values: Sequence[float]) -> dict[str, float]:
     mean, std = mean_std(values)
     return {'mean': mean, 'std': std, 'median': statistics.median(values), 'min': min(values),
             'max': max(values)}
+
+
+def paired_interval(gaps: Sequence[float], level: float = 0.95) -> dict[str, float | int]:
+    """The t interval of the mean of per-seed paired gaps (arm minus baseline on the same seed), mean ±
+    t(level, n - 1) · s / sqrt(n), and how many seeds put the arm ahead, behind or level: {'mean', 'low',
+    'high', 'ahead', 'behind', 'level', 'n'}; the bounds are nan below two seeds or when a seed lacks the
+    figure."""
+    from scipy.stats import t
+
+    n = len(gaps)
+    counts = {'ahead': sum(g > 0 for g in gaps), 'behind': sum(g < 0 for g in gaps),
+              'level': sum(g == 0 for g in gaps), 'n': n}
+    if n < 2 or any(math.isnan(g) for g in gaps):
+        mean = statistics.fmean(gaps) if n else math.nan
+        return {'mean': mean, 'low': math.nan, 'high': math.nan, **counts}
+    mean, std = mean_std(gaps)
+    half = float(t.ppf(0.5 + level / 2, n - 1)) * std / math.sqrt(n)
+    return {'mean': mean, 'low': mean - half, 'high': mean + half, **counts}
