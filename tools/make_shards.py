@@ -110,9 +110,10 @@ def write_index(output_dir: str, name: str, shards: list[dict], image_keys: str 
 
 
 def convert(files: Sequence[str], image_root: str, output_dir: str, shard_size: int,
-            name: str | None = None) -> dict:
+            name: str | None = None, replace: bool = False) -> dict:
     """Convert the json lists `files` into shards of `shard_size` in output_dir (resuming a conversion
-    that stopped) and write the index; returns a record of what was done."""
+    that stopped) and write the index; returns a record of what was done. replace: shards `name` of
+    another conversion in output_dir are deleted and made anew (else refused)."""
     from webdataset import TarWriter
 
     if shard_size < 1:
@@ -124,6 +125,10 @@ def convert(files: Sequence[str], image_root: str, output_dir: str, shard_size: 
     os.makedirs(output_dir, exist_ok=True)
     inputs = _inputs(files, image_root, shard_size)
     state_path = os.path.join(output_dir, f"{name}{STATE}")
+    if os.path.exists(state_path) and replace and read_json(state_path, "conversion state") != inputs:
+        for stale in os.listdir(output_dir):  # that conversion's shards, index, keys and state
+            if stale.startswith(f"{name}-") or stale in (f"{name}.json", f"{name}{STATE}"):
+                os.remove(os.path.join(output_dir, stale))
     if os.path.exists(state_path):
         if read_json(state_path, "conversion state") != inputs:
             raise InputFileError(f"{output_dir} holds shards '{name}' of another conversion ({state_path}: "

@@ -1,0 +1,367 @@
+"""The real corpora's converter (tools.make_real) offline, on packages the tests make in each package's own
+layout: emoji-datasource-google/-twitter (emoji.json, 64 px PNGs), openmoji (openmoji.csv, colour SVGs),
+emojibase-data (en/data.json) and Debian's openclipart-svg/-png (.deb archives, SVGs with RDF metadata).
+Captions, RGB images on white, families, leak-free splits (a property over seeds), the fetch's record
+and errors, and a tiny pre-training on the result, from the json lists and from the shards, evaluated
+zero-shot."""
+
+from __future__ import annotations
+
+import hashlib
+import io
+import json
+import os
+import random
+import stat
+import tarfile
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+from PIL import Image
+
+from tools.real_packages import PACKAGES, fetch, members
+from tools.real_sources import Item, clipart_captions, emoji_family, on_white, svg_metadata, title_stem
+from tools.real_splits import MAX_EVAL_FAMILY, check_no_leak, eval_entries, split_items
+from training.config_files import ConfigError
+
+# ------------------------------------------------------------------------------------------ the packages
+
+EMOJIBASE = [  # emojibase-data's en/data.json: label, hexcode, tags, skins
+    {"label": "waving hand", "hexcode": "1F44B", "tags": ["hand", "wave"],
+     "skins": [{"label": f"waving hand: {tone} skin tone", "hexcode": f"1F44B-{code}", "tone": i + 1}
+               for i, (tone, code) in enumerate([("light", "1F3FB"), ("dark", "1F3FF")])]},
+    {"label": "grinning face", "hexcode": "1F600", "tags": ["face", "grin"]},
+    {"label": "person running", "hexcode": "1F3C3", "tags": ["marathon", "running"]},
+    {"label": "man running", "hexcode": "1F3C3-200D-2642-FE0F", "tags": ["man", "running"]},
+    {"label": "woman running", "hexcode": "1F3C3-200D-2640-FE0F", "tags": ["running", "woman"]},
+    {"label": "man", "hexcode": "1F468", "tags": ["adult"]},
+    {"label": "woman", "hexcode": "1F469", "tags": ["adult"]},
+    {"label": "red heart", "hexcode": "2764-FE0F", "tags": ["heart"]},
+    {"label": "keycap: #", "hexcode": "0023-FE0F-20E3", "tags": []},
+    {"label": "keycap: *", "hexcode": "002A-FE0F-20E3", "tags": []},
+    {"label": "!!", "hexcode": "203C-FE0F", "tags": []},  # nothing left after cleaning: left out
+]
+DRAWN = ["1F44B", "1F600", "1F3C3", "1F3C3-200D-2642-FE0F", "1F3C3-200D-2640-FE0F", "1F468", "1F469",
+         "2764-FE0F", "0023-FE0F-20E3", "002A-FE0F-20E3", "203C-FE0F"]
+N_CLIPART = 60  # one-drawing families, plus a collection of near-copies
+
+
+def _png(mode: str, size: int = 20, seed: int = 0) -> bytes:
+    """A small PNG in `mode` whose left half is transparent (where the mode has transparency)."""
+    rng = random.Random(seed)
+    colour = tuple(rng.randrange(40, 200) for _ in range(3))
+    image = Image.new("RGBA", (size, size), (0, 0, 0, 0))
+    image.paste(Image.new("RGBA", (size // 2, size), (*colour, 255)), (size // 2, 0))
+    if mode == "P":
+        image = image.convert("P", palette=Image.Palette.ADAPTIVE)  # RGBA -> P keeps a transparent index
+    elif mode != "RGBA":
+        image = image.convert(mode)
+    buf = io.BytesIO()
+    image.save(buf, format="PNG")
+    return buf.getvalue()
+
+
+def _svg(title: str | None, tags: list[str], colour: str = "#c03020") -> bytes:
+    meta = "" if title is None else (
+        '<metadata><rdf:RDF><cc:Work rdf:about=""><dc:title>' + title + "</dc:title><dc:subject><rdf:Bag>"
+        + "".join(f"<rdf:li>{t}</rdf:li>" for t in tags) + "<rdf:li></rdf:li></rdf:Bag></dc:subject>"
+        "<dc:publisher><cc:Agent><dc:title>Somebody Else</dc:title></cc:Agent></dc:publisher>"
+        "</cc:Work></rdf:RDF></metadata>")
+    return ('<?xml version="1.0"?><svg xmlns="http://www.w3.org/2000/svg" '
+            'xmlns:dc="http://purl.org/dc/elements/1.1/" xmlns:cc="http://web.resource.org/cc/" '
+            'xmlns:rdf="http://www.w3.org/1999/02/22-rdf-syntax-ns#" width="40" height="40">'
+            f'{meta}<rect x="20" y="0" width="20" height="40" fill="{colour}"/></svg>').encode()
+
+
+def _tgz(path: str, files: dict[str, bytes]) -> None:
+    with tarfile.open(path, "w:gz") as tar:
+        for name, data in files.items():
+            info = tarfile.TarInfo(name)
+            info.size = len(data)
+            tar.addfile(info, io.BytesIO(data))
+
+
+def _deb(path: str, files: dict[str, bytes]) -> None:
+    """A Debian package: an ar archive of debian-binary, control.tar.xz and data.tar.xz ('./' names)."""
+    def tar_xz(entries: dict[str, bytes]) -> bytes:
+        buf = io.BytesIO()
+        with tarfile.open(fileobj=buf, mode="w:xz") as tar:
+            for name, data in entries.items():
+                info = tarfile.TarInfo("./" + name)
+                info.size = len(data)
+                tar.addfile(info, io.BytesIO(data))
+        return buf.getvalue()
+
+    parts = [("debian-binary", b"2.0\n"), ("control.tar.xz", tar_xz({"control": b"Package: x\n"})),
+             ("data.tar.xz", tar_xz(files))]
+    with open(path, "wb") as f:
+        f.write(b"!<arch>\n")
+        for name, data in parts:
+            f.write(f"{name + '/':<16}{0:<12}{0:<6}{0:<6}{100644:<8}{len(data):<10}`\n".encode())
+            f.write(data + (b"\n" if len(data) % 2 else b""))
+
+
+def clipart_fixture() -> dict[str, tuple[bytes | None, bytes | None]]:
+    """OpenClipart drawings: folder/name -> (SVG, PNG); a PNG in LA, P or RGB mode; one SVG without a PNG,
+    one without metadata, and eight 'gramastar' near-copies (one family)."""
+    out = {}
+    for i in range(N_CLIPART):
+        mode = ("LA", "P", "RGB")[i % 3]
+        out[f"things/group{i % 4}/thing_{i:02d}"] = (_svg(f"Thing number {i} {chr(97 + i % 26) * 3}",
+                                                          ["thing", f"kind_{i}"]), _png(mode, 30, i))
+    for i in range(8):
+        out[f"shapes/stars/star_{i}"] = (_svg("gramastar", ["stars", "shapes"]), _png("RGBA", 24, 100 + i))
+    out["misc/no_png"] = (_svg("lonely", ["x"]), None)
+    out["misc/no_metadata"] = (_svg(None, []), _png("RGB", 16, 7))
+    return out
+
+
+@pytest.fixture(scope="module")
+def packages(tmp_path_factory) -> str:
+    """The six packages in their layouts, recorded in packages.json as tools.real_packages.fetch records
+    them (so the build reads them, offline)."""
+    folder = str(tmp_path_factory.mktemp("packages"))
+    files = {}
+    for artist, mode in (("google", "RGBA"), ("twitter", "P")):
+        entries, images = [], {}
+        for k, code in enumerate(c for c in DRAWN if "-1F3F" not in c):
+            entry = {"unified": code, "image": f"{code.lower()}.png", f"has_img_{artist}": True}
+            if code == "1F44B":
+                entry["skin_variations"] = {t: {"unified": f"1F44B-{t}", "image": f"1f44b-{t.lower()}.png",
+                                                f"has_img_{artist}": True} for t in ("1F3FB", "1F3FF")}
+            entries.append(entry)
+            for one in [entry, *entry.get("skin_variations", {}).values()]:
+                images[f"package/img/{artist}/64/{one['image']}"] = _png(mode, 64, k)
+        entries.append({"unified": "E000", "image": "e000.png", f"has_img_{artist}": True})  # not CLDR
+        images[f"package/img/{artist}/64/e000.png"] = _png(mode, 64, 99)
+        name = PACKAGES[f"emoji-datasource-{artist}"]
+        files[name.name] = f"{name.name}-{name.version}.tgz"
+        _tgz(os.path.join(folder, files[name.name]), {"package/emoji.json": json.dumps(entries).encode(),
+                                                       **images})
+    rows = ["emoji,hexcode,group,annotation"] + [f"x,{c},g,a" for c in [*DRAWN, "1F44B-1F3FB", "E0FF"]]
+    svgs = {f"package/color/svg/{c}.svg": _svg(None, [], "#2060c0") for c in [*DRAWN, "1F44B-1F3FB", "E0FF"]}
+    files["openmoji"] = "openmoji-17.0.0.tgz"
+    _tgz(os.path.join(folder, files["openmoji"]), {"package/data/openmoji.csv": "\n".join(rows).encode(),
+                                                   **svgs})
+    files["emojibase-data"] = "emojibase-data-17.0.0.tgz"
+    _tgz(os.path.join(folder, files["emojibase-data"]),
+         {"package/en/data.json": json.dumps(EMOJIBASE).encode()})
+    clip = clipart_fixture()
+    files["openclipart-svg"] = "openclipart-svg_1%3a0.18+dfsg-19_all.deb"
+    _deb(os.path.join(folder, files["openclipart-svg"]),
+         {f"usr/share/openclipart/svg/{k}.svg": s for k, (s, _) in clip.items()})
+    files["openclipart-png"] = "openclipart-png_1%3a0.18+dfsg-19_all.deb"
+    _deb(os.path.join(folder, files["openclipart-png"]),
+         {f"usr/share/openclipart/png/{k}.png": p for k, (_, p) in clip.items() if p is not None})
+    record = {}
+    for name, file in files.items():
+        with open(os.path.join(folder, file), "rb") as f:
+            record[name] = {"version": PACKAGES[name].version, "registry": PACKAGES[name].registry,
+                            "file": file, "sha256": hashlib.sha256(f.read()).hexdigest(),
+                            "licence": PACKAGES[name].licence}
+    with open(os.path.join(folder, "packages.json"), "w") as f:
+        json.dump(record, f)
+    return folder
+
+
+@pytest.fixture(scope="module")
+def built(packages, tmp_path_factory) -> tuple[str, dict]:
+    """tools.make_real run on the fixture packages: (its output folder, its data card)."""
+    from tools.make_real import main
+
+    out = str(tmp_path_factory.mktemp("real"))
+    card = main(["--output_dir", out, "--packages", packages, "--shard_size", "20", "--vocab_size", "200"])
+    return out, card
+
+
+def _load(folder: str, name: str):
+    with open(os.path.join(folder, name), encoding="utf-8") as f:
+        return json.load(f)
+
+
+# ------------------------------------------------------------------------------------------ the tests
+
+def test_emoji_families_join_skin_tones_and_genders_across_code_forms():
+    assert emoji_family("1F44B-1F3FF") == emoji_family("1F44B") == "1F44B"
+    assert emoji_family("1F3C3-200D-2642-FE0F") == emoji_family("1F3C3-200D-2640") == "1F3C3"
+    assert emoji_family("1F468") == emoji_family("1F469") == emoji_family("1F9D1-1F3FD") == "1F9D1"
+    assert emoji_family("1F468-1F3FB-200D-1F4BB") == emoji_family("1F9D1-200D-1F4BB")  # technologists
+    assert emoji_family("1F46B-1F3FB") == emoji_family("1F9D1-1F3FF-200D-1F91D-200D-1F9D1-1F3FB")
+    assert emoji_family("2764-FE0F") == "2764" and emoji_family("1F600") != emoji_family("1F601")
+
+
+def test_captions_are_the_fields_joined_and_nothing_else():
+    assert svg_metadata(_svg("Chinese flag (correct)", ["flags", "asia"])) == ("Chinese flag (correct)",
+                                                                                ["flags", "asia"])
+    assert svg_metadata(b"<svg") is None
+    assert clipart_captions("Chinese flag", ["united_nations_member", "flag"], "signs_and_symbols/flags") == [
+        "Chinese flag", "Chinese flag, united nations member, flag", "Chinese flag, signs and symbols flags"]
+    assert clipart_captions("", ["star", "shape"], "shapes") == ["star, shape"]
+    assert title_stem("Gramastar 12 (b)") == "gramastar b"
+
+
+def test_images_become_rgb_on_white_at_64_px():
+    for mode in ("RGBA", "P", "LA", "RGB", "L"):
+        image = on_white(Image.open(io.BytesIO(_png(mode, 20, 3))))
+        assert image.mode == "RGB" and image.size == (64, 64), mode
+        if mode != "RGB" and mode != "L":  # the transparent left half is white, not black
+            assert image.getpixel((5, 32)) == (255, 255, 255), mode
+    wide = on_white(Image.new("RGB", (80, 20), (0, 0, 0)))  # fitted: padded with white above and below
+    assert wide.getpixel((32, 2)) == (255, 255, 255) and wide.getpixel((32, 32)) == (0, 0, 0)
+
+
+def test_emoji_items_carry_cldr_captions_for_every_artist(packages):
+    from tools.real_sources import emoji_items
+
+    record = _load(packages, "packages.json")
+    paths = {name: os.path.join(packages, r["file"]) for name, r in record.items()}
+    items, left_out = emoji_items(paths, ["google", "twitter", "openmoji"])
+    by_key = {(it.artist, it.key): it for it in items}
+    dark = by_key[("google", "1F44B-1F3FF")]
+    assert dark.captions == ["waving hand: dark skin tone", "waving hand: dark skin tone, hand, wave"]
+    assert dark.family == by_key[("openmoji", "1F44B-1F3FB")].family == "1F44B"
+    assert by_key[("twitter", "2764")].captions == ["red heart", "red heart, heart"]
+    keycap = by_key[("openmoji", "0023-20E3")]
+    assert keycap.captions == ["keycap: #"] and keycap.svg
+    assert left_out == {"no CLDR annotation": 3, "no usable caption": 3}  # E000 twice, E0FF; '!!' thrice
+    assert len(items) == 3 * (len(DRAWN) - 1) + 2 * 2 + 1  # + tones: 2 by google, twitter; 1 by openmoji
+
+
+def test_the_build_writes_captions_images_families_and_a_clean_split(built):
+    out, card = built
+    emoji = _load(out, "pretrain_emoji.json")
+    pretrain = emoji + _load(out, "pretrain_clipart.json")
+    by_image = {e["image"]: e for e in pretrain + _load(out, "val.json") + _load(out, "test.json")}
+    running = {e["family"] for e in by_image.values() if e["caption"][0].endswith("running")}
+    assert running <= {"1F3C3"}  # man, woman and person running: one family
+    assert not any(e["artist"] == "openmoji" for e in pretrain)  # the held-out artist
+    assert all(e["artist"] == "openmoji" for e in _load(out, "test_artist.json"))
+    assert not any("E000" in e["image"] or "203C" in e["image"] for e in by_image.values())  # no CLDR text
+    assert card["left_out"]["emoji"] == {"no CLDR annotation": 3, "no usable caption": 3}
+    assert card["left_out"]["clipart"] == {"no PNG": 1, "unreadable SVG": 0, "no title and no tags": 1}
+    stars = [e for e in by_image.values() if "/shapes/stars/" in e["image"]]
+    assert len({e["family"] for e in stars}) == 1 and len(stars) == 8  # near-copies: one family, all kept
+    for name in ("images/emoji/google/1F600.png", "images/emoji/twitter/1F600.png"):
+        image = Image.open(os.path.join(out, name))
+        assert image.mode == "RGB" and image.size == (64, 64) and image.getpixel((3, 30)) == (255, 255, 255)
+    # every held-out file: families nobody trains on, each caption (as cleaned) once
+    trained = {e["family"] for e in pretrain}
+    for name in ("val.json", "test.json"):
+        held = _load(out, name)
+        assert held and not {e["family"] for e in held} & trained
+        cleaned = [c.lower().replace(":", "").replace("#", "").strip() for e in held for c in e["caption"]]
+        assert len(cleaned) == len(set(cleaned))
+    scenes = _load(out, "scenes.json")
+    assert scenes == {e["image"]: e["family"] for e in pretrain}
+    vocab = open(os.path.join(out, "vocab.txt")).read().split()
+    assert vocab[:5] == ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"] and "thing" in vocab
+    assert card["files"]["pretrain_clipart"]["drawings"] == len(_load(out, "pretrain_clipart.json"))
+    assert card["shards"]["samples"] == len(pretrain)
+
+
+def test_a_second_build_resumes_and_writes_the_same(built, packages):
+    from tools.make_real import main
+
+    out, card = built
+    stamps = {n: os.stat(os.path.join(out, n)).st_mtime_ns for n in ("pretrain_emoji.json", "vocab.txt")}
+    image = os.path.join(out, "images/emoji/google/1F600.png")
+    image_stamp = os.stat(image).st_mtime_ns
+    shard = os.path.join(out, "shards", "real-000000.tar")
+    shard_stamp = os.stat(shard).st_mtime_ns
+    again = main(["--output_dir", out, "--packages", packages, "--shard_size", "20", "--vocab_size", "200"])
+    assert again == card
+    assert os.stat(image).st_mtime_ns == image_stamp  # kept, not made again
+    assert os.stat(shard).st_mtime_ns == shard_stamp  # a complete shard is kept
+    assert os.stat(os.path.join(out, "pretrain_emoji.json")).st_mtime_ns == stamps["pretrain_emoji.json"]
+    assert again["shards"] == {"index": "shards/real.json", "samples": 72, "shards": 4, "missing_images": 0}
+
+
+def _items(draw_families: list[tuple[int, int, bool]]) -> list[Item]:
+    """Items of families (size per artist, number of artists, emoji?) for the split properties."""
+    items = []
+    for f, (size, artists, emoji) in enumerate(draw_families):
+        for a in range(artists if emoji else 1):
+            artist = ("google", "twitter", "openmoji")[a] if emoji else "openclipart"
+            for k in range(size):
+                items.append(Item("emoji" if emoji else "clipart", artist, f"f{f}_{k}", f"family{f}",
+                                  [f"caption {f} {k}", f"caption {f} {k}, extra"], b""))
+    return items
+
+
+@given(st.lists(st.tuples(st.integers(1, MAX_EVAL_FAMILY + 3), st.integers(1, 3), st.booleans()),
+                min_size=1, max_size=40), st.integers(0, 2 ** 31))
+def test_no_family_is_in_two_splits_for_any_seed(families, seed):
+    splits = split_items(_items(families), seed)
+    seen = {}
+    for name in ("pretrain", "val", "test"):
+        for it in splits[name]:
+            assert seen.setdefault(it.family, name) == name
+    assert not any(it.artist == "openmoji" for it in splits["pretrain"])
+    assert all(it.artist == "openmoji" and seen.get(it.family) == "pretrain" for it in splits["test_artist"])
+    for name in ("val", "test"):  # one artist per held-out emoji family; large families are trained on
+        artists = {}
+        for it in splits[name]:
+            assert artists.setdefault(it.family, it.artist) == it.artist
+    files = {"pretrain": [{"family": it.family, "artist": it.artist, "image": it.image}
+                          for it in splits["pretrain"]]}
+    for name in ("val", "test", "test_artist"):
+        files[name] = eval_entries(splits[name])[0]
+    check_no_leak(files)  # what the build checks agrees
+
+
+def test_a_leaking_split_is_refused_naming_the_family():
+    a = {"image": "a.png", "family": "f1", "artist": "google"}
+    b = {"image": "b.png", "family": "f2", "artist": "google"}
+    with pytest.raises(ConfigError, match="family 'f1' is in val and in pretrain_emoji"):
+        check_no_leak({"pretrain_emoji": [a], "val": [a]})
+    with pytest.raises(ConfigError, match="family 'f2' is in val and in test"):
+        check_no_leak({"pretrain_emoji": [a], "val": [b], "test": [b]})
+    with pytest.raises(ConfigError, match="trains on c.png, a drawing of the held-out artist openmoji"):
+        check_no_leak({"pretrain_emoji": [{"image": "c.png", "family": "f3", "artist": "openmoji"}]})
+
+
+def _fake_client(folder, name: str, script: str) -> None:
+    path = os.path.join(folder, name)
+    with open(path, "w") as f:
+        f.write("#!/bin/sh\n" + script)
+    os.chmod(path, os.stat(path).st_mode | stat.S_IEXEC)
+
+
+def test_fetch_records_versions_and_checksums_resumes_and_names_what_is_missing(tmp_path, monkeypatch):
+    bin_dir, calls = tmp_path / "bin", tmp_path / "calls"
+    bin_dir.mkdir()
+    # a stand-in npm: `npm pack --json NAME@VERSION` writes NAME-VERSION.tgz and says so, as npm does
+    _fake_client(bin_dir, "npm", f'echo "$@" >> {calls}\nspec="$3"; file="${{spec%@*}}-${{spec##*@}}.tgz"\n'
+                                 'case "$spec" in nope*) echo "npm error 404 Not Found - $spec" >&2; '
+                                 'exit 1;; esac\n'
+                                 'echo data > "$file"; echo "[{\\"filename\\": \\"$file\\"}]"\n')
+    monkeypatch.setenv("PATH", f"{bin_dir}{os.pathsep}{os.environ['PATH']}")
+    folder = str(tmp_path / "pkgs")
+    got = fetch(["emojibase-data"], folder, log=lambda *_: None)
+    assert got == {"emojibase-data": os.path.join(folder, "emojibase-data-17.0.0.tgz")}
+    record = _load(folder, "packages.json")["emojibase-data"]
+    assert record["version"] == "17.0.0" and record["sha256"] == hashlib.sha256(b"data\n").hexdigest()
+    fetch(["emojibase-data"], folder, log=lambda *_: None)
+    assert open(calls).read().count("pack") == 1  # the recorded file, not fetched again
+    with open(got["emojibase-data"], "w") as f:
+        f.write("changed")
+    fetch(["emojibase-data"], folder, log=lambda *_: None)
+    assert open(calls).read().count("pack") == 2  # its checksum changed: fetched again
+    monkeypatch.setitem(PACKAGES, "emojibase-data", PACKAGES["emojibase-data"].__class__(
+        "nope-data", "1.0.0", "npm", "x"))
+    with pytest.raises(ConfigError, match=r"could not fetch npm package nope-data@1.0.0 .*404 Not Found"):
+        fetch(["emojibase-data"], folder, log=lambda *_: None)
+    monkeypatch.setenv("PATH", str(tmp_path / "empty"))
+    with pytest.raises(ConfigError, match="^apt-get not found: Debian's apt-get"):
+        fetch(["openclipart-svg"], str(tmp_path / "other"), log=lambda *_: None)
+
+
+def test_members_reads_tgz_and_deb_archives(tmp_path):
+    _tgz(str(tmp_path / "a.tgz"), {"package/x.txt": b"x", "package/y/z.txt": b"z"})
+    _deb(str(tmp_path / "b.deb"), {"usr/share/q.txt": b"q"})
+    assert dict(members(str(tmp_path / "a.tgz"), "package/y/")) == {"package/y/z.txt": b"z"}
+    assert dict(members(str(tmp_path / "b.deb"))) == {"usr/share/q.txt": b"q"}
+    (tmp_path / "c.deb").write_bytes(b"not an archive")
+    with pytest.raises(ConfigError, match="not a Debian package"):
+        list(members(str(tmp_path / "c.deb")))
