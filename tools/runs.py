@@ -1,13 +1,14 @@
 """The tiny runs the comparison tools make (tools.compare, tools.efficiency, tools.downstream, tools.ablate,
 the demo): their commands, folders, reuse and results.
 
-A run is a tiny pre-training (configs/tiny/Pretrain.yaml with --set overrides) in
-<output_dir>/seed<S>/<arm>_lr<lr>[_<setting>]/pretrain/, evaluated zero-shot into .../zeroshot/ with
-`python -m Retrieval --evaluate` (configs/tiny/Retrieval.yaml: val and test, ITM re-ranked and by the ITC
-cosine alone) and tools.probe, its record in .../result.json. run_pairs runs them two side by side, one
-thread each (tools.launch.run_side_by_side), and with reuse keeps a run whose result.json records the
-same pre-training command (the code is not compared: reuse within one checkout; the folder is not
-compared either, so a run folder copied elsewhere is still that run).
+A run is a tiny pre-training (a corpus's pre-training config, configs/tiny/Pretrain.yaml for the synthetic
+world, with --set overrides) in <output_dir>/seed<S>/<arm>_lr<lr>[_<setting>]/pretrain/, evaluated zero-shot
+into .../zeroshot/ with `python -m Retrieval --evaluate` (the corpus's retrieval config: val and test, ITM
+re-ranked and by the ITC cosine alone; each further test split of the corpus into .../zeroshot/<name>/)
+and, on the synthetic world, tools.probe, its record in .../result.json. run_pairs runs them two side
+by side, one thread each (tools.launch.run_side_by_side), and with reuse keeps a run whose result.json
+records the same pre-training command (the code is not compared: reuse within one checkout; the folder
+is not compared either, so a run folder copied elsewhere is still that run).
 """
 
 from __future__ import annotations
@@ -16,18 +17,38 @@ import json
 import os
 import re
 from collections.abc import Hashable, Sequence
+from dataclasses import dataclass
 
 from grit_io import InputFileError, read_json
 from tools.launch import run_side_by_side
 from training.config_resolve import known_keys, resolve_config
 
-__all__ = ["PRETRAIN_CONFIG", "RETRIEVAL_CONFIG", "evaluation_commands", "fresh", "last_checkpoint",
+__all__ = ["CORPORA", "PRETRAIN_CONFIG", "RETRIEVAL_CONFIG", "Corpus", "evaluation_commands", "fresh",
+           "last_checkpoint",
            "lr_overrides", "overrides_for", "prepare_pretraining", "pretrain_command", "read_evaluation",
            "read_log", "read_retrieval", "run_dir", "run_pairs", "saved_result", "slug"]
 
 # Repository-relative, as the shipped configs' own paths: the tools and their children work in the root.
 PRETRAIN_CONFIG = 'configs/tiny/Pretrain.yaml'
 RETRIEVAL_CONFIG = 'configs/tiny/Retrieval.yaml'
+
+
+@dataclass(frozen=True)
+class Corpus:
+    """What a comparison pre-trains on and how its runs are evaluated, zero-shot: the pre-training config,
+    the retrieval config of val (what selects) and test, further test splits (name, a retrieval config
+    whose test_file is that split) and whether the synthetic world's compositional ITM probe applies."""
+
+    pretrain: str
+    retrieval: str
+    tests: tuple[tuple[str, str], ...] = ()
+    probe: bool = True
+
+
+CORPORA = {'synthetic': Corpus(PRETRAIN_CONFIG, RETRIEVAL_CONFIG),
+           # tools.make_real's corpora: held-out concepts (val, test) and the held-out artist
+           'real': Corpus('configs/real/Pretrain.yaml', 'configs/real/Retrieval.yaml',
+                          (('artist', 'configs/real/Retrieval_artist.yaml'),), probe=False)}
 
 
 def fresh(output_dir: str) -> str:
@@ -51,13 +72,15 @@ def read_log(path: str) -> list[dict]:
     return rows
 
 
-def prepare_pretraining(overrides: Sequence[str] = ()) -> None:
+def prepare_pretraining(overrides: Sequence[str] = (), config: str = PRETRAIN_CONFIG) -> None:
     """Generate, once and before the runs start side by side, what the tiny pre-training generates on
-    first use: the synthetic data and, with `vision_init: synthetic`, its pre-trained ViT."""
+    first use: the synthetic data and, with `vision_init: synthetic`, its pre-trained ViT; then check that
+    the config's data files exist (a real corpus is built by its converter, tools.make_real)."""
     from training.inputs import prepare_inputs
 
     # Its data is what is being made here: the paths need not exist yet.
-    prepare_inputs(resolve_config('pretrain', PRETRAIN_CONFIG, list(overrides), check_paths=False))
+    prepare_inputs(resolve_config('pretrain', config, list(overrides), check_paths=False))
+    resolve_config('pretrain', config, list(overrides))  # ConfigError naming a missing file
 
 
 def pretrain_command(output_dir: str, args: Sequence[str], config: str = PRETRAIN_CONFIG,
@@ -94,29 +117,48 @@ def last_checkpoint(pre_dir: str) -> str:
 
 
 def evaluation_commands(checkpoint: str, out_dir: str, overrides: Sequence[str] = (),
-                        eval_overrides: Sequence[str] = ()) -> list[list[str]]:
-    """Zero-shot `Retrieval --evaluate` into out_dir, then tools.probe into out_dir/probe.json (the
-    pre-training's overrides that shape the model go to both; eval_overrides to the retrieval only)."""
-    return [['Retrieval', '--config', RETRIEVAL_CONFIG, '--checkpoint', checkpoint, '--evaluate',
-             '--output_dir', fresh(out_dir), *overrides_for('retrieval', [*overrides, *eval_overrides])],
-            ['tools.probe', '--config', PRETRAIN_CONFIG, '--checkpoint', checkpoint, '--output_dir', out_dir,
-             *overrides_for('pretrain', overrides)]]
+                        eval_overrides: Sequence[str] = (), corpus: Corpus = CORPORA['synthetic']
+                        ) -> list[list[str]]:
+    """Zero-shot `Retrieval --evaluate` into out_dir, each further test split of the corpus into
+    out_dir/<name>, then (where it applies) tools.probe into out_dir/probe.json; the pre-training's
+    overrides that shape the model go to all, eval_overrides to the retrievals only."""
+    sets = overrides_for('retrieval', [*overrides, *eval_overrides])
+    commands = [['Retrieval', '--config', corpus.retrieval, '--checkpoint', checkpoint, '--evaluate',
+                 '--output_dir', fresh(out_dir), *sets]]
+    for name, config in corpus.tests:
+        commands.append(['Retrieval', '--config', config, '--checkpoint', checkpoint, '--evaluate',
+                         '--output_dir', fresh(os.path.join(out_dir, name)), *sets])
+    if corpus.probe:
+        commands.append(['tools.probe', '--config', corpus.pretrain, '--checkpoint', checkpoint,
+                         '--output_dir', out_dir, *overrides_for('pretrain', overrides)])
+    return commands
 
 
-def read_retrieval(out_dir: str) -> dict:
-    """The last retrieval record in out_dir/log.txt, with {val,test}_{,itc_}mean_r1 added (text and image
-    R@1 averaged)."""
-    retrieval = read_log(os.path.join(out_dir, 'log.txt'))[-1]
-    for split in ('val', 'test'):
+def _add_mean_r1(retrieval: dict, splits: Sequence[str]) -> dict:
+    """{split}_{,itc_}mean_r1: text and image R@1 averaged, for each split."""
+    for split in splits:
         for scoring in ('', 'itc_'):
             prefix = f'{split}_{scoring}'
             retrieval[f'{prefix}mean_r1'] = (retrieval[f'{prefix}txt_r1'] + retrieval[f'{prefix}img_r1']) / 2
     return retrieval
 
 
-def read_evaluation(out_dir: str) -> tuple[dict, dict]:
-    """The retrieval record (read_retrieval) and the probe result written into out_dir."""
-    return read_retrieval(out_dir), read_json(os.path.join(out_dir, 'probe.json'), 'probe result')
+def read_retrieval(out_dir: str) -> dict:
+    """The last retrieval record in out_dir/log.txt, with {val,test}_{,itc_}mean_r1 added (text and image
+    R@1 averaged)."""
+    return _add_mean_r1(read_log(os.path.join(out_dir, 'log.txt'))[-1], ('val', 'test'))
+
+
+def read_evaluation(out_dir: str, corpus: Corpus = CORPORA['synthetic']) -> tuple[dict, dict]:
+    """The retrieval record (read_retrieval), with each further test split's figures under its name
+    ('artist_txt_r1', ...), and the probe result ({} where the probe does not apply) written into out_dir."""
+    retrieval = read_retrieval(out_dir)
+    for name, _ in corpus.tests:
+        more = read_log(os.path.join(out_dir, name, 'log.txt'))[-1]
+        retrieval.update({f'{name}_{k[len("test_"):]}': v for k, v in more.items() if k.startswith('test_')})
+    _add_mean_r1(retrieval, [name for name, _ in corpus.tests])
+    probe = read_json(os.path.join(out_dir, 'probe.json'), 'probe result') if corpus.probe else {}
+    return retrieval, probe
 
 
 def slug(arm: str) -> str:
@@ -160,8 +202,8 @@ def saved_result(directory: str, command: list[str]) -> dict | None:
 
 
 def run_pairs(runs: dict[Hashable, tuple[str, list[str], list[str]]], reuse: bool = False,
-              eval_overrides: Sequence[str] = (), probe_args: Sequence[str] = ()
-              ) -> dict[Hashable, tuple[list[dict], dict, dict]]:
+              eval_overrides: Sequence[str] = (), probe_args: Sequence[str] = (),
+              corpus: Corpus = CORPORA['synthetic']) -> dict[Hashable, tuple[list[dict], dict, dict]]:
     """Pre-train and evaluate runs {name: (folder, pre-training arguments, the evaluations' overrides)}, two
     side by side;
     returns {name: (log rows, retrieval record, probe result)}; each folder gets result.json.
@@ -175,7 +217,7 @@ def run_pairs(runs: dict[Hashable, tuple[str, list[str], list[str]]], reuse: boo
     todo = []
     for name, (directory, args, overrides) in runs.items():
         # Built without clearing: a reused run keeps its log.txt (tools.efficiency reads its epochs).
-        command = pretrain_command(os.path.join(directory, 'pretrain'), args, clear=False)
+        command = pretrain_command(os.path.join(directory, 'pretrain'), args, corpus.pretrain, clear=False)
         saved = saved_result(directory, command) if reuse else None
         if saved:
             out[name] = (saved['log'], saved['retrieval'], saved['probe'])
@@ -186,16 +228,17 @@ def run_pairs(runs: dict[Hashable, tuple[str, list[str], list[str]]], reuse: boo
         pair = todo[start:start + 2]
         run_side_by_side([(command, os.path.join(d, 'pretrain', 'stdout.txt')) for _, d, command, _ in pair])
         commands = [evaluation_commands(last_checkpoint(os.path.join(d, 'pretrain')),
-                                        os.path.join(d, 'zeroshot'), sets, eval_overrides)
+                                        os.path.join(d, 'zeroshot'), sets, eval_overrides, corpus)
                     for _, d, _, sets in pair]
         for c in commands:
-            c[1] += list(probe_args)
-        for stage in range(2):  # retrieval of both runs side by side, then the probes
+            if corpus.probe:
+                c[-1] += list(probe_args)
+        for stage in range(len(commands[0])):  # each evaluation of both runs side by side
             run_side_by_side([(c[stage], os.path.join(d, 'zeroshot', f'stdout_{stage}.txt'))
                               for c, (_, d, _, _) in zip(commands, pair)])
         for name, directory, command, _ in pair:
             log = read_log(os.path.join(directory, 'pretrain', 'log.txt'))
-            retrieval, probe = read_evaluation(os.path.join(directory, 'zeroshot'))
+            retrieval, probe = read_evaluation(os.path.join(directory, 'zeroshot'), corpus)
             with open(os.path.join(directory, 'result.json'), 'w', encoding='utf-8') as f:
                 json.dump({'command': command, 'log': log, 'retrieval': retrieval, 'probe': probe}, f)
             out[name] = (log, retrieval, probe)
