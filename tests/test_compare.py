@@ -273,10 +273,10 @@ def test_the_selected_runs_are_the_sweeps_own_folders_and_commands(tmp_path, mon
     from tools import arms, compare
 
     monkeypatch.chdir(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    monkeypatch.setattr(compare, "prepare_pretraining", lambda overrides=(): None)
+    monkeypatch.setattr(compare, "prepare_pretraining", lambda overrides=(), config=None: None)
     asked = []
 
-    def fake_pairs(runs, reuse=False):
+    def fake_pairs(runs, reuse=False, corpus=None):
         asked.append(runs)
         return {key: _run(0.4, 6.0, 4.0, 0.9) for key in runs}
 
@@ -305,10 +305,10 @@ def test_merged_rows_are_read_not_run_and_a_foreign_record_is_named(tmp_path, mo
     from tools import compare, records
 
     monkeypatch.chdir(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    monkeypatch.setattr(compare, "prepare_pretraining", lambda overrides=(): None)
+    monkeypatch.setattr(compare, "prepare_pretraining", lambda overrides=(), config=None: None)
     asked = []
 
-    def fake_pairs(runs, reuse=False):
+    def fake_pairs(runs, reuse=False, corpus=None):
         asked.append(sorted(runs))
         return {key: _run(0.4, 6.0 + key[3], 4.0, 0.9) for key in runs}
 
@@ -345,3 +345,51 @@ def test_merged_rows_are_read_not_run_and_a_foreign_record_is_named(tmp_path, mo
     not_compare.write_text(json.dumps({"curves": {}}))
     with pytest.raises(InputFileError, match="eff.json: not a tools.compare record"):
         records.merged_rows([str(not_compare)], [])
+
+
+def test_the_real_corpus_runs_its_own_configs_and_its_records_do_not_mix_with_synthetic_ones(tmp_path,
+                                                                                             monkeypatch):
+    """--corpus real pre-trains configs/real/Pretrain.yaml (the rate scaled onto its schedule) and evaluates
+    with the real corpus's retrieval configs; --selected_settings sweeps a grid arm's rates at its selected
+    setting only (as many runs as an arm without a grid); a synthetic record is refused as --merge input."""
+    import pytest
+
+    from grit_io import InputFileError
+    from tools import compare, runs
+
+    monkeypatch.chdir(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    prepared, asked = [], []
+    monkeypatch.setattr(compare, "prepare_pretraining",
+                        lambda overrides=(), config=None: prepared.append(config))
+
+    def fake_pairs(todo, reuse=False, corpus=None):
+        asked.append((todo, corpus))
+        out = {}
+        for key in todo:
+            rows, retrieval, _ = _run(0.4, 6.0, 4.0, 0.9)
+            retrieval.update({"artist_txt_r1": 3.0, "artist_img_r1": 5.0, "artist_mean_r1": 4.0,
+                              "artist_itc_txt_r1": 2.0, "artist_itc_img_r1": 4.0, "artist_itc_mean_r1": 3.0})
+            out[key] = (rows, retrieval, {})
+        return out
+
+    monkeypatch.setattr(compare, "run_pairs", fake_pairs)
+    out = str(tmp_path / "real")
+    record = compare.main(["--corpus", "real", "--seeds", "1", "--lrs", "2.5e-4", "1e-3",
+                           "--selected_settings", "--arms", "GRIT-VLP", "B3", "--output_dir", out])
+    todo, corpus = asked[-1]
+    assert prepared == ["configs/real/Pretrain.yaml"] and corpus is runs.CORPORA["real"]
+    assert sorted((arm, lr, setting) for arm, lr, setting, _ in todo) == [
+        ("B3", 2.5e-4, "p=2,m=20"), ("B3", 1e-3, "p=2,m=20"), ("GRIT-VLP", 2.5e-4, None),
+        ("GRIT-VLP", 1e-3, None)]
+    args = todo[("GRIT-VLP", 1e-3, None, 1)][1]
+    assert all(a in args for a in lr_overrides(1e-3, "configs/real/Pretrain.yaml"))
+    assert record["corpus"] == "real" and math.isnan(record["summary"]["B3"]["probe"]["mean"])
+    assert record["summary"]["B3"]["artist_mean_r1"]["mean"] == 4.0  # the held-out artist's own columns
+    assert "artist test mean R@1, re-ranked" in open(os.path.join(out, "compare.md")).read()
+    synthetic = str(tmp_path / "synthetic")
+    compare.main(["--seeds", "1", "--selected", "--arms", "GRIT-VLP", "--output_dir", synthetic])
+    with pytest.raises(InputFileError, match="made on the synthetic corpus"):
+        compare.main(["--corpus", "real", "--seeds", "1", "--selected", "--arms", "GRIT-VLP",
+                      "--output_dir", out, "--merge", os.path.join(synthetic, "compare.json")])
+    with pytest.raises(SystemExit):  # both would hold the settings: one of them
+        compare.main(["--seeds", "1", "--selected", "--selected_settings", "--output_dir", out])

@@ -5,6 +5,8 @@ test split reported at that selection, per seed, re-ranked and ITC-only, with th
         [--arms GRIT-VLP "GRIT-VLP M/N=96" "random batches"] [--output_dir output/compare] [--reuse] \
         [--set key=value ...] [--merge COMPARE_JSON ...]
     python -m tools.compare --seeds 11 12 13 --selected     # each arm at its selection only
+    python -m tools.compare --corpus real --seeds 1 2 3 --lrs 2.5e-4 5e-4 1e-3 --selected_settings \
+        --arms GRIT-VLP "random batches" B3 GCBS "GRIT-VLP + S-ITC" --output_dir output/compare_real
 
 Every arm (tools.arms.ARMS) pre-trains configs/tiny/Pretrain.yaml once per learning rate and seed (the
 schedule's floor and warm-up start scaled with it), and an arm with a hyper-parameter (tools.arms.GRIDS:
@@ -24,6 +26,10 @@ go two side by side, one thread each
 result.json records the same command (the code is not compared: reuse within one checkout; nor is the
 folder, so a copied run folder is reused). `make demo`
 runs one seed of two arms at their selected rates (tools.arms.SELECTED_LR).
+--corpus real runs the same protocol on tools.make_real's corpora (tools.runs.CORPORA: configs/real/,
+val and test of held-out concepts and the held-out artist's test split; no probe, which is the synthetic
+world's); --selected_settings holds each grid arm at its synthetic selection (SELECTED_SETTING) and sweeps
+the rates only, so that every arm gets the same number of runs.
 --merge reads rows from earlier compare.json records instead of running them (a sweep run in parts, on
 other machines, or kept after its run folders are gone): a row there of an asked arm, setting and seed is
 taken as it is, the files must have been made with the same --set, and the record names what came from
@@ -43,7 +49,7 @@ from tools.batch_scenes import with_batch_scenes
 from tools.cli import emit_record, tool_parser
 from tools.launch import ROOT, in_root
 from tools.records import merge_note, merged_rows
-from tools.runs import PRETRAIN_CONFIG, prepare_pretraining, run_dir, run_pairs
+from tools.runs import CORPORA, prepare_pretraining, run_dir, run_pairs
 from tools.stats import paired_interval, spread
 from training.cli import Parser, run_main
 from training.config_resolve import resolve_config
@@ -320,6 +326,12 @@ def build_parser() -> Parser:
     p.add_argument('--selected', action='store_true',
                    help='each arm at its selection only (SELECTED_LR, and SELECTED_SETTING for an arm with a '
                         'grid: the sweeps\' selections; no sweep)')
+    p.add_argument('--selected_settings', action='store_true',
+                   help='each grid arm at its selected setting (SELECTED_SETTING) with the rates swept: the '
+                        'same number of runs for every arm (default: the rates times the arm\'s grid)')
+    p.add_argument('--corpus', choices=list(CORPORA), default='synthetic',
+                   help='what the runs pre-train on and are evaluated on (tools.runs.CORPORA; real: '
+                        'python -m tools.make_real first; default: synthetic)')
     p.add_argument('--arms', nargs='+', choices=list(ARMS), default=['GRIT-VLP', 'random batches'],
                    help='the arms (default: GRIT-VLP and random batches)')
     p.add_argument('--output_dir', default='output/compare',
@@ -346,21 +358,24 @@ def main(argv: Sequence[str] | None = None) -> dict:
     output_dir = os.path.abspath(args.output_dir)  # the user's path, from where the user is
     if args.selected and args.lrs:
         parser.error('--selected and --lrs exclude each other: the selected rates, or a sweep')
+    if args.selected and args.selected_settings:
+        parser.error('--selected already holds every arm at its selected setting (drop --selected_settings)')
+    corpus = CORPORA[args.corpus]
     chosen = {}
-    if args.selected:
+    if args.selected or args.selected_settings:
         try:
             chosen = {arm: selection(arm) for arm in args.arms}  # (lr, setting) per arm
         except ValueError as e:
-            parser.error(f'--selected: {e}')
+            parser.error(f'--selected{"_settings" * args.selected_settings}: {e}')
     arm_lrs = {arm: [chosen[arm][0]] if args.selected else args.lrs or [None] for arm in args.arms}
-    # An arm's hyper-parameter grid is swept beside the rates; --selected takes the selected setting.
-    arm_settings = {arm: [chosen[arm][1]] if args.selected else GRIDS.get(arm, [None]) for arm in args.arms}
-    merge = merged_rows([os.path.abspath(m) for m in args.merge], args.overrides)
+    # An arm's hyper-parameter grid is swept beside the rates; --selected(_settings) takes the selected one.
+    arm_settings = {arm: [chosen[arm][1]] if chosen else GRIDS.get(arm, [None]) for arm in args.arms}
+    merge = merged_rows([os.path.abspath(m) for m in args.merge], args.overrides, args.corpus)
     sweep: dict[str, dict[float | tuple, dict[int, dict]]] = {}
     merged_from: dict[str, dict[str, list[int]]] = {}  # arm -> setting -> the seeds read
     with in_root():
-        prepare_pretraining(args.overrides)
-        base = resolve_config('pretrain', PRETRAIN_CONFIG, list(args.overrides), check_paths=False)
+        prepare_pretraining(args.overrides, corpus.pretrain)
+        base = resolve_config('pretrain', corpus.pretrain, list(args.overrides), check_paths=False)
         runs = {}
         for seed in args.seeds:  # seed-major: a cut-short sweep has whole seeds
             for lr in sorted({lr for lrs in arm_lrs.values() for lr in lrs}, key=lambda x: x or 0):
@@ -372,12 +387,12 @@ def main(argv: Sequence[str] | None = None) -> dict:
                             sweep.setdefault(arm, {}).setdefault(key, {})[seed] = row
                             merged_from.setdefault(arm, {}).setdefault(setting_label(key), []).append(seed)
                             continue
-                        sets = arm_overrides(arm, lr, setting) + list(args.overrides)
+                        sets = arm_overrides(arm, lr, setting, corpus.pretrain) + list(args.overrides)
                         # The evaluations get the user's overrides (those shaping the model), not the arm's.
                         runs[(arm, lr, setting, seed)] = (
                             run_dir(output_dir, arm, seed, lr, setting),
                             ['--seed', str(seed), *(['--set', *sets] if sets else [])], list(args.overrides))
-        results = run_pairs(runs, reuse=args.reuse) if runs else {}
+        results = run_pairs(runs, reuse=args.reuse, corpus=corpus) if runs else {}
     for (arm, lr, setting, seed), (log, retrieval, probe) in results.items():
         pre_dir = os.path.join(runs[(arm, lr, setting, seed)][0], 'pretrain')
         with in_root():  # batch_same_scene rebuilt from the checkpoints of a run made before it was logged
@@ -390,7 +405,7 @@ def main(argv: Sequence[str] | None = None) -> dict:
     print(text)
     record = {'sweep': {arm: {setting_label(k): rows for k, rows in by_key.items()}
                         for arm, by_key in sweep.items()},
-              **record, 'seeds': args.seeds, 'overrides': args.overrides,
+              **record, 'seeds': args.seeds, 'corpus': args.corpus, 'overrides': args.overrides,
               **({'merged_from': {'files': args.merge, 'rows': merged_from}} if merged_from else {}),
               'protocol': 'each arm at the learning rate of best mean val R@1 (re-ranked); test reported'}
     emit_record(record, output_dir, 'compare')

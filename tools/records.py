@@ -30,14 +30,18 @@ def _take(store: dict, source: dict, key: Hashable, value: object, path: str, wh
     store[key], source[key] = value, path
 
 
-def merged_rows(paths: Sequence[str], overrides: Sequence[str]) -> dict[tuple[str, str, int], dict]:
+def merged_rows(paths: Sequence[str], overrides: Sequence[str], corpus: str = 'synthetic'
+                ) -> dict[tuple[str, str, int], dict]:
     """{(arm, setting label, seed): summary row} of earlier compare.json records (null read back as nan);
-    InputFileError naming the file when it is not a compare record, was made with other --set overrides,
-    or holds a row another file holds with other figures."""
+    InputFileError naming the file when it is not a compare record, was made on another corpus or with
+    other --set overrides, or holds a row another file holds with other figures."""
     rows: dict[tuple[str, str, int], dict] = {}
     source: dict = {}
     for path in paths:
         saved = _record(path, 'tools.compare', 'sweep')
+        if saved.get('corpus', 'synthetic') != corpus:  # records before --corpus were all synthetic
+            raise InputFileError(f'{path}: made on the {saved.get("corpus", "synthetic")} corpus, this '
+                                 f'comparison on the {corpus} one: its rows are other runs')
         if list(saved.get('overrides', [])) != list(overrides):
             raise InputFileError(f'{path}: made with --set {saved.get("overrides")}, this comparison with '
                                  f'--set {list(overrides)}: its rows are other runs')
