@@ -10,7 +10,8 @@ family (tools.real_splits) and writes into --output_dir:
 
 - images/<source>/<artist>/<key>.png: every drawing used, 64 x 64 RGB on white;
 - pretrain_emoji.json, pretrain_clipart.json: the training families (Pretrain.py's train_file), each
-  entry {"image", "caption": [its caption constructions], "family", "artist", "source"};
+  entry {"image", "caption": [its caption constructions], "image_id", "family", "artist", "source"}
+  (image_id: the drawing, so that the lists are also Retrieval.py's train_file);
 - scenes.json: {image: family} for the pre-training images (the table behind Pretrain.py's
   itm_false_negatives and batch_same_scene: a negative of the anchor's own family counts as false);
 - val.json, test.json: held-out families (Retrieval.py's val_file and test_file, zero-shot);
@@ -122,8 +123,10 @@ def write_json(path: str, value) -> None:
 
 
 def _entry(it: Item) -> dict:
-    return {"image": it.image, "caption": it.captions, "family": it.family, "artist": it.artist,
-            "source": it.source}
+    """A pre-training entry; its image_id (the drawing) makes the same list Retrieval.py's train_file, where
+    a drawing's captions are known positives of each other."""
+    return {"image": it.image, "caption": it.captions, "image_id": it.image, "family": it.family,
+            "artist": it.artist, "source": it.source}
 
 
 def _oov(vocab: set[str], entries: list[dict]) -> dict:
