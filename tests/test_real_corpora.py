@@ -191,6 +191,37 @@ def test_emoji_families_join_skin_tones_and_genders_across_code_forms():
     assert emoji_family("2764-FE0F") == "2764" and emoji_family("1F600") != emoji_family("1F601")
 
 
+def test_the_vocabulary_is_the_words_of_two_drawings_with_characters_and_the_same_every_time():
+    """train_vocab: special tokens, every character alone and as '##' continuation, then the words found in
+    at least two drawings (one drawing's three captions count once), most drawings first, ties by the
+    word; cut at the size; the same list from the same captions in any order; the tokenizer built on it
+    keeps such a word whole and spells a new one in characters."""
+    from transformers import BertTokenizerFast
+
+    from tools.make_real import train_vocab
+
+    drawings = [["Red apple", "Red apple, fruit"], ["green Apple", "apple, fruit"], ["Pear", "pear, fruit"],
+                ["Crème brûlée", "dessert"]]
+    vocab = train_vocab(drawings, 100)
+    chars = sorted(set("red apple green fruit pear creme brulee dessert") - {" "})  # accents stripped
+    assert vocab[:5] == ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"]
+    assert vocab[5:5 + len(chars)] == chars
+    assert vocab[5 + len(chars):5 + 2 * len(chars)] == [f"##{c}" for c in chars]
+    assert vocab[5 + 2 * len(chars):] == ["fruit", "apple"]  # 3 drawings, then 2; red, pear: one drawing each
+    assert train_vocab(list(reversed(drawings)), 100) == vocab
+    assert train_vocab(drawings, 5 + 2 * len(chars) + 1)[-1] == "fruit"
+    with pytest.raises(ConfigError, match="--vocab_size 10"):
+        train_vocab(drawings, 10)
+    import tempfile
+
+    with tempfile.TemporaryDirectory() as folder:
+        path = os.path.join(folder, "vocab.txt")
+        with open(path, "w") as f:
+            f.write("\n".join(vocab) + "\n")
+        tokens = BertTokenizerFast(vocab_file=path).tokenize("apple pear")
+    assert tokens == ["apple", "p", "##e", "##a", "##r"]
+
+
 def test_captions_are_the_fields_joined_and_nothing_else():
     assert svg_metadata(_svg("Chinese flag (correct)", ["flags", "asia"])) == ("Chinese flag (correct)",
                                                                                 ["flags", "asia"])

@@ -16,8 +16,8 @@ family (tools.real_splits) and writes into --output_dir:
   itm_false_negatives and batch_same_scene: a negative of the anchor's own family counts as false);
 - val.json, test.json: held-out families (Retrieval.py's val_file and test_file, zero-shot);
   test_artist.json: the held-out artist's drawings of training families;
-- vocab.txt: a WordPiece vocabulary trained with `tokenizers` on the pre-training captions only (as
-  Pretrain.py cleans them);
+- vocab.txt: a word-level vocabulary in WordPiece format from the pre-training captions only (train_vocab:
+  the words of at least two drawings, and every character alone and as a continuation);
 - shards/real.json and its tar shards (tools.make_shards: img2dataset's layout) of the pre-training lists;
 - card.json: versions, checksums and every count of docs/real-corpora.md.
 
@@ -41,7 +41,7 @@ from tools.real_packages import fetch
 from tools.real_sources import EMOJI_ARTISTS, Item, clipart_items, emoji_items, on_white, render_svg
 from tools.real_splits import check_no_leak, eval_entries, split_items
 from training.cli import Parser, run_main
-from training.config_files import atomic_write_text
+from training.config_files import ConfigError, atomic_write_text
 
 __all__ = ["FILES", "build", "build_parser", "main", "train_vocab", "write_images"]
 
@@ -62,7 +62,8 @@ def build_parser() -> Parser:
                    help="folder of the fetched packages (default: <output_dir>/packages); a package "
                         "already there with its recorded checksum is not fetched again")
     p.add_argument("--seed", type=int, default=0, help="the split's seed (default: 0)")
-    p.add_argument("--vocab_size", type=int, default=4000, help="WordPiece vocabulary size (default: 4000)")
+    p.add_argument("--vocab_size", type=int, default=8000,
+                   help="most tokens in vocab.txt (default: 8000, more than the words of two drawings)")
     p.add_argument("--shard_size", type=int, default=1000, help="samples per shard (default: 1000)")
     p.add_argument("--no_shards", action="store_true", help="write the json lists only")
     return p
@@ -100,15 +101,35 @@ def write_images(items: Sequence[Item], root: str) -> tuple[list[Item], Counter]
     return kept, failed
 
 
-def train_vocab(captions: Sequence[str], size: int) -> list[str]:
-    """A WordPiece vocabulary (special tokens first) trained with `tokenizers` on cleaned captions."""
-    from tokenizers import BertWordPieceTokenizer
+def words_of(caption: str) -> list[str]:
+    """A caption's words as the BERT tokenizer splits them before WordPiece: cleaned as training cleans it
+    (pre_caption), lower-cased, accents stripped, split at spaces and punctuation (tokenizers'
+    BertNormalizer and BertPreTokenizer)."""
+    from tokenizers.normalizers import BertNormalizer
+    from tokenizers.pre_tokenizers import BertPreTokenizer
 
-    tokenizer = BertWordPieceTokenizer(lowercase=True)
-    tokenizer.train_from_iterator([pre_caption(c) for c in captions], vocab_size=size, min_frequency=2,
-                                  special_tokens=SPECIAL_TOKENS, show_progress=False)
-    vocab = tokenizer.get_vocab()
-    return sorted(vocab, key=vocab.get)
+    text = BertNormalizer(lowercase=True).normalize_str(pre_caption(caption))
+    return [w for w, _ in BertPreTokenizer().pre_tokenize_str(text)]
+
+
+def train_vocab(drawings: Sequence[Sequence[str]], size: int) -> list[str]:
+    """A word-level vocabulary in BERT's WordPiece format from the pre-training drawings' captions: the
+    special tokens, every character of the captions alone and as a '##' continuation (a word outside the
+    vocabulary is spelt in characters, [UNK] only for a character never seen), then the words of at least
+    two drawings, those of most drawings first (ties by the word), up to `size` tokens in all.
+
+    Word-level, not tokenizers' WordPiece trainer: that trainer breaks its ties in hash order, and two
+    trainings on the same captions here differed in 4-12 tokens and in the order of ~400; a corpus must
+    build the same vocabulary every time."""
+    in_drawings = Counter(w for captions in drawings for w in {w for c in captions for w in words_of(c)})
+    chars = sorted({ch for w in in_drawings for ch in w})
+    fixed = SPECIAL_TOKENS + chars + [f"##{ch}" for ch in chars]
+    if len(fixed) > size:
+        raise ConfigError(f"--vocab_size {size} is below the special tokens and characters alone "
+                         f"({len(fixed)})")
+    words = sorted((w for w, n in in_drawings.items() if n >= 2 and len(w) > 1),
+                   key=lambda w: (-in_drawings[w], w))
+    return fixed + words[:size - len(fixed)]
 
 
 def write_json(path: str, value) -> None:
@@ -130,9 +151,9 @@ def _entry(it: Item) -> dict:
 
 
 def _oov(vocab: set[str], entries: list[dict]) -> dict:
-    """How the test captions' words meet the vocabulary: the share of distinct words that are not whole
-    tokens (WordPiece splits them) and the share that hold a character the vocabulary lacks ([UNK])."""
-    words = {w for e in entries for c in e["caption"] for w in pre_caption(c).split()}
+    """How the test captions' words meet the vocabulary: the distinct words, those that are not whole
+    tokens (spelt in pieces) and those that hold a character the vocabulary lacks ([UNK])."""
+    words = {w for e in entries for c in e["caption"] for w in words_of(c)}
     chars = {t for t in vocab if len(t) == 1} | {t[2:] for t in vocab if t.startswith("##") and len(t) == 3}
     split = [w for w in words if w not in vocab]
     unknown = [w for w in split if any(ch not in chars for ch in w)]
@@ -171,7 +192,7 @@ def build(output_dir: str, sources: Sequence[str], artists: Sequence[str], packa
     pretrain = [name for name in files if name.startswith("pretrain")]
     write_json(os.path.join(output_dir, "scenes.json"),
                {e["image"]: e["family"] for name in pretrain for e in files[name]})
-    vocab = train_vocab([c for name in pretrain for e in files[name] for c in e["caption"]], vocab_size)
+    vocab = train_vocab([e["caption"] for name in pretrain for e in files[name]], vocab_size)
     atomic_write_text(os.path.join(output_dir, "vocab.txt"), "\n".join(vocab) + "\n")
 
     shards = None
