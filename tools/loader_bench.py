@@ -12,6 +12,10 @@ one JSON object (also written to DIR/loader_bench.json with --output_dir): image
 stage and for the whole pipeline, and, given a training step rate in samples/s per GPU, the number of
 workers that rate needs.
 
+--from_list times a corpus's own images instead (the first --images entries of a json list, read from
+--image_root, default: the list's folder, with their first captions and the config's vocab_file): the
+synthetic world's PNGs, or tools.make_real's drawings next to them (docs/real-corpora.md).
+
 --locality also times whole samples (read + decode + transform, as a worker produces them) from the json
 list of files and from the same images as tar shards (tools.make_shards, --shard_size samples each, read
 with wids), in sequential order and in GRIT's order (a GritSampler epoch: a permutation that jumps across
@@ -35,6 +39,7 @@ import torch
 from PIL import Image
 
 from dataset.transforms import train_transform
+from grit_io import InputFileError
 from tools.cli import add_config_args, add_output_dir, emit_record, tool_config, tool_parser
 from tools.launch import ROOT
 from training.cli import Parser, run_main
@@ -56,6 +61,20 @@ def _write_images(folder: str, count: int, width: int, height: int, seed: int) -
     return paths
 
 
+def listed_images(path: str, image_root: str | None, count: int) -> tuple[list[str], list[str]]:
+    """The image files and first captions of a json list's first `count` entries (InputFileError naming the
+    list or a missing image)."""
+    from dataset.utils import load_json_list, resolve_image
+
+    entries = load_json_list(path, ('image', 'caption'))[:count]
+    root = image_root if image_root is not None else os.path.dirname(os.path.abspath(path))
+    files = [resolve_image(root, e['image']) for e in entries]
+    for f in files:
+        if not os.path.isfile(f):
+            raise InputFileError(f'{f}: image of {path} does not exist')
+    return files, [e['caption'] if isinstance(e['caption'], str) else e['caption'][0] for e in entries]
+
+
 def _rate(count: int, seconds: float) -> float:
     return round(count / max(seconds, 1e-9), 1)
 
@@ -71,6 +90,11 @@ def build_parser() -> Parser:
     p.add_argument('--step_samples_per_s', type=float, default=None,
                    help='a training step rate (samples/s per GPU) to size the workers for')
     p.add_argument('--seed', type=int, default=0, help='seed of the images (default: 0)')
+    p.add_argument('--from_list', default=None, metavar='JSON',
+                   help='time the images and captions of this json list (its first --images entries) '
+                        'instead of generated JPEGs')
+    p.add_argument('--image_root', default=None,
+                   help='where --from_list\'s image paths start (default: the list\'s folder)')
     p.add_argument('--locality', action='store_true',
                    help='also time whole samples (read, decode, transform) from files and from tar shards, '
                         'in sequential and in GRIT order, and the cost of opening a shard')
@@ -107,10 +131,14 @@ def main(argv: Sequence[str] | None = None) -> dict:
     # The paper's bert-base-uncased cannot be fetched offline; a word-level vocab of the synthetic set
     # tokenises at the same fast-tokenizer speed per token.
     vocab = os.path.join(ensure_synthetic(os.path.join(ROOT, 'data', 'synthetic')), 'vocab.txt')
+    if args.from_list:
+        listed_paths, captions = listed_images(args.from_list, args.image_root, args.images)
+        vocab = config.vocab_file  # the corpus's own vocabulary
     tokenizer = BertTokenizerFast(vocab_file=vocab)
     best = {'decode': math.inf, 'transform': math.inf, 'tokenise': math.inf}
     with tempfile.TemporaryDirectory() as folder:
-        paths = _write_images(folder, args.images, width, height, args.seed)
+        paths = (listed_paths if args.from_list else
+                 _write_images(folder, args.images, width, height, args.seed))
         mean_bytes = sum(os.path.getsize(q) for q in paths) / len(paths)
         for _ in range(max(1, args.repeats)):
             t0 = time.perf_counter()
@@ -131,7 +159,8 @@ def main(argv: Sequence[str] | None = None) -> dict:
     total = sum(best.values())
     result = {
         'config': args.config, 'image_res': res, 'randaugment': config.randaugment,
-        'jpeg': f'{width}x{height}', 'jpeg_mean_bytes': round(mean_bytes), 'images': args.images,
+        **({'from_list': args.from_list, 'image_mean_bytes': round(mean_bytes)} if args.from_list else
+           {'jpeg': f'{width}x{height}', 'jpeg_mean_bytes': round(mean_bytes)}), 'images': len(paths),
         'threads_per_worker': 1, 'timing': f'best of {max(1, args.repeats)} passes',
         'images_per_s_per_worker': {'decode': _rate(args.images, best['decode']),
                                     'transform': _rate(args.images, best['transform']),
@@ -140,7 +169,7 @@ def main(argv: Sequence[str] | None = None) -> dict:
         'share_of_time': {k: round(v / total, 3) for k, v in best.items()},
     }
     if args.locality:
-        result['locality'] = locality(args, config, width, height)
+        result['locality'] = locality(args, config, width, height)  # generated JPEGs, also with --from_list
     if args.step_samples_per_s:
         result['step_samples_per_s'] = args.step_samples_per_s
         per_worker = result['images_per_s_per_worker']['pipeline']
