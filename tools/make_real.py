@@ -8,7 +8,8 @@ Fetches the packages (tools.real_packages: `npm pack`, `apt-get download`; pinne
 <output_dir>/packages/packages.json), reads them as they ship (tools.real_sources), splits by concept
 family (tools.real_splits) and writes into --output_dir:
 
-- images/<source>/<artist>/<key>.png: every drawing used, 64 x 64 RGB on white;
+- images/<source>/<artist>/<key>.png: every drawing read, 64 x 64 RGB on white (drawings whose stored
+  pixels are equal, or that share a caption, are joined into one family before the split);
 - pretrain_emoji.json, pretrain_clipart.json: the training families (Pretrain.py's train_file), each
   entry {"image", "caption": [its caption constructions], "image_id", "family", "artist", "source"}
   (image_id: the drawing, so that the lists are also Retrieval.py's train_file);
@@ -22,11 +23,12 @@ family (tools.real_splits) and writes into --output_dir:
 - card.json: versions, checksums and every count of docs/real-corpora.md.
 
 An interrupted build resumes: fetched packages, written images and complete shards are kept. The split
-is checked before anything is written: a family in two splits stops the build (tools.real_splits).
+is checked before any list is written: a family in two splits stops the build (tools.real_splits).
 """
 
 from __future__ import annotations
 
+import hashlib
 import io
 import json
 import os
@@ -39,7 +41,7 @@ from dataset.utils import pre_caption
 from tools.cli import add_output_dir, emit_record, tool_parser
 from tools.real_packages import fetch
 from tools.real_sources import EMOJI_ARTISTS, Item, clipart_items, emoji_items, on_white, render_svg
-from tools.real_splits import check_no_leak, eval_entries, split_items
+from tools.real_splits import check_no_leak, eval_entries, join_duplicates, split_items
 from training.cli import Parser, run_main
 from training.config_files import ConfigError, atomic_write_text
 
@@ -132,6 +134,12 @@ def train_vocab(drawings: Sequence[Sequence[str]], size: int) -> list[str]:
     return fixed + words[:size - len(fixed)]
 
 
+def pixel_digest(path: str) -> str:
+    """A digest of a stored image's pixels (what the model sees), not of its file's bytes."""
+    with Image.open(path) as image:
+        return hashlib.sha256(image.convert("RGB").tobytes()).hexdigest()
+
+
 def write_json(path: str, value) -> None:
     """Write JSON atomically, and only when it differs from the file there: an unchanged list keeps its
     time stamp, so the shards made from it resume (tools.make_shards compares the lists' times)."""
@@ -173,19 +181,19 @@ def build(output_dir: str, sources: Sequence[str], artists: Sequence[str], packa
         found, why = clipart_items(packages)
         items += found
         left_out["clipart"] = why
+    log(f"writing {len(items):,} images into {os.path.join(output_dir, 'images')}")
+    items, failed = write_images(items, output_dir)
+    # Equal drawings, and drawings under one caption, are one family before the split (join_duplicates).
+    same = {it.image: [pixel_digest(os.path.join(output_dir, it.image)),
+                       *(f"caption: {pre_caption(c)}" for c in it.captions)] for it in items}
+    items = join_duplicates(items, same)
     splits = split_items(items, seed)
     files = {"pretrain_emoji": [_entry(it) for it in splits["pretrain"] if it.source == "emoji"],
              "pretrain_clipart": [_entry(it) for it in splits["pretrain"] if it.source == "clipart"]}
     dropped = {}
     for name in ("val", "test", "test_artist"):
         files[name], dropped[name] = eval_entries(splits[name])
-    check_no_leak(files)  # before anything is written
-
-    used = {e["image"] for entries in files.values() for e in entries}
-    log(f"writing {len(used):,} images into {os.path.join(output_dir, 'images')}")
-    kept, failed = write_images([it for it in items if it.image in used], output_dir)
-    made = {it.image for it in kept}
-    files = {name: [e for e in entries if e["image"] in made] for name, entries in files.items()}
+    check_no_leak(files)  # before any list is written
     files = {name: entries for name, entries in files.items() if entries}
     for name, entries in files.items():
         write_json(os.path.join(output_dir, f"{name}.json"), entries)

@@ -18,8 +18,10 @@ OpenClipart 0.18 (Debian's openclipart-svg for the text, openclipart-png for the
   references decoded ('Grampa&#39;n Gramma' -> "Grampa'n Gramma");
 - captions: [title, "title, tag, tag, ...", "title, category path words"], each where its fields exist
   (tags alone when there is no title); a drawing with neither is left out;
-- family: the folder and the title's stem (lower case, letters only), so that a collection of near-copies
-  ('gramastar', 1,375 stars) is one family.
+- family: the title's stem (lower case, letters only; the tags' when there is no title), wherever the
+  drawing is filed: a collection of near-copies ('gramastar', 1,375 stars) is one family, and so is a
+  drawing OpenClipart files under several folders (the lighthouse in buildings/, buildings/homes/ and
+  transportation/). tools.real_splits then joins the families of drawings whose stored pixels are equal.
 
 Images are stored as 64 x 64 RGB PNGs: transparency (RGBA, LA, a palette with transparency) composited
 on white, then scaled to fit 64 px and centred on white.
@@ -289,6 +291,6 @@ def clipart_items(packages: dict[str, str]) -> tuple[list[Item], dict[str, int]]
         if not captions:
             left_out["no title and no tags"] += 1
             continue
-        stem = title_stem(title) or title_stem(" ".join(tags))
-        items.append(Item("clipart", "openclipart", key, f"{folder}|{stem}", captions, pngs[key]))
+        stem = title_stem(title) or title_stem(" ".join(tags)) or key  # the folder is not part of it
+        items.append(Item("clipart", "openclipart", key, stem, captions, pngs[key]))
     return items, left_out
