@@ -149,6 +149,7 @@ def packages(tmp_path_factory) -> str:
         _tgz(os.path.join(folder, files[name.name]), {"package/emoji.json": json.dumps(entries).encode(),
                                                        **images})
     rows = ["emoji,hexcode,group,annotation"] + [f"x,{c},g,a" for c in [*DRAWN, "1F44B-1F3FB", "E0FF"]]
+    rows.append("x,1F600-FE0F,g,a")  # listed, no SVG: counted, not read
     svgs = {f"package/color/svg/{c}.svg": _svg(None, [], f"#{20 * k:02x}60c0")
             for k, c in enumerate([*DRAWN, "1F44B-1F3FB", "E0FF"])}
     files["openmoji"] = "openmoji-17.0.0.tgz"
@@ -265,7 +266,8 @@ def test_emoji_items_carry_cldr_captions_for_every_artist(packages):
     assert by_key[("twitter", "2764")].captions == ["red heart", "red heart, heart"]
     keycap = by_key[("openmoji", "0023-20E3")]
     assert keycap.captions == ["keycap: #"] and keycap.svg
-    assert left_out == {"no CLDR annotation": 3, "no usable caption": 3}  # E000 twice, E0FF; '!!' thrice
+    assert left_out == {"no CLDR annotation": 3, "no usable caption": 3,  # E000 twice, E0FF; '!!' thrice
+                        "listed without its image file": 1}  # OpenMoji's row without its SVG
     assert len(items) == 3 * (len(DRAWN) - 1) + 2 * 2 + 1  # + tones: 2 by google, twitter; 1 by openmoji
 
 
@@ -279,7 +281,8 @@ def test_the_build_writes_captions_images_families_and_a_clean_split(built):
     assert not any(e["artist"] == "openmoji" for e in pretrain)  # the held-out artist
     assert all(e["artist"] == "openmoji" for e in _load(out, "test_artist.json"))
     assert not any("E000" in e["image"] or "203C" in e["image"] for e in by_image.values())  # no CLDR text
-    assert card["left_out"]["emoji"] == {"no CLDR annotation": 3, "no usable caption": 3}
+    assert card["left_out"]["emoji"] == {"no CLDR annotation": 3, "no usable caption": 3,
+                                         "listed without its image file": 1}
     assert card["left_out"]["clipart"] == {"no PNG": 1, "unreadable SVG": 0, "no title and no tags": 1}
     stars = [e for e in by_image.values() if "/shapes/stars/" in e["image"]]
     assert len({e["family"] for e in stars}) == 1 and len(stars) == 8  # near-copies: one family, all kept
@@ -454,9 +457,62 @@ def test_fetch_records_versions_and_checksums_resumes_and_names_what_is_missing(
         "nope-data", "1.0.0", "npm", "x"))
     with pytest.raises(ConfigError, match=r"could not fetch npm package nope-data@1.0.0 .*404 Not Found"):
         fetch(["emojibase-data"], folder, log=lambda *_: None)
+    # a stand-in apt-get: `apt-get download NAME=VERSION` writes NAME_VERSION_all.deb in the folder
+    _fake_client(bin_dir, "apt-get",
+                 f'echo "$@" >> {calls}\nspec="$2"; echo deb > "${{spec%=*}}_1_all.deb"\n')
+    debs = str(tmp_path / "debs")
+    fetch(["openclipart-png"], debs, log=lambda *_: None)
+    with open(os.path.join(debs, "openclipart-png_1_all.deb"), "w") as f:
+        f.write("changed")
+    fetch(["openclipart-png"], debs, log=lambda *_: None)  # the changed .deb goes; apt-get makes it anew
+    assert open(calls).read().count("download") == 2 and _load(debs, "packages.json")["openclipart-png"][
+        "sha256"] == hashlib.sha256(b"deb\n").hexdigest()
+    with open(os.path.join(debs, "packages.json"), "w") as f:
+        f.write("{not json")
+    with pytest.raises(ConfigError, match="packages.json: not a package record"):
+        fetch(["openclipart-png"], debs, log=lambda *_: None)
     monkeypatch.setenv("PATH", str(tmp_path / "empty"))
     with pytest.raises(ConfigError, match="^apt-get not found: Debian's apt-get"):
         fetch(["openclipart-svg"], str(tmp_path / "other"), log=lambda *_: None)
+
+
+def test_a_missing_renderer_stops_the_build_and_a_refused_drawing_is_counted(tmp_path, monkeypatch):
+    """write_images: no cairosvg is a ConfigError that stops the build (it once counted every OpenMoji
+    drawing as refused and went on without the artist); a drawing the decoder refuses is counted."""
+    from tools import make_real
+
+    svg = Item("emoji", "openmoji", "1F600", "1F600", ["grinning face"], _svg(None, []), svg=True)
+    broken = Item("clipart", "openclipart", "x/broken", "broken", ["broken"], b"not a png")
+
+    def no_cairosvg(data, size=64):
+        raise ConfigError("cairosvg is not installed")
+
+    monkeypatch.setattr(make_real, "render_svg", no_cairosvg)
+    with pytest.raises(ConfigError, match="cairosvg"):
+        make_real.write_images([svg], str(tmp_path))
+    kept, failed = make_real.write_images([broken], str(tmp_path))
+    assert kept == [] and failed == {"openclipart: UnidentifiedImageError": 1}
+
+
+def test_a_rebuild_removes_lists_it_no_longer_makes_and_refuses_other_packages_images(built, packages,
+                                                                                      tmp_path):
+    """A build into a folder that holds an earlier one: a list this build does not make is removed (so it
+    cannot stay in train_file unseen); a folder built from other package files is refused (its kept images
+    are theirs)."""
+    import shutil as sh
+
+    from tools.make_real import main
+
+    out = str(tmp_path / "again")
+    sh.copytree(built[0], out)
+    main(["--output_dir", out, "--packages", packages, "--sources", "emoji", "--shard_size", "20"])
+    assert not os.path.exists(os.path.join(out, "pretrain_clipart.json"))
+    card = _load(out, "card.json")
+    card["packages"]["openmoji"]["sha256"] = "0" * 64
+    with open(os.path.join(out, "card.json"), "w") as f:
+        json.dump(card, f)
+    with pytest.raises(ConfigError, match="holds a build from other files of openmoji"):
+        main(["--output_dir", out, "--packages", packages, "--sources", "emoji"])
 
 
 def test_members_reads_tgz_and_deb_archives(tmp_path):

@@ -91,9 +91,10 @@ def write_images(items: Sequence[Item], root: str) -> tuple[list[Item], Counter]
             try:
                 image = render_svg(it.data) if it.svg else Image.open(io.BytesIO(it.data))
                 image = on_white(image)
-            except (OSError, ValueError, SyntaxError, Image.DecompressionBombError) as e:
-                # a drawing its decoder or renderer refuses, or one too large to decode safely
-                failed[f"{it.artist}: {type(e).__name__}"] += 1
+            except ConfigError:
+                raise  # no renderer (cairosvg missing): the build stops, no artist silently left out
+            except Exception as e:  # noqa: BLE001 - any drawing its decoder or renderer refuses, counted
+                failed[f"{it.artist}: {type(e).__name__}"] += 1  # (or too large to decode safely)
                 continue
             os.makedirs(os.path.dirname(path), exist_ok=True)
             tmp = f"{path}.tmp{os.getpid()}"
@@ -143,7 +144,11 @@ def pixel_digest(path: str) -> str:
 def write_json(path: str, value) -> None:
     """Write JSON atomically, and only when it differs from the file there: an unchanged list keeps its
     time stamp, so the shards made from it resume (tools.make_shards compares the lists' times)."""
-    text = json.dumps(value, indent=1, ensure_ascii=False) + "\n"
+    write_text(path, json.dumps(value, indent=1, ensure_ascii=False) + "\n")
+
+
+def write_text(path: str, text: str) -> None:
+    """Write text atomically, and only when it differs from the file there (write_json)."""
     if os.path.isfile(path):
         with open(path, encoding="utf-8") as f:
             if f.read() == text:
@@ -168,10 +173,28 @@ def _oov(vocab: set[str], entries: list[dict]) -> dict:
     return {"words": len(words), "not_whole_tokens": len(split), "with_unknown_characters": len(unknown)}
 
 
+def check_same_packages(output_dir: str, packages_dir: str) -> None:
+    """ConfigError when output_dir holds a build from other package files (its kept images would be
+    theirs): card.json's checksums against packages.json's."""
+    card = os.path.join(output_dir, "card.json")
+    if not os.path.isfile(card):
+        return
+    with open(card, encoding="utf-8") as f:
+        before = {n: p.get("sha256") for n, p in json.load(f).get("packages", {}).items()}
+    with open(os.path.join(packages_dir, "packages.json"), encoding="utf-8") as f:
+        now = {n: p["sha256"] for n, p in json.load(f).items()}
+    changed = sorted(n for n in before if n in now and before[n] != now[n])
+    if changed:
+        raise ConfigError(f"{output_dir} holds a build from other files of {', '.join(changed)} (card.json); "
+                          "build into an empty folder")
+
+
 def build(output_dir: str, sources: Sequence[str], artists: Sequence[str], packages_dir: str, seed: int,
           vocab_size: int, shard_size: int | None, log=print) -> dict:
     """Fetch, read, split, check and write the corpora; returns the data card's record."""
+    artists = [a for a in EMOJI_ARTISTS if a in artists]  # one order: eval_entries keeps the first caption
     packages = fetch(needed_packages(sources, artists), packages_dir, log=log)
+    check_same_packages(output_dir, packages_dir)
     items, left_out = [], {}
     if "emoji" in sources:
         found, why = emoji_items(packages, list(artists))
@@ -195,13 +218,18 @@ def build(output_dir: str, sources: Sequence[str], artists: Sequence[str], packa
         files[name], dropped[name] = eval_entries(splits[name])
     check_no_leak(files)  # before any list is written
     files = {name: entries for name, entries in files.items() if entries}
+    for name in set(FILES) - set(files):  # an earlier build's list must not stay behind to be trained on
+        stale = os.path.join(output_dir, f"{name}.json")
+        if os.path.isfile(stale):
+            os.remove(stale)
+            log(f"removed {stale}: this build has no {name}")
     for name, entries in files.items():
         write_json(os.path.join(output_dir, f"{name}.json"), entries)
     pretrain = [name for name in files if name.startswith("pretrain")]
     write_json(os.path.join(output_dir, "scenes.json"),
                {e["image"]: e["family"] for name in pretrain for e in files[name]})
     vocab = train_vocab([e["caption"] for name in pretrain for e in files[name]], vocab_size)
-    atomic_write_text(os.path.join(output_dir, "vocab.txt"), "\n".join(vocab) + "\n")
+    write_text(os.path.join(output_dir, "vocab.txt"), "\n".join(vocab) + "\n")
 
     shards = None
     if shard_size:

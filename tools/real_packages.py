@@ -69,8 +69,15 @@ def _read_record(folder: str) -> dict:
     path = os.path.join(folder, RECORD)
     if not os.path.isfile(path):
         return {}
-    with open(path, encoding="utf-8") as f:
-        return json.load(f)
+    try:
+        with open(path, encoding="utf-8") as f:
+            record = json.load(f)
+        if not all(isinstance(v, dict) and {"version", "file", "sha256"} <= set(v) for v in record.values()):
+            raise ValueError("an entry lacks version, file or sha256")
+    except (ValueError, AttributeError) as e:
+        raise ConfigError(f"{path}: not a package record ({e}); delete it to fetch the packages "
+                          "again") from None
+    return record
 
 
 def _run_client(command: list[str], folder: str, package: Package) -> str:
@@ -122,6 +129,8 @@ def fetch(names: list[str], folder: str, log=print) -> dict[str, str]:
         if not (entry and entry["version"] == package.version and os.path.isfile(path)
                 and sha256(path) == entry["sha256"]):
             log(f"fetching {package.registry} package {package.spec}")
+            if path and os.path.isfile(path):
+                os.remove(path)  # another version, or not what was recorded: apt-get must make it anew
             file = _download(package, folder)
             path = os.path.join(folder, file)
             record[name] = {"version": package.version, "registry": package.registry, "file": file,

@@ -177,8 +177,9 @@ def emoji_captions(label: str, keywords: list[str]) -> list[str]:
     return usable([label] + ([", ".join([label, *keywords])] if keywords else []))
 
 
-def _datasource_images(path: str, artist: str) -> Iterator[tuple[str, bytes]]:
-    """(hexcode, PNG bytes) of every emoji and skin-tone variant an emoji-datasource package draws."""
+def _datasource_images(path: str, artist: str) -> Iterator[tuple[str, bytes | None]]:
+    """(hexcode, PNG bytes) of every emoji and skin-tone variant an emoji-datasource package draws; None
+    for one its emoji.json says is drawn whose file is missing."""
     files = dict(members(path, f"package/img/{artist}/64/"))
     listing = dict(members(path, "package/emoji.json"))
     if "package/emoji.json" not in listing:
@@ -186,31 +187,33 @@ def _datasource_images(path: str, artist: str) -> Iterator[tuple[str, bytes]]:
     for entry in json.loads(listing["package/emoji.json"]):
         for one in [entry, *entry.get("skin_variations", {}).values()]:
             name = f"package/img/{artist}/64/{one['image']}"
-            if one.get(f"has_img_{artist}") and name in files:
-                yield one["unified"], files[name]
+            if one.get(f"has_img_{artist}"):
+                yield one["unified"], files.get(name)
 
 
-def _openmoji_images(path: str) -> Iterator[tuple[str, bytes]]:
-    """(hexcode, SVG bytes) of every drawing OpenMoji's data/openmoji.csv lists."""
+def _openmoji_images(path: str) -> Iterator[tuple[str, bytes | None]]:
+    """(hexcode, SVG bytes) of every drawing OpenMoji's data/openmoji.csv lists; None when its file is
+    missing."""
     files = dict(members(path, "package/color/svg/"))
     table = dict(members(path, "package/data/openmoji.csv"))
     if "package/data/openmoji.csv" not in table:
         raise ConfigError(f"{path}: no package/data/openmoji.csv (not the openmoji package?)")
     for row in csv.DictReader(io.StringIO(table["package/data/openmoji.csv"].decode("utf-8"))):
-        name = f"package/color/svg/{row['hexcode']}.svg"
-        if name in files:
-            yield row["hexcode"], files[name]
+        yield row["hexcode"], files.get(f"package/color/svg/{row['hexcode']}.svg")
 
 
 def emoji_items(packages: dict[str, str], artists: list[str]) -> tuple[list[Item], dict[str, int]]:
     """The emoji drawings of `artists` (EMOJI_ARTISTS) with CLDR captions -> (items, counts of what was
     left out and why)."""
     cldr = cldr_annotations(packages["emojibase-data"])
-    items, left_out = [], {"no CLDR annotation": 0}
+    items, left_out = [], {"no CLDR annotation": 0, "listed without its image file": 0}
     for artist in artists:
         path = packages[EMOJI_ARTISTS[artist]]
         drawn = _openmoji_images(path) if artist == "openmoji" else _datasource_images(path, artist)
         for hexcode, data in drawn:
+            if data is None:
+                left_out["listed without its image file"] += 1
+                continue
             code = plain_hexcode(hexcode)
             if code not in cldr:
                 left_out["no CLDR annotation"] += 1
