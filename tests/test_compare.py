@@ -213,7 +213,7 @@ def test_new_arms_are_selected_with_their_grid_setting_on_val():
 
 
 def test_the_markdown_table_shows_each_arm_at_its_selection_with_spread_gap_and_cost(monkeypatch):
-    from tools.compare import markdown_table
+    from tools.compare_tables import markdown_table
 
     monkeypatch.chdir(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -238,7 +238,7 @@ def test_the_markdown_table_shows_each_arm_at_its_selection_with_spread_gap_and_
     b3 = next(line for line in lines if line.startswith("| B3 |")).split(" | ")
     assert b3[2] == "57.00" and b3[-1] == "-4.00 |"  # its value and its gap, no "± nan"
     from tools.arms import setting_label
-    from tools.compare import sweep_table
+    from tools.compare_tables import sweep_table
 
     record["sweep"] = {arm: {setting_label(k): rows for k, rows in by.items()}
                        for arm, by in _grid_sweep(seeds).items()}
@@ -251,7 +251,7 @@ def test_costs_come_from_the_strategy_benchmark_and_a_bad_file_is_named(tmp_path
     import pytest
 
     from grit_io import InputFileError
-    from tools.compare import read_costs
+    from tools.compare_tables import read_costs
 
     good = tmp_path / "bench.json"
     good.write_text(json.dumps({"strategies": [{"strategy": "b3", "share_of_step": 0.0083}]}))

@@ -43,10 +43,10 @@ import os
 import statistics
 from collections.abc import Sequence
 
-from grit_io import InputFileError, read_json
-from tools.arms import ARMS, GRIDS, arm_overrides, arm_strategies, selection, setting_label
+from tools.arms import ARMS, GRIDS, arm_overrides, selection, setting_label
 from tools.batch_scenes import with_batch_scenes
 from tools.cli import emit_record, tool_parser
+from tools.compare_tables import extra_tests, interval_text, markdown_table, read_costs, sweep_table
 from tools.launch import ROOT, in_root
 from tools.records import merge_note, merged_rows
 from tools.runs import CORPORA, prepare_pretraining, run_dir, run_pairs
@@ -54,9 +54,8 @@ from tools.stats import paired_interval, spread
 from training.cli import Parser, run_main
 from training.config_resolve import resolve_config
 
-__all__ = ["COLUMNS", "ITM_CHANCE", "STRATEGY_BENCH", "build_parser", "main", "markdown_table",
-           "read_costs", "report", "select_lr", "side_by_side", "summary_row",
-           "sweep_key", "sweep_table"]
+__all__ = ["COLUMNS", "ITM_CHANCE", "STRATEGY_BENCH", "build_parser", "main", "report", "select_lr",
+           "side_by_side", "summary_row", "sweep_key"]
 
 STRATEGY_BENCH = 'docs/results/strategy_bench.json'  # the strategies' measured cost (tools.strategy_bench)
 ITM_CHANCE = 0.637  # ITM's loss when it says p(match) = 1/3 (one positive, two mined negatives per pair)
@@ -95,13 +94,6 @@ def summary_row(rows: list[dict], retrieval: dict, probe_result: dict) -> dict:
         out.update({f'{name}_{k}': retrieval[f'{name}_{k}'] for k in ('mean_r1', 'itc_mean_r1', 'txt_r1',
                                                                        'img_r1')})
     return out
-
-
-def extra_tests(record: dict) -> list[str]:
-    """The further test splits whose figures a retrieval record or summary row holds ('artist_mean_r1' ->
-    'artist'), in name order; the val and test splits are not among them."""
-    return sorted({k[:-len('_itc_mean_r1')] for k in record if k.endswith('_itc_mean_r1')}
-                  - {'val', 'test', ''})
 
 
 def side_by_side(runs: dict[str, tuple[list[dict], dict, dict]]) -> str:
@@ -154,14 +146,6 @@ def gap_figures(row: dict) -> tuple[str, ...]:
     and the same two recalls of each further test split."""
     return ('mean_r1', 'itc_mean_r1', 'probe') + tuple(f'{name}_{k}' for name in extra_tests(row)
                                                       for k in ('mean_r1', 'itc_mean_r1'))
-
-
-def interval_text(stats: dict) -> str:
-    """A paired gap as printed: '+2.17 [+0.53, +3.81], ahead on 5 of 6 seeds' (t interval, 95 %)."""
-    if math.isnan(stats['mean']):
-        return '–'
-    bounds = '' if math.isnan(stats['low']) else f' [{stats["low"]:+.2f}, {stats["high"]:+.2f}]'
-    return f'{stats["mean"]:+.2f}{bounds}, ahead on {stats["ahead"]} of {stats["n"]} seeds'
 
 
 def report(sweep: dict[str, dict[float | tuple, dict[int, dict]]], seeds: Sequence[int],
@@ -217,98 +201,6 @@ def report(sweep: dict[str, dict[float | tuple, dict[int, dict]]], seeds: Sequen
     # 'gaps' stays the gap to random batches (as before); every baseline's under gaps_to.
     return '\n'.join(lines), {'selected_lr': selected_json, 'summary': summary,
                               'gaps': gaps.get('random batches', {}), 'gaps_to': gaps}
-
-
-# The table's columns: (summary key, header, digits); a figure as mean ± sample std, median and range below.
-TABLE = (('mean_r1', 'test mean R@1, ITM re-ranked', 2), ('itc_mean_r1', 'ITC only', 2),
-         ('probe', 'ITM probe', 3), ('loss_itm', 'final loss_itm', 3),
-         ('itm_epoch', 'epoch ITM leaves chance (1-based)', 1),
-         ('grit_hardness', 'hardness i2t', 3), ('grit_hardness_t2i', 'hardness t2i', 3),
-         ('itm_false_negatives', 'mined ITM false negatives', 3),
-         ('batch_same_scene', 'same-scene share of batches', 4),
-         ('grit_share', 'batching work, share of the run', 4))
-
-
-def _cell(v: dict, digits: int, n: int) -> str:
-    """A figure's spread over seeds as a table cell: mean ± sample std, median [min, max]."""
-    if math.isnan(v['mean']):
-        return '–'
-    if n == 1:  # one seed: its value, no spread
-        return f'{v["mean"]:.{digits}f}'
-    return (f'{v["mean"]:.{digits}f} ± {v["std"]:.{digits}f}<br>{v["median"]:.{digits}f} '
-            f'[{v["min"]:.{digits}f}, {v["max"]:.{digits}f}]')
-
-
-def _gap_cell(gap: dict | None, n: int) -> str:
-    """A paired gap as a table cell: mean [95 % t interval], seeds ahead, and the per-seed gaps."""
-    if gap is None:
-        return ''
-    if n == 1:
-        return f'{gap["mean"]:+.2f}'
-    interval = gap.get('interval') or paired_interval(gap['per_seed'])
-    return (interval_text(interval).replace(', ahead', '<br>ahead') + '<br>('
-            + ', '.join(f'{x:+.1f}' for x in gap['per_seed']) + ')')
-
-
-def markdown_table(record: dict, costs: dict[str, float] | None = None) -> str:
-    """The comparison as one markdown table, an arm per row at its selection: each figure's mean ± sample
-    std over the seeds with its median and range, the paired gaps to GRIT-VLP (test R@1 re-ranked, and the
-    same on each further test split) with their 95 % t intervals and sign counts, and (costs: strategy ->
-    share of a paper-size step, tools.strategy_bench) the strategy's cost."""
-    summary, gaps = record['summary'], record.get('gaps_to', {}).get('GRIT-VLP', {})
-    n = len(record['seeds'])
-    strategies = arm_strategies(list(summary), record.get('overrides', [])) if costs is not None else {}
-    extra = extra_tests(next(iter(summary.values())))
-    table = list(TABLE)
-    for name in reversed(extra):  # after the test split's two recalls
-        table[2:2] = [(f'{name}_mean_r1', f'{name} test mean R@1, re-ranked', 2),
-                      (f'{name}_itc_mean_r1', f'{name}: ITC only', 2)]
-    gap_keys = ['mean_r1'] + [f'{name}_mean_r1' for name in extra]
-    head = ['arm', 'selected on val'] + [h for _, h, _ in table]
-    head += ['gap to GRIT-VLP (paired)'] + [f'{name} gap to GRIT-VLP' for name in extra]
-    head += ['cost, share of a step'] if costs is not None else []
-    seeds = ', '.join(map(str, record['seeds']))
-    about = (f'one seed ({seeds}): its values' if n == 1 else
-             f'mean ± sample std over {n} seeds ({seeds}); below: median [min, max]. Gaps: mean '
-             '[95 % t interval], the seeds on which the arm is ahead, and the per-seed gaps')
-    lines = [about, '', '| ' + ' | '.join(head) + ' |', '|' + '---|' * len(head)]
-    for arm, stats in summary.items():
-        chosen = f'lr {stats["lr"]:g}' + (f', {stats["setting"]}' if stats.get('setting') else '')
-        cells = [arm, chosen] + [_cell(stats[key], digits, n) for key, _, digits in table]
-        cells += [_gap_cell(gaps.get(arm, {}).get(key), n) for key in gap_keys]
-        if costs is not None:
-            share = 0.0 if strategies[arm] == 'random' else costs.get(strategies[arm])
-            cells.append('–' if share is None else f'{100 * share:.2f} %')
-        lines.append('| ' + ' | '.join(cells) + ' |')
-    return '\n'.join(lines) + '\n'
-
-
-def sweep_table(record: dict) -> str:
-    """The sweep as markdown: each arm's settings with their mean val R@1 (re-ranked, what selects) and mean
-    test R@1 over the seeds, the selected one in bold (test is shown, never used to select)."""
-    lines = ['| arm | setting | val mean R@1 | test mean R@1 |', '|---|---|---|---|']
-    for arm, by_label in record['sweep'].items():
-        chosen = record['selected_lr'][arm]
-        chosen = setting_label(tuple(chosen) if isinstance(chosen, list) else chosen)
-        for label, rows in by_label.items():
-            val = statistics.fmean(r['val_mean_r1'] for r in rows.values())
-            test = statistics.fmean(r['mean_r1'] for r in rows.values())
-            cells = [arm, label, f'{val:.2f}', f'{test:.2f}']
-            if label == chosen:
-                cells = [f'**{c}**' for c in cells]
-            lines.append('| ' + ' | '.join(cells) + ' |')
-    return '\n'.join(lines) + '\n'
-
-
-def read_costs(path: str) -> dict[str, float]:
-    """strategy -> share of a paper-size step, from tools.strategy_bench's JSON; InputFileError naming the
-    file when it is missing or is not that JSON."""
-    saved = read_json(path, 'strategy benchmark (tools.strategy_bench --output_dir)')
-    try:
-        return {r['strategy']: float(r['share_of_step']) for r in saved['strategies']}
-    except (KeyError, TypeError, ValueError) as e:
-        raise InputFileError(f'{path}: not tools.strategy_bench\'s JSON (no strategies[].strategy and '
-                             f'share_of_step: {e!r})') from e
 
 
 def sweep_key(lr: float, setting: str | None) -> float | tuple:
