@@ -28,6 +28,7 @@ is checked before any list is written: a family in two splits stops the build (t
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import io
 import json
@@ -37,6 +38,7 @@ from collections.abc import Sequence
 
 from PIL import Image
 
+from dataset.synthetic import SPECIAL_TOKENS
 from dataset.utils import pre_caption
 from tools.cli import add_output_dir, emit_record, tool_parser
 from tools.real_packages import fetch
@@ -49,7 +51,6 @@ __all__ = ["FILES", "build", "build_parser", "main", "train_vocab", "write_image
 
 SOURCES = ("emoji", "clipart")
 FILES = ("pretrain_emoji", "pretrain_clipart", "val", "test", "test_artist")
-SPECIAL_TOKENS = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"]
 
 
 def build_parser() -> Parser:
@@ -108,11 +109,17 @@ def words_of(caption: str) -> list[str]:
     """A caption's words as the BERT tokenizer splits them before WordPiece: cleaned as training cleans it
     (pre_caption), lower-cased, accents stripped, split at spaces and punctuation (tokenizers'
     BertNormalizer and BertPreTokenizer)."""
+    normalizer, pre_tokenizer = _bert_splitters()
+    return [w for w, _ in pre_tokenizer.pre_tokenize_str(normalizer.normalize_str(pre_caption(caption)))]
+
+
+@functools.cache
+def _bert_splitters():
+    """tokenizers' BertNormalizer (lower case) and BertPreTokenizer, made once for every caption."""
     from tokenizers.normalizers import BertNormalizer
     from tokenizers.pre_tokenizers import BertPreTokenizer
 
-    text = BertNormalizer(lowercase=True).normalize_str(pre_caption(caption))
-    return [w for w, _ in BertPreTokenizer().pre_tokenize_str(text)]
+    return BertNormalizer(lowercase=True), BertPreTokenizer()
 
 
 def train_vocab(drawings: Sequence[Sequence[str]], size: int) -> list[str]:
@@ -126,7 +133,7 @@ def train_vocab(drawings: Sequence[Sequence[str]], size: int) -> list[str]:
     build the same vocabulary every time."""
     in_drawings = Counter(w for captions in drawings for w in {w for c in captions for w in words_of(c)})
     chars = sorted({ch for w in in_drawings for ch in w})
-    fixed = SPECIAL_TOKENS + chars + [f"##{ch}" for ch in chars]
+    fixed = list(SPECIAL_TOKENS) + chars + [f"##{ch}" for ch in chars]
     if len(fixed) > size:
         raise ConfigError(f"--vocab_size {size} is below the special tokens and characters alone "
                          f"({len(fixed)})")
