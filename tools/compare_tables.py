@@ -9,7 +9,6 @@ import statistics
 
 from grit_io import InputFileError, read_json
 from tools.arms import arm_strategies, setting_label
-from tools.stats import paired_interval
 
 __all__ = ["TABLE", "extra_tests", "interval_text", "markdown_table", "read_costs", "sweep_table"]
 
@@ -55,8 +54,7 @@ def _gap_cell(gap: dict | None, n: int) -> str:
         return ''
     if n == 1:
         return f'{gap["mean"]:+.2f}'
-    interval = gap.get('interval') or paired_interval(gap['per_seed'])
-    return (interval_text(interval).replace(', ahead', '<br>ahead') + '<br>('
+    return (interval_text(gap['interval']).replace(', ahead', '<br>ahead') + '<br>('
             + ', '.join(f'{x:+.1f}' for x in gap['per_seed']) + ')')
 
 

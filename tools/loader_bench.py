@@ -130,10 +130,11 @@ def main(argv: Sequence[str] | None = None) -> dict:
 
     # The paper's bert-base-uncased cannot be fetched offline; a word-level vocab of the synthetic set
     # tokenises at the same fast-tokenizer speed per token.
-    vocab = os.path.join(ensure_synthetic(os.path.join(ROOT, 'data', 'synthetic')), 'vocab.txt')
     if args.from_list:
         listed_paths, captions = listed_images(args.from_list, args.image_root, args.images)
         vocab = config.vocab_file  # the corpus's own vocabulary
+    else:
+        vocab = os.path.join(ensure_synthetic(os.path.join(ROOT, 'data', 'synthetic')), 'vocab.txt')
     tokenizer = BertTokenizerFast(vocab_file=vocab)
     best = {'decode': math.inf, 'transform': math.inf, 'tokenise': math.inf}
     with tempfile.TemporaryDirectory() as folder:
