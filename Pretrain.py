@@ -7,11 +7,12 @@
 
 log.txt gets one JSON line per epoch (training.trainer): the four losses, grit_hardness and
 grit_hardness_t2i (mean ITC similarity of each image's hardest in-batch text negative, and of each
-text's hardest image negative), where the data has a scene table itm_false_negatives (with ITM: the
-share of mined ITM negatives that show the anchor's scene) and batch_same_scene (the share of examples whose
-batch holds another of their scene: the false negatives a batch contains, before the guard),
-batch_groups (grouped epochs: how many sub-queues a batch draws from) and grit_seconds (the batching
-strategy's collection and grouping).
+text's hardest image negative), with ITM itm_accuracy and itm_match_accuracy (the share of its 3B pairs
+classified right and of its B matches called a match: 2/3 and 0 at chance), where the data has a scene
+table itm_false_negatives (with ITM: the share of mined ITM negatives that show the anchor's scene) and
+batch_same_scene (the share of examples whose batch holds another of their scene: the false negatives a
+batch contains, before the guard), batch_groups (grouped epochs: how many sub-queues a batch draws from)
+and grit_seconds (the batching strategy's collection and grouping).
 """
 
 from __future__ import annotations
@@ -29,7 +30,7 @@ from dataset.bad_samples import SkipBadCollate, SkipBadSamples
 from grit import GritSampler
 from models.false_negatives import mined_false_negative_rate, same_group_share
 from models.loading import load_weights
-from models.objectives import total_loss
+from models.objectives import itm_accuracy, total_loss
 from models.pretrain import ALBEF_Base
 from models.tokenization import build_tokenizer
 from training.cli import run_main, script_parser, start
@@ -89,6 +90,9 @@ class PretrainTask(Task):
         metrics = {k: out[k].detach() for k in ALBEF_Base.loss_names}
         metrics["grit_hardness"] = out["hardness"]
         metrics["grit_hardness_t2i"] = out["hardness_t2i"]
+        if self.config.itm:  # whether ITM has left chance (2/3 and 0 there): the stalled-ITM diagnosis
+            metrics["itm_accuracy"], metrics["itm_match_accuracy"] = itm_accuracy(
+                out["itm_logits"], out["neg_text_idx"], out["neg_image_idx"], valid)
         if self.scene_ids is not None:
             scenes = self.scene_ids[idx]
             metrics["batch_same_scene"] = same_group_share(scenes, valid)
@@ -135,16 +139,21 @@ class PretrainTask(Task):
         if not self.config.grit_on:
             return [*lines, "batching.strategy random: random batches every epoch (the ALBEF baseline)"]
         W = self.sampler.num_replicas
-        first = "epoch 0 from grit.warmstart_indices" if grit.warmstart_indices else \
-            "epoch 0 random, grouped batches from epoch 1"
+        first_grouped = self.sampler.first_grouped
+        if grit.warmstart_indices:
+            first = "epoch 0 from grit.warmstart_indices"
+        elif first_grouped == 0:
+            first = "grouped batches from epoch 0"
+        else:
+            random_epochs = "epoch 0" if first_grouped == 1 else f"epochs 0-{first_grouped - 1}"
+            first = f"{random_epochs} random, grouped batches from epoch {first_grouped}"
         return [*lines, f"batching.strategy {self.config.strategy} ({self.sampler.grouping.describe()}), "
                 f"{grit.mode}: groups of N = {N} per rank from sub-queues of M = {grit.search_space} in "
                 f"queues of L = {grit.queue_size}, W = {W} ranks, D = {self.sampler.dataset_len:,}; {first}"]
 
     def grouped(self, epoch: int) -> bool:
         """True when epoch `epoch`'s batches are GRIT groups (not random)."""
-        grit = self.config.grit
-        return self.config.grit_on and (epoch > 0 or grit.mode == "naive" or bool(grit.warmstart_indices))
+        return self.config.grit_on and epoch >= self.sampler.first_grouped
 
     def pictures(self, epoch: int, output_dir: str) -> dict[str, str]:
         """batches/epoch_EE_{grit|random}.png: the epoch's first batch on rank 0 (up to 8 of its samples),

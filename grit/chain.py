@@ -62,7 +62,8 @@ def _transpose_last2(x: torch.Tensor, out: torch.Tensor | None = None) -> torch.
 
 
 def greedy_chain(image_feats: torch.Tensor, text_feats: torch.Tensor, start: torch.Tensor | int,
-                 valid: torch.Tensor | None = None, workspace: ChainWorkspace | None = None) -> torch.Tensor:
+                 valid: torch.Tensor | None = None, workspace: ChainWorkspace | None = None,
+                 rank_skip: int = 0) -> torch.Tensor:
     """Greedy alternating chains: feats (S, M, d) or (M, d), start (S,) -> LongTensor (S, M) or (M,).
 
     Row s is a permutation of range(M) with p_0 = start[s] and, for i >= 1,
@@ -70,6 +71,9 @@ def greedy_chain(image_feats: torch.Tensor, text_feats: torch.Tensor, start: tor
     t_{p_{i-1}} . v_j (i even, text -> image); ties go to the lowest index.
     `valid` (S, M) bool, optional: invalid positions (padding, invalid samples) are visited only after
     every valid one of their row; `start` should then point at a valid position.
+    rank_skip p > 0 (not in the paper; issue 49's remedy, as B3 passes over each example's p most similar
+    as likely false negatives): p_i is the (p+1)-th most similar unvisited valid entry instead, or the
+    least similar valid one when fewer than p+1 are left; 0 is the paper's chain, computed as before.
     All rows advance together on the features' device; the step loop never synchronises with the host.
     Features must be finite (the caller checks once); similarities are computed in float32 and held as
     two (S, M, M) tables (8*S*M^2 bytes: 737 MB for a queue of 48000 in sub-queues of 1920), kept in
@@ -89,15 +93,17 @@ def greedy_chain(image_feats: torch.Tensor, text_feats: torch.Tensor, start: tor
         raise ValueError(f"greedy_chain: start must have shape ({S},), got {tuple(start.shape)}")
     if valid is not None and valid.shape != (S, M):
         raise ValueError(f"greedy_chain: valid must have shape ({S}, {M}), got {tuple(valid.shape)}")
+    if isinstance(rank_skip, bool) or not isinstance(rank_skip, int) or rank_skip < 0:
+        raise ValueError(f"greedy_chain: rank_skip must be a non-negative integer, got {rank_skip!r}")
     out = torch.empty(S, M, dtype=torch.long, device=device)
     if M > 0:
         with torch.inference_mode():
-            _chain_into(out, v.float(), t.float(), start, valid, workspace or ChainWorkspace())
+            _chain_into(out, v.float(), t.float(), start, valid, workspace or ChainWorkspace(), rank_skip)
     return out[0] if squeeze else out
 
 
 def _chain_into(out: torch.Tensor, v: torch.Tensor, t: torch.Tensor, start: torch.Tensor,
-                valid: torch.Tensor | None, workspace: ChainWorkspace) -> None:
+                valid: torch.Tensor | None, workspace: ChainWorkspace, rank_skip: int = 0) -> None:
     """Fill out (S, M) with the chains of v, t (S, M, d) float32 from start (S,)."""
     S, M, _ = v.shape
     device = v.device
@@ -133,6 +139,12 @@ def _chain_into(out: torch.Tensor, v: torch.Tensor, t: torch.Tensor, start: torc
     cur = start.clone()
     steps = [cur]
     mask.scatter_(1, cur[:, None], neg_inf)
+    if rank_skip:
+        # Valid entries each row has left unvisited: where fewer than p+1 are, the last of them is taken,
+        # so that invalid entries still come after every valid one.
+        is_valid = (torch.ones(S, M, dtype=torch.long, device=device) if valid is None
+                    else valid.to(device=device, dtype=torch.long))
+        left = is_valid.sum(dim=1) - is_valid.gather(1, cur[:, None]).squeeze(1)
     # Each CPU step touches only S*M floats: one thread is faster than waking the intra-op pool M times
     # (and far faster when the cores are shared with other work).
     threads = torch.get_num_threads()
@@ -146,6 +158,15 @@ def _chain_into(out: torch.Tensor, v: torch.Tensor, t: torch.Tensor, start: torc
                 row.add_(mask)
             else:
                 torch.add(gathered, mask, out=row[:, :M])
+            if rank_skip:
+                k = min(rank_skip + 1, M - i)  # M - i entries are unvisited: the top k are all unvisited
+                top = torch.topk(row[:, :M], k, dim=1).indices  # (S, k), most similar first
+                pick = (left - 1).clamp(min=0, max=k - 1)  # rank p, or the last valid one left
+                cur = top.gather(1, pick[:, None]).squeeze(1)
+                left = left - is_valid.gather(1, cur[:, None]).squeeze(1)
+                mask.scatter_(1, cur[:, None], neg_inf)
+                steps.append(cur)
+                continue
             torch.amax(blocks, dim=2, out=block_max)
             block = torch.argmax(block_max, dim=1)  # first block holding the maximum
             torch.add(block, block_offset, out=flat)

@@ -14,24 +14,34 @@ import torch
 
 from grit_io import InputFileError, load_torch_file, read_json
 
-__all__ = ["DEFAULTS", "MODES", "load_index_array", "option_problems"]
+__all__ = ["DEFAULTS", "MODES", "first_grouped_epoch", "load_index_array", "option_problems"]
 
 MODES = ("concurrent", "naive")
 
 # The paper's GRIT (Sec. 3.1, S.M. Algorithms 1-2): grouping on, both shuffles, features collected while
 # training; our extensions off or neutral (no warm-start file; sharded grouping gives the same G).
 DEFAULTS = {"enabled": True, "example_shuffle": True, "batch_shuffle": True, "mode": "concurrent",
-            "warmstart_indices": None, "shard_grouping": True}
+            "warmstart_indices": None, "shard_grouping": True, "group_from_epoch": 0}
+
+
+def first_grouped_epoch(group_from_epoch: int, mode: str, warmstart: bool) -> int:
+    """The first epoch whose batches are grouped: the paper's 1 (concurrent: epoch 0 collects the features)
+    or 0 (naive mode's extra pass, or a warm-start array), unless group_from_epoch is later."""
+    return max(int(group_from_epoch), 0 if mode == "naive" or warmstart else 1)
 
 
 def option_problems(*, batch_size: int, enabled: bool, queue_size: int | None, search_space: int | None,
-                    mode: str) -> list[str]:
+                    mode: str, group_from_epoch: int = 0, warmstart: bool = False) -> list[str]:
     """What is wrong with a GritSampler's options (one message each; [] when they hold): the mode, and
-    with GRIT on, positive sizes with batch_size <= search_space <= queue_size."""
+    with GRIT on, positive sizes with batch_size <= search_space <= queue_size, and no warm start for a
+    first epoch that group_from_epoch keeps random."""
     if mode not in MODES:
         return [f"grit.mode must be one of {MODES}, got {mode!r}"]
     if not enabled:
         return []
+    if group_from_epoch and warmstart:
+        return [f"grit.warmstart_indices groups epoch 0, but grit.group_from_epoch ({group_from_epoch}) "
+                "keeps the epochs before it random; set one of them"]
     bad = [f"grit.{name} must be a positive integer while GRIT is on, got {value!r}"
            for name, value in (("queue_size", queue_size), ("search_space", search_space))
            if isinstance(value, bool) or not isinstance(value, int) or value < 1]

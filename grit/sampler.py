@@ -11,7 +11,7 @@ import torch.distributed as dist
 
 from . import dist as gdist
 from .collector import GritCollector, groups_per_batch
-from .config import DEFAULTS, load_index_array, option_problems
+from .config import DEFAULTS, first_grouped_epoch, load_index_array, option_problems
 from .strategies import build as build_strategy
 
 __all__ = ["GritSampler"]
@@ -50,6 +50,7 @@ class GritSampler(torch.utils.data.Sampler):
                  batch_shuffle: bool = DEFAULTS["batch_shuffle"], mode: str = DEFAULTS["mode"],
                  warmstart_indices: str | None = DEFAULTS["warmstart_indices"],
                  shard_grouping: bool = DEFAULTS["shard_grouping"],
+                 group_from_epoch: int = DEFAULTS["group_from_epoch"],
                  dim: int = 256, device: torch.device | str | None = None,
                  index_dtype: torch.dtype | None = None, strategy: str = "grit",
                  strategy_options: dict | None = None) -> None:
@@ -88,13 +89,16 @@ class GritSampler(torch.utils.data.Sampler):
         if strategy == "random":  # the strategy that groups nothing: DistributedSampler's order
             enabled = False
         problems = option_problems(batch_size=batch_size, enabled=enabled, queue_size=queue_size,
-                                   search_space=search_space, mode=mode)
+                                   search_space=search_space, mode=mode, group_from_epoch=group_from_epoch,
+                                   warmstart=bool(warmstart_indices))
         if problems:
             raise ValueError(f"GritSampler: {problems[0]}")
         self.grit = {"enabled": bool(enabled), "queue_size": queue_size, "search_space": search_space,
                      "example_shuffle": bool(example_shuffle), "batch_shuffle": bool(batch_shuffle),
                      "mode": mode, "warmstart_indices": warmstart_indices,
-                     "shard_grouping": bool(shard_grouping)}
+                     "shard_grouping": bool(shard_grouping), "group_from_epoch": int(group_from_epoch)}
+        # Epochs before it are random batches (features are collected from the epoch before it on).
+        self.first_grouped = first_grouped_epoch(group_from_epoch, mode, bool(warmstart_indices))
         self.global_batch = batch_size * self.num_replicas
         if self.dataset_len < self.global_batch:
             raise ValueError(
@@ -132,8 +136,8 @@ class GritSampler(torch.utils.data.Sampler):
     # ----------------------------------------------------------------------------------------- epochs
     @property
     def collecting(self) -> bool:
-        """True while collect() feeds the queues (GRIT enabled, concurrent mode, epoch in progress)."""
-        return self.in_progress and self.grit["enabled"] and self.grit["mode"] == "concurrent"
+        """True while collect() feeds the queues (collecting_mode and an epoch in progress)."""
+        return self.in_progress and self.collecting_mode
 
     def set_epoch(self, epoch: int, naive_pass: NaivePass | None = None) -> None:
         """Start epoch `epoch` (no-op if it is already in progress, e.g. after a mid-epoch resume).
@@ -154,7 +158,7 @@ class GritSampler(torch.utils.data.Sampler):
             self.end_epoch()
         cfg = self.grit
         array, groups = None, None
-        if cfg["enabled"]:
+        if cfg["enabled"] and epoch >= self.first_grouped:
             if self._next_array is not None:
                 array, self._next_array, groups = self._next_array, None, self._next_groups
                 if array.numel() != self.batches_per_epoch * self.global_batch:  # e.g. world size changed
@@ -182,8 +186,10 @@ class GritSampler(torch.utils.data.Sampler):
 
     @property
     def collecting_mode(self) -> bool:
-        """True when training steps feed the collector (GRIT enabled and mode 'concurrent')."""
-        return self.grit["enabled"] and self.grit["mode"] == "concurrent"
+        """True when training steps feed the collector: GRIT enabled, mode 'concurrent', and the epoch's
+        features group a next epoch (from the epoch before grit.group_from_epoch on)."""
+        return (self.grit["enabled"] and self.grit["mode"] == "concurrent"
+                and (self.epoch is None or self.epoch >= self.first_grouped - 1))
 
     def end_epoch(self) -> None:
         """Finish the epoch: group the partial queue into G, check ranks agree, compose the next epoch."""

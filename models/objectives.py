@@ -21,6 +21,7 @@ __all__ = [
     "gather_features",
     "hardest_negative_similarity",
     "itc_loss",
+    "itm_accuracy",
     "itm_pair_weights",
     "local_columns",
     "masked_mean",
@@ -373,6 +374,21 @@ def itm_pair_weights(valid: Tensor, neg_text_idx: Tensor, neg_image_idx: Tensor)
     """valid (B,), mined indices (B,) -> (3B,) bool: which of [positives, (i, neg text), (neg image, t)]
     pairs count in the ITM loss (both members valid)."""
     return torch.cat([valid, valid & valid[neg_text_idx], valid & valid[neg_image_idx]])
+
+
+@torch.no_grad()
+def itm_accuracy(logits: Tensor, neg_text_idx: Tensor, neg_image_idx: Tensor,
+                 valid: Tensor | None = None) -> tuple[Tensor, Tensor]:
+    """ITM logits (3B, 2) in itm_pairs' order, mined indices (B,) each -> 0-dim floats: the share of the
+    3B pairs classified right, and of the B matches called a match. An ITM at chance calls every pair a
+    non-match: 2/3 and 0. Pairs with a bad sample (valid (B,) False) are left out. No host sync."""
+    batch = neg_text_idx.shape[0]
+    labels = torch.zeros(3 * batch, dtype=torch.long, device=logits.device)
+    labels[:batch] = 1
+    right = (logits.argmax(dim=1) == labels).float()
+    weight = (torch.ones_like(right) if valid is None
+              else itm_pair_weights(valid, neg_text_idx, neg_image_idx).float())
+    return masked_mean(right, weight), masked_mean(right[:batch], weight[:batch])
 
 
 def _pick(

@@ -200,6 +200,7 @@ class ALBEF_Base(ImageTextModel):  # noqa: N801 (the paper's name)
                 )
 
         loss_itm = loss_mlm = zero
+        itm_logits = None
         if shared and (self.use_itm or self.use_mlm):
             rows, masks, images = [], [], []
             if self.use_itm:
@@ -211,19 +212,20 @@ class ALBEF_Base(ImageTextModel):  # noqa: N801 (the paper's name)
                 images.append(torch.arange(batch, device=input_ids.device))
             fused = self.fuse(torch.cat(rows), torch.cat(masks), image_embeds, torch.cat(images))
             if self.use_itm:
-                loss_itm = self.itm_criterion(self.itm_head(fused[:3 * batch, 0]), neg_text_idx,
-                                              neg_image_idx, valid)
+                itm_logits = self.itm_head(fused[:3 * batch, 0])
             if self.use_mlm:
                 loss_mlm = self.mlm_criterion(fused[-batch:], mlm_labels)
         else:
-            if self.use_itm:
-                loss_itm = self.itm_pair_loss(image_embeds, text_embeds, attention_mask, neg_text_idx,
-                                              neg_image_idx, valid)
+            if self.use_itm:  # itm_pair_loss's one fusion pass, its logits kept for the logged accuracy
+                pairs = self.itm_pairs(text_embeds, attention_mask, neg_text_idx, neg_image_idx)
+                itm_logits = self.itm_logits(*pairs[:2], image_embeds, pairs[2])
             if self.use_mlm:
                 masked_ids, mlm_labels = self._mask(input_ids, valid)
                 hidden = self.text_encoder(masked_ids, attention_mask, mode="multimodal",
                                            encoder_hidden_states=image_embeds)
                 loss_mlm = self.mlm_criterion(hidden, mlm_labels)
+        if self.use_itm:
+            loss_itm = self.itm_criterion(itm_logits, neg_text_idx, neg_image_idx, valid)
 
         return {
             "loss_itc": loss_itc,
@@ -238,6 +240,8 @@ class ALBEF_Base(ImageTextModel):  # noqa: N801 (the paper's name)
             # the mined ITM negatives (None without ITM): text of image i, image of text i (batch positions)
             "neg_text_idx": neg_text_idx if self.use_itm else None,
             "neg_image_idx": neg_image_idx if self.use_itm else None,
+            # ITM's logits (3B, 2) in itm_pairs' order, detached (None without ITM): the logged accuracy
+            "itm_logits": None if itm_logits is None else itm_logits.detach(),
         }
 
 

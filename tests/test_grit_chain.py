@@ -136,3 +136,52 @@ def test_bench_runs_small_and_agrees_with_the_reference(capsys):
     assert result["grouping_s_per_fill"] > 0 and result["speedup_vs_reference"] > 0
     hard = result["hardness"]
     assert hard["random_batches"] < hard["grouped_batches"] <= hard["search_space_ceiling"] + 1e-6
+
+
+def reference_skip_chain(v: torch.Tensor, t: torch.Tensor, start: int, skip: int,
+                         valid: list[bool] | None = None) -> list[int]:
+    """rank_skip p: p_i = the (p+1)-th most similar unvisited valid entry (the last valid one when fewer are
+    left), alternating as the paper's chain; invalid entries after every valid one."""
+    vl, tl = v.double().tolist(), t.double().tolist()
+    valid = valid or [True] * len(vl)
+    dot = lambda a, b: sum(x * y for x, y in zip(a, b))
+    chain, visited = [start], {start}
+    for i in range(1, len(vl)):
+        prev = chain[-1]
+        scores = {j: dot(vl[prev], tl[j]) if i % 2 == 1 else dot(tl[prev], vl[j]) for j in range(len(vl))}
+        score = scores.__getitem__
+        left = [j for j in range(len(vl)) if j not in visited and valid[j]]
+        if left:
+            ranked = sorted(left, key=lambda j: -score(j))
+            pick = ranked[min(skip, len(ranked) - 1)]
+        else:
+            pick = max((j for j in range(len(vl)) if j not in visited), key=score)
+        chain.append(pick)
+        visited.add(pick)
+    return chain
+
+
+@pytest.mark.parametrize("S,M,skip", [(2, 9, 1), (3, 17, 2), (2, 70, 4), (1, 5, 10)])
+def test_rank_skip_matches_reference(S, M, skip):
+    g = torch.Generator().manual_seed(7 * M + skip)
+    v = F.normalize(torch.randn(S, M, 16, generator=g), dim=-1)
+    t = F.normalize(v + 0.7 * torch.randn(S, M, 16, generator=g), dim=-1)
+    valid = torch.rand(S, M, generator=g) > 0.2
+    start = torch.where(valid, torch.rand(S, M, generator=g), -1.0).argmax(dim=1)
+    out = greedy_chain(v, t, start, valid=valid, rank_skip=skip)
+    for s in range(S):
+        assert sorted(out[s].tolist()) == list(range(M))
+        assert out[s].tolist() == reference_skip_chain(v[s], t[s], int(start[s]), skip, valid[s].tolist())
+        n_valid = int(valid[s].sum())
+        assert valid[s][out[s][:n_valid]].all()  # the valid entries first
+
+
+def test_rank_skip_zero_is_the_paper_chain_and_skipping_changes_it():
+    g = torch.Generator().manual_seed(3)
+    v = F.normalize(torch.randn(2, 40, 8, generator=g), dim=-1)
+    t = F.normalize(v + 0.5 * torch.randn(2, 40, 8, generator=g), dim=-1)
+    start = torch.tensor([0, 5])
+    assert torch.equal(greedy_chain(v, t, start, rank_skip=0), greedy_chain(v, t, start))
+    assert not torch.equal(greedy_chain(v, t, start, rank_skip=2), greedy_chain(v, t, start))
+    with pytest.raises(ValueError, match="rank_skip"):
+        greedy_chain(v, t, start, rank_skip=-1)

@@ -281,3 +281,37 @@ def test_no_host_sync_in_collect_and_chain(monkeypatch):
     s.collect_global(image[idx], text[idx], idx, valid)  # 8 of 40 queue slots: no grouping yet
     v = F.normalize(torch.randn(3, 10, DIM), dim=-1)
     greedy_chain(v, v.flip(1), torch.tensor([0, 4, 9]), valid=torch.ones(3, 10, dtype=torch.bool))
+
+
+def test_group_from_epoch_keeps_the_first_epochs_random_and_resumes():
+    D, N = 96, 4
+    feats = clustered_features(D)
+    late = dict(GRIT, group_from_epoch=3)
+    (paper,) = make_samplers(D, N, 1, GRIT)
+    (s,) = make_samplers(D, N, 1, late)
+    (off,) = make_samplers(D, N, 1, OFF)
+    assert (paper.first_grouped, s.first_grouped) == (1, 3)
+    for epoch in range(3):  # random batches (DistributedSampler's order), nothing collected before epoch 2
+        steps = run_epoch([s], epoch, feats)
+        assert steps == run_epoch([off], epoch, feats)
+        assert (s.collector.ptr > 0 or s.state_dict()["indices"].numel() > 0) == (epoch == 2)
+    # epoch 3 is grouped from epoch 2's features, as the paper's epoch 1 is from epoch 0's
+    grouped = run_epoch([s], 3, feats)
+    assert grouped != run_epoch([off], 3, feats)
+    assert hardness([b for st in grouped for b in st], feats) > hardness(
+        [b for st in run_epoch([off], 4, feats) for b in st], feats)
+    # a mid-epoch resume in a random epoch that collects (epoch 2) is exact
+    (a,) = make_samplers(D, N, 1, late)
+    for epoch in range(2):
+        run_epoch([a], epoch, feats)
+    run_epoch([a], 2, feats, stop_after=5)
+    (b,) = make_samplers(D, N, 1, late)
+    b.load_state_dict(a.state_dict())
+    b.set_epoch(2)
+    run_epoch([b], 2, feats, start=False)
+    (ref,) = make_samplers(D, N, 1, late)
+    for epoch in range(3):
+        run_epoch([ref], epoch, feats)
+    assert torch.equal(b.state_dict()["indices"], ref.state_dict()["indices"])
+    with pytest.raises(ValueError, match="group_from_epoch"):
+        make_samplers(D, N, 1, dict(late, warmstart_indices="unused.pt"))

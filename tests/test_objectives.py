@@ -476,3 +476,19 @@ def test_gather_identity_without_distributed():
     assert gather_features(x) is x
     assert torch.equal(concat_all_gather(x), x) and not concat_all_gather(x).requires_grad
     assert local_columns(x) is x
+
+
+def test_itm_accuracy_counts_right_pairs_and_matches():
+    from models.objectives import itm_accuracy
+
+    # B = 2: pairs [match 0, match 1, (0, neg text), (1, neg text), (neg image, 0), (neg image, 1)]
+    logits = torch.tensor([[0.0, 1.0], [1.0, 0.0], [2.0, 0.0], [0.0, 3.0], [1.0, 0.5], [1.0, -1.0]])
+    neg_text, neg_image = torch.tensor([1, 0]), torch.tensor([1, 0])
+    acc, match = itm_accuracy(logits, neg_text, neg_image)
+    assert acc.item() == pytest.approx(4 / 6) and match.item() == pytest.approx(1 / 2)
+    # an ITM at chance calls every pair a non-match: 2/3 and 0
+    chance = torch.tensor([[1.0, 0.0]]).repeat(6, 1)
+    assert [x.item() for x in itm_accuracy(chance, neg_text, neg_image)] == pytest.approx([2 / 3, 0.0])
+    # sample 1 bad: every pair holding it is left out, so only match 0 counts (and is right)
+    acc, match = itm_accuracy(logits, neg_text, neg_image, valid=torch.tensor([True, False]))
+    assert match.item() == 1.0 and acc.item() == 1.0

@@ -167,6 +167,8 @@ def test_each_strategy_and_loss_switch_by_one_key(data_dir, tmp_path, capsys, se
     # and, for a grouped epoch, how many sub-queues a batch draws from
     for record in log:
         assert 0 < record['grit_hardness_t2i'] < 1 and record['itm_false_negatives'] == 0.0
+        # ITM's accuracy over its 3B pairs and over its B matches (2/3 and 0 at chance)
+        assert 0 <= record['itm_match_accuracy'] <= 1 and 0 <= record['itm_accuracy'] <= 1
     assert 'batch_groups' not in log[0]  # epoch 0 is random in every strategy
     assert ('batch_groups' in log[1]) == (strategy != 'random')
     assert log[1].get('batch_groups', 1.0) >= 1.0
@@ -192,3 +194,21 @@ def test_each_strategy_and_loss_switch_by_one_key(data_dir, tmp_path, capsys, se
         assert state['sampler']['indices'].numel() == 0
     else:
         assert_valid_next_epoch(state['sampler']['indices'], n_entries(data_dir), 8)
+
+
+def test_later_grouping_and_rank_skip(data_dir, tmp_path, capsys):
+    """Issue 49's remedies, each one key: grit.group_from_epoch keeps the epochs before it random (epoch 1
+    collects, epoch 2 is grouped) and batching.grit.rank_skip changes GRIT's chain; the summary says both."""
+    import Pretrain
+
+    out = str(tmp_path / 'run')
+    run_here(Pretrain, ['--config', 'configs/tiny/Pretrain.yaml', '--output_dir', out, '--device', 'cpu',
+                        *overrides(data_dir, max_epoch=3, **{'schedular.epochs': 3}),
+                        'grit.group_from_epoch=2', 'batching.grit.rank_skip=2'])
+    printed = capsys.readouterr().out
+    assert 'skipping the 2 most similar' in printed
+    assert 'epochs 0-1 random, grouped batches from epoch 2' in printed
+    log = read_log(out)
+    assert ['batch_groups' in r for r in log] == [False, False, True]
+    first = torch.load(os.path.join(out, 'checkpoint_00.pth'), map_location='cpu', weights_only=True)
+    assert first['sampler']['indices'].numel() == 0  # epoch 0 collected nothing

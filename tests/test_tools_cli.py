@@ -29,6 +29,7 @@ TOOLS = {
     "tools.loader_bench": [],
     "tools.grit_bench": [],
     "tools.make_synthetic": [],
+    "tools.itm_stall": ["--compare_dir", "runs", "--seeds", "1"],
 }
 
 

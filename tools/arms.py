@@ -6,8 +6,10 @@ run them at their selection.
 The arms: GRIT-VLP at the paper's ratio of search space to batch, M/N = 120/8 = 15, which is the tiny
 config's; GRIT-VLP at the earlier tiny config's M/N = 768/8 = 96; random batches (grit.enabled=false);
 ALBEF_Base and ALBEF_Base50 (Tables 2 and 4's baselines); the batch-construction strategies B3, GCBS and
-random walk; HN-NCE on random and on GRIT batches; GRIT with S-ITC. An arm with a hyper-parameter gets the
-same two-setting grid size as every other such arm, each setting swept with every learning rate.
+random walk; HN-NCE on random and on GRIT batches; GRIT with S-ITC; and the remedies for GRIT's stalled
+ITM (multinomial hard negatives, later grouping, a rank skip, a longer warm-up). An arm with a
+hyper-parameter gets the same two-setting grid size as every other such arm, each setting swept with every
+learning rate.
 """
 
 from __future__ import annotations
@@ -36,7 +38,14 @@ ARMS = {'GRIT-VLP': [],  # the tiny config: N = 8, M = 120, L = 1440 (M/N = 15, 
         'random + HN-NCE': ['batching.strategy=random'],
         'GRIT-VLP + HN-NCE': [],
         # MAFA's code (jaeseokbyun/MAFA, models/model_pretrain_MAFA.py) smooths from the second epoch on
-        'GRIT-VLP + S-ITC': ['itc_smoothing_epoch=1']}
+        'GRIT-VLP + S-ITC': ['itc_smoothing_epoch=1'],
+        # Remedies for the ITM that stays at chance on some seeds (issue 49; docs/batch-construction.md,
+        # 'The stalled ITM'), each one switch away from GRIT-VLP: ALBEF's multinomial hard negatives,
+        # grouping from a later epoch, a rank skip in the chain, a longer warm-up.
+        'GRIT-VLP multinomial': ['hard_sampling=multinomial'],
+        'GRIT-VLP later grouping': [],
+        'GRIT-VLP rank skip': [],
+        'GRIT-VLP long warm-up': []}
 # The hyper-parameter grid of each arm that has one: the same size (two settings) for every such arm, each
 # setting swept with every learning rate and selected on val with it (GRID_OVERRIDES: a setting's keys).
 GRIDS = {'B3': ['p=2,m=20', 'p=10,m=30'],  # B3's paper: skip the top p, link the next m
@@ -44,7 +53,10 @@ GRIDS = {'B3': ['p=2,m=20', 'p=10,m=30'],  # B3's paper: skip the top p, link th
          'random walk': ['k=10,restart=0.1', 'k=10,restart=0.3'],
          'random + HN-NCE': ['beta=0.5', 'beta=1'],
          'GRIT-VLP + HN-NCE': ['beta=0.5', 'beta=1'],
-         'GRIT-VLP + S-ITC': ['s=0.2', 's=0.5']}  # 0.5: MAFA's own value
+         'GRIT-VLP + S-ITC': ['s=0.2', 's=0.5'],  # 0.5: MAFA's own value
+         'GRIT-VLP later grouping': ['from=2', 'from=4'],  # the first grouped epoch (the paper's: 1)
+         'GRIT-VLP rank skip': ['skip=2', 'skip=10'],  # B3's grid of p
+         'GRIT-VLP long warm-up': ['warmup=363', 'warmup=726']}  # one and two epochs of the tiny config
 
 
 def grid_overrides(arm: str, setting: str | None) -> list[str]:
@@ -52,7 +64,8 @@ def grid_overrides(arm: str, setting: str | None) -> list[str]:
     if setting is None:
         return []
     keys = {'p': 'batching.b3.rank_skip', 'm': 'batching.b3.rank_window', 'restart': 'batching.rwr.restart',
-            'beta': 'itc_hn_beta', 's': 'itc_smoothing',
+            'beta': 'itc_hn_beta', 's': 'itc_smoothing', 'from': 'grit.group_from_epoch',
+            'skip': 'batching.grit.rank_skip', 'warmup': 'schedular.warmup_steps',
             'k': 'batching.gcbs.neighbours' if arm == 'GCBS' else 'batching.rwr.neighbours'}
     return [f'{keys[name]}={value}' for name, value in (part.split('=') for part in setting.split(','))]
 

@@ -20,9 +20,9 @@ from typing import Any, Literal
 from grit.config import DEFAULTS as GRIT_DEFAULTS  # the sampler's defaults (the paper's), one place
 from grit.config import option_problems  # the sampler's own rules, asked at start-up
 
-__all__ = ["REQUIRED", "TASK_CONFIGS", "B3", "Batching", "GCBS", "Grit", "RWR", "NLVRConfig", "Optimizer",
-           "PretrainConfig", "RetrievalConfig", "Schedule", "TaskConfig", "VQAConfig", "config_class", "key",
-           "meaning"]
+__all__ = ["REQUIRED", "TASK_CONFIGS", "B3", "Batching", "GCBS", "Grit", "GritChain", "RWR", "NLVRConfig",
+           "Optimizer", "PretrainConfig", "RetrievalConfig", "Schedule", "TaskConfig", "VQAConfig",
+           "config_class", "key", "meaning"]
 
 REQUIRED = dataclasses.MISSING
 
@@ -106,6 +106,10 @@ class Grit:
     warmstart_indices: str | None = key(
         GRIT_DEFAULTS["warmstart_indices"], "index array G for the first epoch (tools.warmstart); null: a "
                                             "random first epoch", path="file")
+    group_from_epoch: int = key(GRIT_DEFAULTS["group_from_epoch"],
+                                "the first epoch of grouped batches, those before it random ones (collection "
+                                "starts an epoch earlier; not in the paper); 0: the paper's, from the first "
+                                "epoch with features (1; 0 in naive mode or with warmstart_indices)", low=0)
     shard_grouping: bool = key(GRIT_DEFAULTS["shard_grouping"], "with W ranks, rank r chains every W-th "
                                                                 "sub-queue and the chains are all-gathered "
                                                                 "(the same G everywhere, W times less work "
@@ -116,11 +120,20 @@ class Grit:
         block's): batch_size <= search_space <= queue_size."""
         enabled = self.enabled if enabled is None else enabled
         return option_problems(batch_size=batch_size, enabled=enabled, queue_size=self.queue_size,
-                               search_space=self.search_space, mode=self.mode)
+                               search_space=self.search_space, mode=self.mode,
+                               group_from_epoch=self.group_from_epoch, warmstart=bool(self.warmstart_indices))
 
     def sampler_options(self) -> dict[str, Any]:
         """The block as grit.GritSampler's keyword arguments."""
         return {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+
+
+@dataclass(frozen=True, kw_only=True)
+class GritChain:
+    """The `batching.grit` block (grit.strategies.grit): options of GRIT's chain beyond the paper."""
+
+    rank_skip: int = key(0, "p: each step of the chain passes over the p most similar unvisited entries "
+                            "(as B3 skips its top p; not in the paper); 0: the paper's chain", low=0)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -158,6 +171,7 @@ class Batching:
     strategy: Literal["grit", "random", "b3", "gcbs", "rwr"] | None = key(
         None, "grit (the paper), random (ALBEF), b3, gcbs or rwr (random walks); null: grit when "
               "grit.enabled, else random (when set, grit.enabled is not read)")
+    grit: GritChain = key(GritChain(), "options of strategy grit")
     b3: B3 = key(B3(), "options of strategy b3")
     gcbs: GCBS = key(GCBS(), "options of strategy gcbs")
     rwr: RWR = key(RWR(), "options of strategy rwr")
@@ -169,7 +183,7 @@ class Batching:
         return "grit" if grit.enabled else "random"
 
     def options(self, name: str) -> dict[str, Any]:
-        """Strategy `name`'s block as keyword arguments ({} for grit and random)."""
+        """Strategy `name`'s block as keyword arguments ({} for random)."""
         block = getattr(self, name, None)
         return {} if block is None else {f.name: getattr(block, f.name) for f in dataclasses.fields(block)}
 

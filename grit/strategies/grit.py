@@ -11,12 +11,14 @@ from . import Grouping
 
 class GreedyChain(Grouping):
     """p_0 a uniformly random valid entry; p_i the most similar unvisited entry to p_{i-1}, alternating
-    image -> text and text -> image; invalid entries last."""
+    image -> text and text -> image; invalid entries last. rank_skip p > 0 (not in the paper): the
+    (p+1)-th most similar instead (grit.chain.greedy_chain)."""
 
     name = "grit"
 
-    def __init__(self, batch_size: int) -> None:
+    def __init__(self, batch_size: int, rank_skip: int = 0) -> None:
         super().__init__(batch_size)
+        self.rank_skip = int(rank_skip)
         # On CPU the similarity tables are kept between fills: freeing them means page-faulting them in
         # again next fill; on a GPU the caching allocator reuses the memory and training may use it.
         self._workspace = ChainWorkspace()
@@ -31,10 +33,11 @@ class GreedyChain(Grouping):
         keys = draws.to(image.device, non_blocking=True)
         start = torch.where(valid, keys, -1.0).argmax(dim=1)
         workspace = self._workspace if image.device.type == "cpu" else None
-        return greedy_chain(image, text, start, valid=valid, workspace=workspace)
+        return greedy_chain(image, text, start, valid=valid, workspace=workspace, rank_skip=self.rank_skip)
 
     def describe(self) -> str:
-        return "GRIT's greedy alternating chain"
+        skip = f", skipping the {self.rank_skip} most similar" if self.rank_skip else ""
+        return f"GRIT's greedy alternating chain{skip}"
 
 
 GROUPING = GreedyChain

@@ -1,0 +1,50 @@
+"""tools.itm_stall: the per-epoch figures of a comparison's runs, read from tools.compare's folders."""
+
+import json
+import math
+import os
+
+import pytest
+
+from grit_io import InputFileError
+from tools import itm_stall
+from tools.runs import run_dir
+
+
+def _write_runs(root: str, arm: str, lr: float, seeds_to_start: dict[int, int]) -> None:
+    """Runs whose ITM leaves chance at the given 1-based epoch; epoch 1's hardness grows with that epoch."""
+    for seed, start in seeds_to_start.items():
+        rows = [{"epoch": e, "loss_itm": 0.637 if e + 1 < start else 0.55,
+                 "grit_hardness": 0.5 + 0.01 * start,
+                 "itm_accuracy": 2 / 3, "itm_match_accuracy": 0.0 if e + 1 < start else 0.4,
+                 "itm_false_negatives": 0.1 * seed, "batch_same_scene": 0.2}
+                for e in range(4)]
+        folder = run_dir(root, arm, seed, lr)
+        os.makedirs(folder)
+        with open(os.path.join(folder, "result.json"), "w") as f:
+            json.dump({"command": [], "log": rows, "retrieval": {}, "probe": {}}, f)
+
+
+def test_tables_epochs_and_correlations(tmp_path, capsys):
+    root = str(tmp_path / "compare")
+    _write_runs(root, "GRIT-VLP", 5e-4, {1: 2, 2: 4, 3: 5})  # seed 3: never leaves chance in 4 epochs
+    _write_runs(root, "random batches", 2.5e-4, {1: 2, 2: 2, 3: 2})
+    report = str(tmp_path / "r")
+    record = itm_stall.main(["--compare_dir", root, "--seeds", "1", "2", "3", "--output_dir", report])
+    assert record["itm_epoch"] == {"GRIT-VLP": {1: 2, 2: 4, 3: 5}, "random batches": {1: 2, 2: 2, 3: 2}}
+    rho = record["rank_correlation_epoch1"]
+    assert rho["GRIT-VLP"]["grit_hardness"] == pytest.approx(1.0)  # rises with the late start
+    assert rho["GRIT-VLP"]["itm_false_negatives"] == pytest.approx(1.0)  # 0.1 x seed: the same order
+    assert math.isnan(rho["GRIT-VLP"]["batch_same_scene"])  # constant: no correlation to give
+    assert math.isnan(rho["random batches"]["grit_hardness"])  # every seed leaves chance at once
+    out = capsys.readouterr().out
+    assert "### itm_match_accuracy" in out and "| GRIT-VLP | 3 | 5 | 0.000 | 0.000 | 0.000 | 0.000 |" in out
+    assert all(os.path.isfile(os.path.join(report, f"itm_stall.{ext}")) for ext in ("md", "json"))
+
+
+def test_missing_run_is_named(tmp_path):
+    with pytest.raises(InputFileError, match="seed 4"):
+        itm_stall.main(["--compare_dir", str(tmp_path), "--seeds", "4", "--arms", "GRIT-VLP"])
+    with pytest.raises(InputFileError, match="2 rates for 1 arms"):
+        itm_stall.main(["--compare_dir", str(tmp_path), "--seeds", "4", "--arms", "GRIT-VLP",
+                        "--lrs", "1", "2"])

@@ -1,0 +1,154 @@
+"""Why GRIT's ITM stays at chance on some seeds (issue 49): the per-epoch figures of a comparison's runs, per
+arm and per seed, side by side.
+
+    python -m tools.itm_stall --compare_dir output/compare_strategies --seeds 1 2 3 4 5 6 \
+        [--arms GRIT-VLP "random batches"] [--lrs 5e-4 2.5e-4] [--output_dir DIR]
+
+It reads the runs `python -m tools.compare` left in its --output_dir, --compare_dir here (each arm at its
+selection, tools.arms, or at --lrs, one per arm) and prints, per metric, a table of (arm, seed) rows by
+epoch: ITM's loss, accuracy and match accuracy, the hardness of the batches, the share of mined ITM
+negatives from the anchor's own scene (or family) and the share of examples whose batch holds another of
+their scene. Each run's itm_epoch is the epoch its ITM leaves chance (tools.compare's rule); for each
+metric at the first grouped epoch (epoch 1), the rank correlation over a grouped arm's seeds with that
+epoch says which figure goes with a late start. With --output_dir it also writes itm_stall.json,
+itm_stall.md and, with matplotlib, itm_stall.png (one panel per metric, a line per run, dashed where the
+ITM had not left chance by half the run).
+"""
+
+from __future__ import annotations
+
+import math
+import os
+
+from grit_io import InputFileError, read_json
+from tools.arms import ARMS, SELECTED_SETTING, selection
+from tools.cli import add_output_dir, emit_record, tool_parser
+from tools.compare import ITM_CHANCE, ITM_LEFT_CHANCE
+from tools.runs import run_dir
+from training.cli import run_main
+
+__all__ = ["METRICS", "build_parser", "itm_epoch", "load_logs", "main", "markdown", "plot",
+           "rank_correlations"]
+
+# The figures the mechanism is sought in, in the order they are shown (older runs lack the accuracies).
+METRICS = ("loss_itm", "itm_accuracy", "itm_match_accuracy", "grit_hardness", "itm_false_negatives",
+           "batch_same_scene")
+
+
+def itm_epoch(rows: list[dict]) -> int:
+    """The first epoch (1-based) whose mean ITM loss is ITM_LEFT_CHANCE below chance; len + 1 if none."""
+    return next((r["epoch"] + 1 for r in rows if r["loss_itm"] < ITM_CHANCE - ITM_LEFT_CHANCE), len(rows) + 1)
+
+
+def load_logs(output_dir: str, arms: list[str], seeds: list[int],
+              lrs: list[float] | None = None) -> dict[str, dict[int, list[dict]]]:
+    """{arm: {seed: per-epoch log rows}} of the runs tools.compare made in output_dir."""
+    out: dict[str, dict[int, list[dict]]] = {}
+    for k, arm in enumerate(arms):
+        lr, setting = (lrs[k], SELECTED_SETTING.get(arm)) if lrs else selection(arm)
+        out[arm] = {}
+        for seed in seeds:
+            path = os.path.join(run_dir(output_dir, arm, seed, lr, setting), "result.json")
+            if not os.path.isfile(path):
+                raise InputFileError(f"no run of {arm!r} (lr {lr:g}{', ' + setting if setting else ''}) seed "
+                                     f"{seed}: {path} is missing (run python -m tools.compare first)")
+            out[arm][seed] = read_json(path, "run result")["log"]
+    return out
+
+
+def rank_correlations(logs: dict[int, list[dict]], epoch: int = 1) -> dict[str, float]:
+    """Spearman's rho over seeds between itm_epoch and each metric at `epoch` (nan where it is constant or
+    missing): which early figure goes with a late ITM."""
+    from scipy.stats import spearmanr
+
+    late = [itm_epoch(rows) for rows in logs.values()]
+    out = {}
+    for name in METRICS:
+        values = [rows[epoch].get(name, math.nan) if len(rows) > epoch else math.nan
+                  for rows in logs.values()]
+        usable = len(values) > 2 and not any(math.isnan(v) for v in values)
+        usable = usable and len(set(values)) > 1 and len(set(late)) > 1
+        out[name] = float(spearmanr(late, values).statistic) if usable else math.nan
+    return out
+
+
+def markdown(logs: dict[str, dict[int, list[dict]]]) -> str:
+    """Per metric, a table of (arm, seed) rows by epoch, with each run's itm_epoch."""
+    epochs = max(len(rows) for runs in logs.values() for rows in runs.values())
+    lines = []
+    for name in METRICS:
+        lines += [f"### {name}", "", "| arm | seed | itm_epoch | " + " | ".join(str(e) for e in range(epochs))
+                  + " |", "|---|---|---|" + "---|" * epochs]
+        for arm, runs in logs.items():
+            for seed, rows in runs.items():
+                cells = [f"{r[name]:.3f}" if name in r else "–" for r in rows]
+                lines.append(f"| {arm} | {seed} | {itm_epoch(rows)} | " + " | ".join(cells) + " |")
+        lines.append("")
+    return "\n".join(lines)
+
+
+def plot(logs: dict[str, dict[int, list[dict]]], path: str) -> str | None:
+    """One panel per metric, a line per run (colour: arm; dashed: ITM at chance past half the run)."""
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return None
+    fig, axes = plt.subplots(2, 3, figsize=(15, 8))
+    colours = plt.rcParams["axes.prop_cycle"].by_key()["color"]
+    for ax, name in zip(axes.flat, METRICS):
+        for c, (arm, runs) in enumerate(logs.items()):
+            for k, rows in enumerate(runs.values()):
+                points = [(r["epoch"], r[name]) for r in rows if name in r]
+                if points:
+                    late = itm_epoch(rows) > len(rows) / 2
+                    ax.plot(*zip(*points), color=colours[c % len(colours)], alpha=0.7,
+                            linestyle="--" if late else "-", label=arm if k == 0 else None)
+        ax.set_title(name)
+        ax.set_xlabel("epoch")
+    axes.flat[0].legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=90)
+    plt.close(fig)
+    return path
+
+
+def build_parser():
+    """The command line."""
+    p = tool_parser("tools.itm_stall", __doc__.split("\n\n")[0])
+    p.add_argument("--compare_dir", required=True,
+                   help="the folder of a tools.compare run (its --output_dir), holding seed<S>/<arm>_lr<lr>/")
+    p.add_argument("--seeds", type=int, nargs="+", required=True, help="the seeds whose runs are read")
+    p.add_argument("--arms", nargs="+", choices=list(ARMS), default=["GRIT-VLP", "random batches"],
+                   help="the arms (default: GRIT-VLP and random batches)")
+    p.add_argument("--lrs", type=float, nargs="+", default=None,
+                   help="each arm's learning rate, in --arms' order (default: its selection, tools.arms)")
+    add_output_dir(p, "itm_stall.{json,md,png}", without="the tables and the record are only printed")
+    return p
+
+
+def main(argv: list[str] | None = None) -> dict:
+    """Read the runs, print the tables, return (and with --report_dir write) the record."""
+    args = build_parser().parse_args(argv)
+    if args.lrs and len(args.lrs) != len(args.arms):
+        raise InputFileError(f"--lrs gives {len(args.lrs)} rates for {len(args.arms)} arms")
+    logs = load_logs(args.compare_dir, args.arms, args.seeds, args.lrs)
+    table = markdown(logs)
+    print(table)
+    record = {"compare_dir": args.compare_dir, "seeds": args.seeds,
+              "itm_epoch": {arm: {s: itm_epoch(rows) for s, rows in runs.items()}
+                            for arm, runs in logs.items()},
+              "rank_correlation_epoch1": {arm: rank_correlations(runs) for arm, runs in logs.items()},
+              "logs": {arm: {s: [{k: r[k] for k in ("epoch", *METRICS) if k in r} for r in rows]
+                             for s, rows in runs.items()} for arm, runs in logs.items()}}
+    if args.output_dir:
+        os.makedirs(args.output_dir, exist_ok=True)
+        with open(os.path.join(args.output_dir, "itm_stall.md"), "w", encoding="utf-8") as f:
+            f.write(table + "\n")
+        record["figure"] = plot(logs, os.path.join(args.output_dir, "itm_stall.png"))
+    return emit_record(record, args.output_dir, "itm_stall")
+
+
+if __name__ == "__main__":
+    run_main(main)
