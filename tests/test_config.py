@@ -503,3 +503,29 @@ def test_start_resolves_before_the_process_group_data_and_model(monkeypatch, set
         training.cli.start(["--config", TINY["pretrain"], "--output_dir", "unused", "--set", *sets],
                            Pretrain.PARSER, "pretrain")
     assert text in str(err.value)
+
+
+@pytest.mark.parametrize("sets,says", [
+    (["batching.b3.rank_skip=2"], "batching.b3.rank_skip is set (2) but this run's strategy is 'grit'"),
+    (["batching.grit.rank_skip=2", "grit.enabled=false"], "batching.grit.rank_skip is set (2)"),
+    (["batching.strategy=b3", "grit.enabled=false"],
+     "batching.strategy 'b3' groups batches, but grit.enabled"),
+    (["batching.strategy=b3", "batching.b3.rank_skip=200"],
+     "rank_skip + rank_window (200 + 30) exceed the 119"),
+    (["batching.strategy=gcbs", "batching.gcbs.neighbours=120"], "batching.gcbs.neighbours (120) exceeds"),
+    (["batching.grit.rank_skip=119"], "batching.grit.rank_skip (119) must be below"),
+    (["itc_smoothing=0.2", "itc_smoothing_epoch=12"], "itc_smoothing_epoch (12) is not before the run's end"),
+    (["grit.group_from_epoch=12"], "grit.group_from_epoch (12) is not before the run's end"),
+    (["itc=false", "itm_negatives=random", "itc_hn_beta=0.5"], "itc_hn_beta is 0.5 but itc is false"),
+    (["batching.gcbs.k=5"], "'batching.gcbs.k' (did you mean 'batching.gcbs.neighbours'?)"),
+])
+def test_settings_that_cannot_act_are_refused_naming_the_key(sets, says):
+    """Issue 50: a setting that would not act is one error naming it, not a run that ignores it."""
+    assert says in message("pretrain", TINY["pretrain"], *sets)
+
+
+def test_settings_that_act_are_accepted():
+    for sets in (["batching.strategy=b3", "batching.b3.rank_skip=2"], ["batching.strategy=random"],
+                 ["batching.grit.rank_skip=2", "grit.group_from_epoch=11"], ["itc_smoothing=0.2",
+                 "itc_smoothing_epoch=11"], ["batching.strategy=b3", "batching.b3.rank_skip=89"]):
+        resolve_config("pretrain", TINY["pretrain"], sets, check_paths=False)

@@ -1,6 +1,7 @@
 """The typed config: every key each task script reads, with its type, default, allowed values and meaning.
 
-This file is the one place a key is defined. A YAML file (with `base:` overlays) and `--set` overrides
+This file and training.config_blocks (the blocks the configs nest: optimizer, schedular, grit, batching)
+are the one place a key is defined. A YAML file (with `base:` overlays) and `--set` overrides
 resolve into one frozen dataclass per script at start-up (training.config_resolve): PretrainConfig,
 RetrievalConfig, NLVRConfig, VQAConfig. Code reads attributes (`config.grit.search_space`), never a
 default of its own. A field's type annotation is its type (Literal: the allowed values); key() holds its
@@ -13,179 +14,30 @@ carry, and what becomes of them, are in training.config_albef.
 
 from __future__ import annotations
 
-import dataclasses
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Literal
 
-from grit.config import DEFAULTS as GRIT_DEFAULTS  # the sampler's defaults (the paper's), one place
-from grit.config import option_problems  # the sampler's own rules, asked at start-up
+from training.config_blocks import (
+    B3,
+    GCBS,
+    REQUIRED,
+    RWR,
+    Batching,
+    Grit,
+    GritChain,
+    Optimizer,
+    Schedule,
+    key,
+    meaning,
+)
 
 __all__ = ["REQUIRED", "TASK_CONFIGS", "B3", "Batching", "GCBS", "Grit", "GritChain", "RWR", "NLVRConfig",
            "Optimizer", "PretrainConfig", "RetrievalConfig", "Schedule", "TaskConfig", "VQAConfig",
            "config_class", "key", "meaning"]
 
-REQUIRED = dataclasses.MISSING
-
-
-def key(default: Any = REQUIRED, meaning: str = "", *, low: float | None = None, high: float | None = None,
-        above: float | None = None, path: Literal["file", "dir"] | None = None) -> Any:
-    """A config key: its default (REQUIRED: none), one-line meaning, bounds (low <= v <= high, v > above)
-    and, for a data path, 'file' or 'dir' (checked to exist at start-up)."""
-    metadata = {"meaning": meaning, "low": low, "high": high, "above": above, "path": path}
-    if isinstance(default, (list, dict)):  # a fresh copy per instance
-        return field(default_factory=lambda: type(default)(default), metadata=metadata)
-    return field(default=default, metadata=metadata)
-
 
 def _as_list(value: str | list[str] | None) -> list[str]:
     return [] if value is None else [value] if isinstance(value, str) else list(value)
-
-
-def meaning(cls: type, name: str) -> str:
-    """The one-line meaning of key `name` of config class `cls`."""
-    return next(f.metadata.get("meaning", "") for f in dataclasses.fields(cls) if f.name == name)
-
-
-# ------------------------------------------------------------------------------------------ blocks
-
-
-@dataclass(frozen=True, kw_only=True)
-class Optimizer:
-    """The `optimizer` block (training.optimizer.build_optimizer)."""
-
-    opt: Literal["adamW", "adamw", "AdamW"] = key("adamW", "AdamW, as ALBEF (the only optimizer here)")
-    lr: float = key(REQUIRED, "peak learning rate", above=0)
-    weight_decay: float = key(0.0, "AdamW weight decay; norms, biases, embeddings, cls/pos tokens and temp "
-                                   "get none", low=0)
-    betas: list[float] = key([0.9, 0.999], "AdamW betas (two numbers)")
-    eps: float = key(1e-8, "AdamW epsilon", above=0)
-
-    def problems(self) -> list[str]:
-        """Rules that tie this block's keys together."""
-        return [] if len(self.betas) == 2 else [f"optimizer.betas must hold two numbers, got {self.betas}"]
-
-
-@dataclass(frozen=True, kw_only=True)
-class Schedule:
-    """The `schedular` block (ALBEF's spelling; `scheduler` is read as it): warm-up, then per-epoch cosine."""
-
-    sched: Literal["cosine"] = key("cosine", "the schedule: the authors' per-epoch cosine")
-    lr: float | None = key(None, "peak rate; must equal optimizer.lr (null: optimizer.lr)", above=0)
-    epochs: int = key(REQUIRED, "cosine horizon in epochs (the paper: 30, while training stops at "
-                                "max_epoch 20)", low=1)
-    min_lr: float = key(0.0, "rate at the end of the horizon", low=0)
-    warmup_lr: float | None = key(None, "rate of the first warm-up step (null: min_lr)", low=0)
-    warmup_steps: int = key(0, "optimiser steps of linear warm-up from warmup_lr to lr (ALBEF pre-training: "
-                               "2000)", low=0)
-    decay_rate: float | None = key(None, "ALBEF's; no effect on a one-cycle cosine, in ALBEF either: ignored")
-    cooldown_epochs: float | None = key(None, "ALBEF's; its training loop never runs them either: ignored")
-
-    def problems(self) -> list[str]:
-        """Rules that tie this block's keys together."""
-        return []
-
-
-@dataclass(frozen=True, kw_only=True)
-class Grit:
-    """The `grit` block (grit.GritSampler; paper Sec. 4.1, S.M. Algorithms 1-2). `grit: null` = GRIT off."""
-
-    # Defaults: the paper's, from grit.config.DEFAULTS (GritSampler's signature takes them from there too).
-    enabled: bool = key(GRIT_DEFAULTS["enabled"], "false: random batches (DistributedSampler's permutation), "
-                                                  "the ALBEF baseline")
-    queue_size: int | None = key(None, "L: examples collected before a grouping; null only while GRIT is off",
-                                 low=1)
-    search_space: int | None = key(None, "M: sub-queue size a group is searched in (>= batch_size); null "
-                                         "only while GRIT is off", low=1)
-    example_shuffle: bool = key(GRIT_DEFAULTS["example_shuffle"], "phase 2: shuffle a full queue before "
-                                                                  "splitting it into sub-queues")
-    batch_shuffle: bool = key(GRIT_DEFAULTS["batch_shuffle"], "phase 4: shuffle the order of the next "
-                                                              "epoch's groups")
-    mode: Literal["concurrent", "naive"] = key(
-        GRIT_DEFAULTS["mode"], "concurrent: group from the features collected while training; naive: an "
-                               "extra no-grad pass per epoch (Remark 2)")
-    warmstart_indices: str | None = key(
-        GRIT_DEFAULTS["warmstart_indices"], "index array G for the first epoch (tools.warmstart); null: a "
-                                            "random first epoch", path="file")
-    group_from_epoch: int = key(GRIT_DEFAULTS["group_from_epoch"],
-                                "the first epoch of grouped batches, those before it random ones (collection "
-                                "starts an epoch earlier; not in the paper); 0: the paper's, from the first "
-                                "epoch with features (1; 0 in naive mode or with warmstart_indices)", low=0)
-    shard_grouping: bool = key(GRIT_DEFAULTS["shard_grouping"], "with W ranks, rank r chains every W-th "
-                                                                "sub-queue and the chains are all-gathered "
-                                                                "(the same G everywhere, W times less work "
-                                                                "each)")
-
-    def problems(self, batch_size: int, enabled: bool | None = None) -> list[str]:
-        """GRIT's size rules (grit.config.option_problems), when grouping is on (`enabled`, default this
-        block's): batch_size <= search_space <= queue_size."""
-        enabled = self.enabled if enabled is None else enabled
-        return option_problems(batch_size=batch_size, enabled=enabled, queue_size=self.queue_size,
-                               search_space=self.search_space, mode=self.mode,
-                               group_from_epoch=self.group_from_epoch, warmstart=bool(self.warmstart_indices))
-
-    def sampler_options(self) -> dict[str, Any]:
-        """The block as grit.GritSampler's keyword arguments."""
-        return {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
-
-
-@dataclass(frozen=True, kw_only=True)
-class GritChain:
-    """The `batching.grit` block (grit.strategies.grit): options of GRIT's chain beyond the paper."""
-
-    rank_skip: int = key(0, "p: each step of the chain passes over the p most similar unvisited entries "
-                            "(as B3 skips its top p; not in the paper); 0: the paper's chain", low=0)
-
-
-@dataclass(frozen=True, kw_only=True)
-class B3:
-    """The `batching.b3` block (grit.strategies.b3): B3's rank window and METIS communities."""
-
-    rank_skip: int = key(10, "p: each example's p most similar are passed over (likely false negatives)",
-                         low=0)
-    rank_window: int = key(30, "m: each example is linked to the next m it ranks (ranks p+1 .. p+m)", low=1)
-    recursive: bool = key(True, "METIS's recursive bisection (faster); false: its k-way partition")
-
-
-@dataclass(frozen=True, kw_only=True)
-class GCBS:
-    """The `batching.gcbs` block (grit.strategies.gcbs): reverse Cuthill-McKee order of a k-NN graph."""
-
-    neighbours: int = key(10, "k: each example is linked to its k most similar in its sub-queue", low=1)
-
-
-@dataclass(frozen=True, kw_only=True)
-class RWR:
-    """The `batching.rwr` block (grit.strategies.rwr): BatchSampler's random walks with restart."""
-
-    neighbours: int = key(10, "k: each example is linked to its k most similar in its sub-queue", low=1)
-    restart: float = key(0.1, "probability of returning to the walk's start at each step (BatchSampler: "
-                              "0.1)", low=0, high=0.99)
-
-
-@dataclass(frozen=True, kw_only=True)
-class Batching:
-    """The `batching` block: how the next epoch's batches are formed (grit.strategies). Every strategy but
-    `random` collects into the `grit` block's queues (L = grit.queue_size) and orders each sub-queue of
-    M = grit.search_space; the sampler's guarantees are the same for all (docs/batch-construction.md)."""
-
-    strategy: Literal["grit", "random", "b3", "gcbs", "rwr"] | None = key(
-        None, "grit (the paper), random (ALBEF), b3, gcbs or rwr (random walks); null: grit when "
-              "grit.enabled, else random (when set, grit.enabled is not read)")
-    grit: GritChain = key(GritChain(), "options of strategy grit")
-    b3: B3 = key(B3(), "options of strategy b3")
-    gcbs: GCBS = key(GCBS(), "options of strategy gcbs")
-    rwr: RWR = key(RWR(), "options of strategy rwr")
-
-    def name(self, grit: Grit) -> str:
-        """The strategy this run uses, given the `grit` block."""
-        if self.strategy is not None:
-            return self.strategy
-        return "grit" if grit.enabled else "random"
-
-    def options(self, name: str) -> dict[str, Any]:
-        """Strategy `name`'s block as keyword arguments ({} for random)."""
-        block = getattr(self, name, None)
-        return {} if block is None else {f.name: getattr(block, f.name) for f in dataclasses.fields(block)}
 
 
 # ------------------------------------------------------------------------------------------ tasks
@@ -394,6 +246,19 @@ class PretrainConfig(_Objectives, TaskConfig):
                                   "than 100 open files); GRIT's order visits shards at random",
                               low=1, high=100)
 
+    def inactive_settings(self) -> list[str]:
+        """The loss and epoch switches that would not act in this run, one message each."""
+        out = [f"{k} is {getattr(self, k)} but itc is false: {what} acts on ITC only; drop it"
+               for k, what in (("itc_hn_beta", "HN-NCE"), ("itc_smoothing", "S-ITC"))
+               if not self.itc and getattr(self, k)]
+        if self.itc_smoothing and self.itc_smoothing_epoch >= self.max_epoch:
+            out.append(f"itc_smoothing_epoch ({self.itc_smoothing_epoch}) is not before the run's end "
+                       f"(max_epoch {self.max_epoch}): S-ITC would never smooth")
+        if self.grit_on and self.grit.group_from_epoch >= self.max_epoch:
+            out.append(f"grit.group_from_epoch ({self.grit.group_from_epoch}) is not before the run's end "
+                       f"(max_epoch {self.max_epoch}): no epoch would be grouped")
+        return out
+
     @property
     def strategy(self) -> str:
         """The batch-construction strategy this run uses (batching.strategy, or from grit.enabled)."""
@@ -406,8 +271,10 @@ class PretrainConfig(_Objectives, TaskConfig):
                 "strategy_options": self.batching.options(name)}
 
     def problems(self) -> list[str]:
-        """TaskConfig's rules, the objectives' and GRIT's sizes."""
-        out = super().problems() + self.grit.problems(self.batch_size, enabled=self.grit_on)
+        """Settings that cannot act (first: they name the key to drop), TaskConfig's rules, the objectives'
+        and the batching's."""
+        out = self.inactive_settings() + super().problems() + self.batching.problems(self.grit)
+        out += self.grit.problems(self.batch_size, enabled=self.grit_on)
         if not (self.train_file or self.train_shards):
             out.append("no training data: set train_file (json lists) or train_shards (tar shards), or both")
         sources = self.train_files + self.train_shard_specs

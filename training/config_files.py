@@ -48,8 +48,13 @@ def _flat_keys(node: Any, prefix: str = '') -> list[str]:
 
 
 def unknown_key_message(key: str, candidates: Iterable[str]) -> str:
-    """"unknown config key 'key'", with the closest of `candidates` (difflib) as a hint."""
-    close = difflib.get_close_matches(key, list(candidates), n=1, cutoff=0.6)
+    """"unknown config key 'key'", with the closest of `candidates` (difflib) as a hint: a key of the same
+    block first ('batching.gcbs.k' -> 'batching.gcbs.neighbours', not the block 'batching.gcbs')."""
+    candidates = list(candidates)
+    parent = key.rpartition('.')[0]
+    siblings = [c for c in candidates if c.rpartition('.')[0] == parent]
+    close = (difflib.get_close_matches(key, siblings, n=1, cutoff=0.6)
+             or difflib.get_close_matches(key, candidates, n=1, cutoff=0.6))
     hint = f" (did you mean '{close[0]}'?)" if close else ''
     return f"unknown config key '{key}'{hint}"
 
