@@ -6,10 +6,12 @@ STAMP := .venv/.installed
 
 venv: $(STAMP)
 
-$(STAMP): requirements.txt
+# The repository's own package (grit, grit_io) goes in too, editable: the examples import it from anywhere.
+$(STAMP): requirements.txt pyproject.toml
 	@test -x $(PY) || python3 -m venv .venv
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q -r requirements.txt
+	$(PY) -m pip install -q --no-deps -e .
 	@touch $(STAMP)
 
 demo: $(STAMP)

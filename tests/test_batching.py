@@ -277,3 +277,13 @@ def test_strategy_bench_measures_every_strategy(capsys):
         # both rounded in the record (fill to 1 ms, share to 1e-5): equal within that rounding
         assert row["share_of_step"] == pytest.approx(8 * row["fill_seconds"] / 480 / 0.5, rel=0, abs=3e-5)
         assert row["hardness"] > record["random_hardness"], row
+
+
+def test_a_missing_graph_package_names_the_extra(monkeypatch):
+    import sys
+
+    from grit.strategies._graph import require
+
+    monkeypatch.setitem(sys.modules, "scipy", None)  # `import scipy` now raises ImportError
+    with pytest.raises(ImportError, match=r"'gcbs' needs scipy: pip install scipy .*grit-vlp\[strategies\]"):
+        require("scipy", "gcbs")

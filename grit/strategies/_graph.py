@@ -58,14 +58,15 @@ def symmetric_csr(neighbours: np.ndarray, v: int):
 
 
 def require(package: str, strategy: str):
-    """Import `package` for `strategy`, or ImportError naming the pip package to install."""
+    """Import `package` for `strategy`, or ImportError naming the pip package and the extra that holds it."""
     import importlib
 
     try:
         return importlib.import_module(package)
     except ImportError:
         pip = {"scipy": "scipy", "pymetis": "pymetis"}.get(package, package)
-        raise ImportError(f"batching.strategy '{strategy}' needs {package}: pip install {pip}") from None
+        raise ImportError(f"batching.strategy '{strategy}' needs {package}: pip install {pip} (or the "
+                          "strategies' extra: pip install 'grit-vlp[strategies]')") from None
 
 
 def order_each(image: torch.Tensor, text: torch.Tensor, valid: torch.Tensor, seeds: torch.Tensor,
