@@ -12,28 +12,20 @@ import torch.distributed as dist
 from . import dist as gdist
 from .collector import GritCollector, groups_per_batch
 from .config import DEFAULTS, first_grouped_epoch, load_index_array, option_problems
+from .epoch import (
+    STREAM_COLLECT,
+    STREAM_COMPOSE,
+    STREAM_NAIVE,
+    as_ints,
+    compose_epoch,
+    plain_order,
+    stream_seed,
+)
 from .strategies import build as build_strategy
 
 __all__ = ["GritSampler"]
 
-# Independent random streams derived from (seed, epoch): example shuffle + chain starts, composition of
-# the epoch (unseen order, dropped chunks, chunk order), and the naive mode's fresh permutation.
-_STREAM_COLLECT, _STREAM_COMPOSE, _STREAM_NAIVE = 1, 2, 3
-
 NaivePass = Callable[[torch.Tensor], Iterable[tuple]]
-
-
-def _mix(seed: int, epoch: int, stream: int) -> int:
-    """A generator seed for (seed, epoch, stream), distinct from DistributedSampler's seed + epoch."""
-    return (int(seed) * 0x9E3779B97F4A7C15 + int(epoch) * 0xBF58476D1CE4E5B9 + stream * 0x94D049BB133111EB
-            + 0x2545F4914F6CDD1D) % (2**63 - 1)
-
-
-def _as_ints(indices: torch.Tensor, chunk: int = 1 << 16) -> Iterator[int]:
-    """The indices (n,) as Python ints, converted a chunk at a time: a rank's share of a 400M-example
-    epoch as one Python list would take gigabytes."""
-    for part in indices.split(chunk):
-        yield from part.tolist()
 
 
 class GritSampler(torch.utils.data.Sampler):
@@ -181,7 +173,7 @@ class GritSampler(torch.utils.data.Sampler):
         self._check_pending = False
         self._epoch_array = array
         if self.collecting_mode:
-            self.collector.reset(_mix(self.seed, epoch, _STREAM_COLLECT))
+            self.collector.reset(stream_seed(self.seed, epoch, STREAM_COLLECT))
         self.in_progress = True
 
     @property
@@ -205,11 +197,11 @@ class GritSampler(torch.utils.data.Sampler):
 
     def _run_naive_pass(self, epoch: int, naive_pass: NaivePass) -> torch.Tensor:
         """Naive GRIT (paper Remark 2): group a fresh random permutation seen through a no-grad pass."""
-        gen = torch.Generator().manual_seed(_mix(self.seed, epoch, _STREAM_NAIVE))
+        gen = torch.Generator().manual_seed(stream_seed(self.seed, epoch, STREAM_NAIVE))
         T, W, N = self.batches_per_epoch, self.num_replicas, self.batch_size
         perm = torch.randperm(self.dataset_len, generator=gen)[:T * W * N]
         share = perm.view(T, W, N)[:, self.rank].reshape(-1)
-        self.collector.reset(_mix(self.seed, epoch, _STREAM_COLLECT))
+        self.collector.reset(stream_seed(self.seed, epoch, STREAM_COLLECT))
         for batch in naive_pass(share.clone()):
             if len(batch) not in (3, 4):
                 raise ValueError("naive_pass must yield (image_feat, text_feat, index[, valid]) tuples")
@@ -217,46 +209,15 @@ class GritSampler(torch.utils.data.Sampler):
         return self.collector.finalize()
 
     def _plain(self, epoch: int) -> torch.Tensor:
-        """DistributedSampler's order (randperm seeded by seed + epoch) cut to whole global batches."""
-        if self.shuffle:
-            g = torch.Generator().manual_seed(self.seed + epoch)
-            order = torch.randperm(self.dataset_len, generator=g)
-        else:
-            order = torch.arange(self.dataset_len)
-        return order[:self.batches_per_epoch * self.global_batch].to(self.index_dtype)
+        """DistributedSampler's order of this epoch, whole global batches (grit.epoch.plain_order)."""
+        return plain_order(self.dataset_len, self.batches_per_epoch * self.global_batch, self.seed, epoch,
+                           self.shuffle, self.index_dtype)
 
     def _compose(self, G: torch.Tensor, epoch: int) -> torch.Tensor:
-        """Epoch array from G: unseen indices first, cut into chunks of N, drop/shuffle chunks -> (T*B,)."""
-        gen = torch.Generator().manual_seed(_mix(self.seed, epoch, _STREAM_COMPOSE))
-        D, N, W = self.dataset_len, self.batch_size, self.num_replicas
-        # D-sized arrays stay in index_dtype (int32 below 2**31 examples): at web scale the transient int64
-        # copies were most of the epoch end's memory (tools.grit_bench --scale, docs/speed-and-scale.md).
-        G = G.cpu().to(self.index_dtype)
-        seen = torch.zeros(D, dtype=torch.bool)
-        seen[G] = True
-        unseen = torch.nonzero(~seen).flatten()
-        del seen
-        unseen = unseen[torch.randperm(unseen.numel(), generator=gen)].to(self.index_dtype)
-        # Unseen indices go first, so the D % N tail left over after cutting chunks comes from G and
-        # the dropped chunks can be drawn among chunks made of G only: whenever fewer than B indices
-        # were unseen, all of them are used this epoch and the left-out ones were seen last epoch.
-        # The last k indices of G fill up the unseen ones' last chunk, so that G's chunks keep starting at
-        # multiples of N from G's start and line up with its sub-queues (when N divides M and L).
-        k = min((-unseen.numel()) % N, G.numel())
-        head = torch.cat([unseen, G[G.numel() - k:]])
-        full = torch.cat([head, G[:G.numel() - k]])  # every dataset index exactly once
-        C = D // N
-        chunks = full[:C * N].view(C, N)
-        n_drop = C - self.batches_per_epoch * W
-        first_pure = -(-head.numel() // N)  # first chunk holding no unseen index
-        drop_from = first_pure if C - first_pure >= n_drop else 0
-        drop = drop_from + torch.randperm(C - drop_from, generator=gen)[:n_drop]
-        kept = torch.ones(C, dtype=torch.bool)
-        kept[drop] = False
-        kept = torch.nonzero(kept).flatten()
-        if self.grit["batch_shuffle"]:
-            kept = kept[torch.randperm(kept.numel(), generator=gen)]
-        return chunks[kept].reshape(-1)
+        """The epoch's array from G (grit.epoch.compose_epoch) -> (T*B,)."""
+        return compose_epoch(G, self.dataset_len, self.batch_size, self.batches_per_epoch * self.num_replicas,
+                             self.grit["batch_shuffle"], stream_seed(self.seed, epoch, STREAM_COMPOSE),
+                             self.index_dtype)
 
     def _comm_device(self) -> torch.device:
         if gdist.is_distributed() and dist.get_backend() == "nccl":
@@ -272,7 +233,7 @@ class GritSampler(torch.utils.data.Sampler):
         self._ensure_started()
         W, N = self.num_replicas, self.batch_size
         mine = self._epoch_array[self._offset_rows:].view(-1, W, N)[:, self.rank].reshape(-1)
-        return _as_ints(mine)
+        return as_ints(mine)
 
     def __len__(self) -> int:
         return (self.batches_per_epoch - self.start_batch) * self.batch_size
