@@ -27,21 +27,18 @@ import torch
 from torch import Tensor, nn
 from torch.utils.data import Subset
 
-from dataset import ImageTextCollate, NLVRCollate, create_dataset
+from dataset import ImageTextCollate, NLVRCollate
 from dataset.bad_samples import SkipBadCollate, SkipBadSamples
 from models.loading import load_task_checkpoint
 from models.nlvr import ALBEF_NLVR, nlvr_loss
 from models.objectives import masked_mean
-from models.tokenization import build_tokenizer
 from training.bad_samples import BadSampleLog
-from training.cli import run_main, script_parser, start
+from training.cli import Run, run_main, script_parser
 from training.config import NLVRConfig
 from training.config_files import ConfigError
-from training.distributed import DistInfo, is_dist, print_main
-from training.inputs import prepare_inputs
-from training.loaders import check_global_batch, create_loader, finetune_sampler
-from training.reproducibility import build_on_every_rank
-from training.trainer import Task, Trainer
+from training.distributed import DistInfo, print_main, reduce_sum
+from training.finetune import Finetune, FinetuneTask, set_up, train_or_evaluate
+from training.loaders import create_loader
 
 PARSER = script_parser("NLVR.py", __doc__.splitlines()[0],
                        evaluate="evaluate --checkpoint on the dev and test-P splits only (stage 2)")
@@ -77,9 +74,7 @@ def evaluate(model: ALBEF_NLVR, dataset, collate: NLVRCollate, config: NLVRConfi
         correct += ((logits.argmax(dim=1) == batch.label.to(device)) & valid).sum()
         good += valid.sum()
     stats = torch.stack([correct, good, torch.tensor(float(bad.count), dtype=torch.float64, device=device)])
-    if is_dist():
-        torch.distributed.all_reduce(stats)
-    correct_all, total, bad_all = stats.tolist()
+    correct_all, total, bad_all = reduce_sum(stats).tolist()
     return correct_all / max(total, 1.0), int(bad_all)
 
 
@@ -89,19 +84,18 @@ def accuracy(logits: Tensor, labels: Tensor, valid: Tensor | None) -> Tensor:
     return correct.mean() if valid is None else masked_mean(correct, valid)
 
 
-class TextAssignmentTask(Task):
+class TextAssignmentTask(FinetuneTask):
     """Stage 1: each pre-training caption is assigned to the first image, the second or neither."""
 
     name = "NLVR text assignment"
 
-    def __init__(self, model: ALBEF_NLVR, tokenizer, train_set, config: NLVRConfig, info: DistInfo) -> None:
-        sampler = finetune_sampler(train_set, info, seed=config.seed, batch_size=config.batch_size_train)
-        collate = SkipBadCollate(ImageTextCollate(tokenizer, config.max_tokens, config.static_text_on))
-        super().__init__(model, SkipBadSamples(train_set), collate, sampler, config.batch_size_train,
-                         sampler.loader_generator)
-        self.device = info.device
+    def __init__(self, setup: Finetune) -> None:
+        config = setup.config
+        super().__init__(setup.model, setup.tokenizer, setup.train_set,
+                         ImageTextCollate(setup.tokenizer, config.max_tokens, config.static_text_on), config,
+                         setup.info)
         # (N,) the image of each caption entry: captions of one image are one image, never a wrong one
-        self.image_ids = torch.as_tensor(train_set.image_keys, dtype=torch.long, device=info.device)
+        self.image_ids = torch.as_tensor(setup.train_set.image_keys, dtype=torch.long, device=self.device)
 
     def step(self, model: nn.Module, batch) -> tuple[Tensor, dict[str, Tensor]]:
         """Text-assignment loss and accuracy of one batch of captions (ids: dataset indices)."""
@@ -114,21 +108,18 @@ class TextAssignmentTask(Task):
         return loss, {"train_loss_ta": loss.detach(), "train_ta_acc": acc.detach()}
 
 
-class NLVRTask(Task):
+class NLVRTask(FinetuneTask):
     """Stage 2: NLVR2 fine-tuning; dev and test-P accuracy every epoch, the best dev epoch kept."""
 
     name = "NLVR"
     best_key = "val_acc"
     best_summary = "best dev accuracy {val_acc:.4f} at epoch {epoch} (test-P {test_acc:.4f})"
 
-    def __init__(self, model: ALBEF_NLVR, tokenizer, train_set, val_set, test_set, config: NLVRConfig,
-                 info: DistInfo) -> None:
-        sampler = finetune_sampler(train_set, info, seed=config.seed, batch_size=config.batch_size_train)
-        self.pair_collate = NLVRCollate(tokenizer, config.max_tokens, config.static_text_on)
-        super().__init__(model, SkipBadSamples(train_set), SkipBadCollate(self.pair_collate), sampler,
-                         config.batch_size_train, sampler.loader_generator)
-        self.config, self.info, self.device = config, info, info.device
-        self.splits = {"val": val_set, "test": test_set}
+    def __init__(self, setup: Finetune) -> None:
+        config = setup.config
+        self.pair_collate = NLVRCollate(setup.tokenizer, config.max_tokens, config.static_text_on)
+        super().__init__(setup.model, setup.tokenizer, setup.train_set, self.pair_collate, config, setup.info)
+        self.splits = {"val": setup.val_set, "test": setup.test_set}
 
     def step(self, model: nn.Module, batch) -> tuple[Tensor, dict[str, Tensor]]:
         """NLVR2 loss and accuracy of one batch of image pairs."""
@@ -151,29 +142,18 @@ class NLVRTask(Task):
         return record
 
 
-def main(argv: Sequence[str] | None = None) -> dict:
-    """Run stage 1 or stage 2 (or --evaluate) from the command line; returns the last log record."""
-    run = start(argv, PARSER, "nlvr")
-    config, info, args = run.config, run.info, run.args
-    if config.text_assignment and args.evaluate:
+def no_stage_one_evaluation(run: Run) -> None:
+    """NLVR.py's own refusal, before any input is prepared: stage 1 has nothing to evaluate."""
+    if run.config.text_assignment and run.args.evaluate:
         raise ConfigError("NLVR.py --evaluate is for NLVR2 (text_assignment: false); stage 1 has no "
                           "evaluation split")
-    prepare_inputs(config)
 
-    tokenizer = build_tokenizer(config)
-    train_set, val_set, test_set = create_dataset("nlvr", config)
-    if not args.evaluate:
-        check_global_batch(len(train_set), config.batch_size_train, info.world_size, config.train_files,
-                           "batch_size_train")
-    # The same seed on every rank while building, so that the fresh heads are identical everywhere.
-    model = build_on_every_rank(lambda: build_model(config, tokenizer, args.checkpoint), config.seed,
-                                info.rank).to(info.device)
-    if config.text_assignment:
-        task: Task = TextAssignmentTask(model, tokenizer, train_set, config, info)
-    else:
-        task = NLVRTask(model, tokenizer, train_set, val_set, test_set, config, info)
-    trainer = Trainer(run, task)
-    return trainer.evaluate_only() if args.evaluate else trainer.fit()
+
+def main(argv: Sequence[str] | None = None) -> dict:
+    """Run stage 1 or stage 2 (or --evaluate) from the command line; returns the last log record."""
+    setup = set_up(argv, PARSER, "nlvr", build_model, check=no_stage_one_evaluation)
+    task = TextAssignmentTask(setup) if setup.config.text_assignment else NLVRTask(setup)
+    return train_or_evaluate(setup, task)
 
 
 if __name__ == "__main__":

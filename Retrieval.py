@@ -26,21 +26,19 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor, nn
 
-from dataset import ImageCollate, ImageTextCollate, RetrievalEvalDataset, create_dataset
+from dataset import ImageCollate, ImageTextCollate, RetrievalEvalDataset
 from dataset.bad_samples import SkipBadCollate, SkipBadSamples
 from models.loading import load_weights, read_checkpoint
 from models.objectives import total_loss
 from models.retrieval import MOMENTUM_PREFIXES, QUEUE_KEYS, RETRIEVAL_IGNORED_PREFIXES, ALBEF_Retrieval
-from models.retrieval_eval import compute_itr_scores, dense_scores, itr_metrics, topk_rankings
-from models.tokenization import build_tokenizer
+from models.retrieval_eval import dense_scores, itr_metrics, topk_rankings
 from training.bad_samples import BadSampleLog
-from training.cli import run_main, script_parser, start
+from training.cli import run_main, script_parser
 from training.config import RetrievalConfig
 from training.distributed import DistInfo, cleanup, is_main_process, print_main
-from training.inputs import prepare_inputs
-from training.loaders import check_global_batch, create_loader, finetune_sampler
-from training.reproducibility import build_on_every_rank
-from training.trainer import Task, Trainer
+from training.finetune import Finetune, FinetuneTask, set_up, train_or_evaluate
+from training.loaders import create_loader
+from training.retrieval_eval import compute_itr_scores
 
 PARSER = script_parser("Retrieval.py", __doc__.splitlines()[0],
                        evaluate="evaluate --checkpoint on the val and test splits only (zero-shot for a "
@@ -131,7 +129,7 @@ def bench(model: ALBEF_Retrieval, dataset: RetrievalEvalDataset, tokenizer, conf
             "itm_pairs_per_s": round(stats["itm_pairs"] / max(stats["rerank_seconds"], 1e-9), 1)}
 
 
-class RetrievalTask(Task):
+class RetrievalTask(FinetuneTask):
     """Queue ITC against the momentum encoder + ITM_hard; recall on the val and test splits every epoch."""
 
     name = "Retrieval"
@@ -141,14 +139,12 @@ class RetrievalTask(Task):
     # 2 x (embed_dim x queue_size) floats every step.
     broadcast_buffers = False
 
-    def __init__(self, model: ALBEF_Retrieval, tokenizer, train_set, val_set: RetrievalEvalDataset,
-                 test_set: RetrievalEvalDataset, config: RetrievalConfig, info: DistInfo) -> None:
-        sampler = finetune_sampler(train_set, info, seed=config.seed, batch_size=config.batch_size_train)
-        collate = SkipBadCollate(ImageTextCollate(tokenizer, config.max_tokens, config.static_text_on))
-        super().__init__(model, SkipBadSamples(train_set), collate, sampler, config.batch_size_train,
-                         sampler.loader_generator)
-        self.tokenizer, self.config, self.device = tokenizer, config, info.device
-        self.splits = {"val": val_set, "test": test_set}
+    def __init__(self, setup: Finetune) -> None:
+        config = setup.config
+        super().__init__(setup.model, setup.tokenizer, setup.train_set,
+                         ImageTextCollate(setup.tokenizer, config.max_tokens, config.static_text_on), config,
+                         setup.info)
+        self.splits = {"val": setup.val_set, "test": setup.test_set}
 
     def step(self, model: nn.Module, batch) -> tuple[Tensor, dict[str, Tensor]]:
         """The three losses of one batch (ids: image ids, so captions of one image are positives)."""
@@ -170,26 +166,13 @@ class RetrievalTask(Task):
 
 def main(argv: Sequence[str] | None = None) -> dict:
     """Fine-tune and/or evaluate from the command line; returns the last log record (bench: its JSON)."""
-    run = start(argv, PARSER, "retrieval")
-    config, info, args = run.config, run.info, run.args
-    prepare_inputs(config)
-
-    tokenizer = build_tokenizer(config)
-    train_set, val_set, test_set = create_dataset("retrieval", config)
-    if not (args.evaluate or args.bench):
-        check_global_batch(len(train_set), config.batch_size_train, info.world_size, config.train_files,
-                           "batch_size_train")
-    # The same seed on every rank while building, so that an un-loaded model is identical everywhere.
-    model = build_on_every_rank(lambda: build_model(config, tokenizer, args.checkpoint), config.seed,
-                                info.rank).to(info.device)
-    if args.bench:
-        record = bench(model, test_set, tokenizer, config, info)
+    setup = set_up(argv, PARSER, "retrieval", build_model)
+    if setup.args.bench:
+        record = bench(setup.model, setup.test_set, setup.tokenizer, setup.config, setup.info)
         print_main(json.dumps(record))
         cleanup()
         return record
-
-    trainer = Trainer(run, RetrievalTask(model, tokenizer, train_set, val_set, test_set, config, info))
-    return trainer.evaluate_only() if args.evaluate else trainer.fit()
+    return train_or_evaluate(setup, RetrievalTask(setup))
 
 
 if __name__ == "__main__":

@@ -24,19 +24,16 @@ import torch
 from torch import Tensor, nn
 from torch.utils.data import DataLoader, Subset
 
-from dataset import QACollate, QuestionCollate, VQADataset, create_dataset, load_json_list
+from dataset import QACollate, QuestionCollate, VQADataset, load_json_list
 from dataset.bad_samples import SkipBadCollate, SkipBadSamples
 from models.loading import load_task_checkpoint
-from models.tokenization import build_tokenizer
 from models.vqa import ALBEF_VQA, vqa_accuracy
 from training.bad_samples import BadSampleLog
-from training.cli import run_main, script_parser, start
+from training.cli import run_main, script_parser
 from training.config import VQAConfig
 from training.distributed import DistInfo, all_gather_objects, is_main_process, print_main
-from training.inputs import prepare_inputs
-from training.loaders import check_global_batch, create_loader, finetune_sampler
-from training.reproducibility import build_on_every_rank
-from training.trainer import Task, Trainer
+from training.finetune import Finetune, FinetuneTask, set_up, train_or_evaluate
+from training.loaders import create_loader
 
 PARSER = script_parser("VQA.py", __doc__.splitlines()[0],
                        evaluate="answer the test questions with --checkpoint only (writes vqa_result.json)")
@@ -113,21 +110,19 @@ def evaluate(model: ALBEF_VQA, dataset: VQADataset, tokenizer, config: VQAConfig
     return (vqa_accuracy(predictions, answered) if answered else 0.0), bad_count
 
 
-class VQATask(Task):
+class VQATask(FinetuneTask):
     """Answer-decoder fine-tuning; val accuracy every epoch (when val_file is set), the test answers
     (vqa_result.json) from the final model."""
 
     name = "VQA"
 
-    def __init__(self, model: ALBEF_VQA, tokenizer, train_set: VQADataset, val_set: VQADataset | None,
-                 test_set: VQADataset, config: VQAConfig, info: DistInfo) -> None:
-        sampler = finetune_sampler(train_set, info, seed=config.seed, batch_size=config.batch_size_train)
-        collate = SkipBadCollate(QACollate(tokenizer, config.max_tokens, config.static_text_on))
-        super().__init__(model, SkipBadSamples(train_set), collate, sampler, config.batch_size_train,
-                         sampler.loader_generator)
-        self.tokenizer, self.config, self.info, self.device = tokenizer, config, info, info.device
-        self.val_set, self.test_set = val_set, test_set
-        self.val_gts = ground_truth(config.val_file) if val_set is not None else {}
+    def __init__(self, setup: Finetune) -> None:
+        config = setup.config
+        super().__init__(setup.model, setup.tokenizer, setup.train_set,
+                         QACollate(setup.tokenizer, config.max_tokens, config.static_text_on), config,
+                         setup.info)
+        self.val_set, self.test_set = setup.val_set, setup.test_set
+        self.val_gts = ground_truth(config.val_file) if self.val_set is not None else {}
         self.test_gts = ground_truth(config.test_file)
 
     def step(self, model: nn.Module, batch) -> tuple[Tensor, dict[str, Tensor]]:
@@ -159,20 +154,8 @@ class VQATask(Task):
 
 def main(argv: Sequence[str] | None = None) -> dict:
     """Fine-tune (or with --evaluate only answer) from the command line; returns the last log record."""
-    run = start(argv, PARSER, "vqa")
-    config, info, args = run.config, run.info, run.args
-    prepare_inputs(config)
-
-    tokenizer = build_tokenizer(config)
-    train_set, val_set, test_set = create_dataset("vqa", config)
-    if not args.evaluate:
-        check_global_batch(len(train_set), config.batch_size_train, info.world_size, config.train_files,
-                           "batch_size_train", unit="questions")
-    # The same seed on every rank while building, so that an un-loaded model is identical everywhere.
-    model = build_on_every_rank(lambda: build_model(config, tokenizer, args.checkpoint), config.seed,
-                                info.rank).to(info.device)
-    trainer = Trainer(run, VQATask(model, tokenizer, train_set, val_set, test_set, config, info))
-    return trainer.evaluate_only() if args.evaluate else trainer.fit()
+    setup = set_up(argv, PARSER, "vqa", build_model, unit="questions")
+    return train_or_evaluate(setup, VQATask(setup))
 
 
 if __name__ == "__main__":

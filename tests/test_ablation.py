@@ -97,7 +97,7 @@ def test_tiny_ablation_models_build(tmp_path):
 
 def test_itc_only_retrieval_ranks_by_itc():
     """compute_itr_scores(rerank=False) returns the ITC top-k cosines: no ITM forward at all."""
-    from models.retrieval_eval import compute_itr_scores
+    from training.retrieval_eval import compute_itr_scores
 
     class NoFusion(torch.nn.Module):
         def itm_logits(self, *args):
@@ -107,7 +107,7 @@ def test_itc_only_retrieval_ranks_by_itc():
     feats = torch.nn.functional.normalize(torch.randn(5, 4, generator=gen), dim=1)
     enc = {"image_feat": feats, "text_feat": feats.flip(0), "image_embeds": None, "text_embeds": None,
            "text_mask": None}
-    import models.retrieval_eval as re_mod
+    import training.retrieval_eval as re_mod
 
     original = re_mod.encode_eval_set
     re_mod.encode_eval_set = lambda *a, **k: enc

@@ -15,19 +15,13 @@ from conftest import free_port
 from dataset import ImageCollate, create_dataset, ensure_synthetic
 from dataset.bad_samples import SkipBadCollate, SkipBadSamples
 from models.retrieval import ALBEF_Retrieval
-from models.retrieval_eval import (
-    MISSED_RANK,
-    compute_itr_scores,
-    encode_eval_set,
-    itr_metrics,
-    rerank_topk,
-    retrieval_ranks,
-)
+from models.retrieval_eval import MISSED_RANK, itr_metrics, rerank_topk, retrieval_ranks
 from models.tokenization import build_tokenizer
 from Retrieval import build_model
 from Retrieval import main as retrieval_main
 from training.config import RetrievalConfig
 from training.config_resolve import resolve_config
+from training.retrieval_eval import compute_itr_scores, encode_eval_set
 
 pytestmark = pytest.mark.usefixtures("one_thread", "in_repo")  # tests/conftest.py: configs name repo paths
 

@@ -216,6 +216,21 @@ def reduce_sum(t: torch.Tensor) -> torch.Tensor:
     return t
 
 
+def all_reduce_min(t: torch.Tensor) -> torch.Tensor:
+    """All-reduce (minimum) a tensor in place on its device, e.g. flags every rank must agree on; identity
+    without a process group."""
+    if is_dist():
+        dist.all_reduce(t, op=dist.ReduceOp.MIN)
+    return t
+
+
+def broadcast_from_main(t: torch.Tensor) -> torch.Tensor:
+    """Rank 0's values of `t` into `t` on every rank (in place, on its device); identity in one process."""
+    if is_dist():
+        dist.broadcast(t, src=0)
+    return t
+
+
 def stack_values(values: Sequence[Any]) -> torch.Tensor:
     """(K,) float64 tensor from 0-dim tensors / numbers, on the first tensor's device (no host sync)."""
     device = next((v.device for v in values if isinstance(v, torch.Tensor)), torch.device('cpu'))
