@@ -40,7 +40,8 @@ from training.inputs import prepare_inputs
 from training.loaders import check_global_batch
 from training.pictures import batch_grid, denormalize
 from training.reproducibility import make_generator
-from training.trainer import Task, Trainer
+from training.task import Task
+from training.trainer import Trainer
 
 PARSER = script_parser(
     "Pretrain.py", __doc__.splitlines()[0],
