@@ -204,7 +204,7 @@ def test_count_flops_equals_the_closed_form_of_a_tiny_attention_layer():
     (4) and 2BL^2H per attention product (2); backward: weight gradients of the three input projections
     (the input needs none), weight and input gradients of the output projection, and attention's five
     products (scores recomputed, as torch counts flash attention)."""
-    from tools.step_bench import count_flops
+    from tools.step_measure import count_flops
 
     B, L, H = 3, 7, 16
     torch.manual_seed(0)
