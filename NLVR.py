@@ -90,10 +90,7 @@ class TextAssignmentTask(FinetuneTask):
     name = "NLVR text assignment"
 
     def __init__(self, setup: Finetune) -> None:
-        config = setup.config
-        super().__init__(setup.model, setup.tokenizer, setup.train_set,
-                         ImageTextCollate(setup.tokenizer, config.max_tokens, config.static_text_on), config,
-                         setup.info)
+        super().__init__(setup, ImageTextCollate)
         # (N,) the image of each caption entry: captions of one image are one image, never a wrong one
         self.image_ids = torch.as_tensor(setup.train_set.image_keys, dtype=torch.long, device=self.device)
 
@@ -116,9 +113,7 @@ class NLVRTask(FinetuneTask):
     best_summary = "best dev accuracy {val_acc:.4f} at epoch {epoch} (test-P {test_acc:.4f})"
 
     def __init__(self, setup: Finetune) -> None:
-        config = setup.config
-        self.pair_collate = NLVRCollate(setup.tokenizer, config.max_tokens, config.static_text_on)
-        super().__init__(setup.model, setup.tokenizer, setup.train_set, self.pair_collate, config, setup.info)
+        super().__init__(setup, NLVRCollate)
         self.splits = {"val": setup.val_set, "test": setup.test_set}
 
     def step(self, model: nn.Module, batch) -> tuple[Tensor, dict[str, Tensor]]:
@@ -137,7 +132,7 @@ class NLVRTask(FinetuneTask):
         start, record = time.time(), {}
         for split, dataset in self.splits.items():
             record[f"{split}_acc"], record[f"{split}_bad_samples"] = evaluate(
-                self.model, dataset, self.pair_collate, self.config, self.info, split)
+                self.model, dataset, self.task_collate, self.config, self.info, split)
         record["eval_seconds"] = round(time.time() - start, 3)
         return record
 

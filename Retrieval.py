@@ -140,10 +140,7 @@ class RetrievalTask(FinetuneTask):
     broadcast_buffers = False
 
     def __init__(self, setup: Finetune) -> None:
-        config = setup.config
-        super().__init__(setup.model, setup.tokenizer, setup.train_set,
-                         ImageTextCollate(setup.tokenizer, config.max_tokens, config.static_text_on), config,
-                         setup.info)
+        super().__init__(setup, ImageTextCollate)
         self.splits = {"val": setup.val_set, "test": setup.test_set}
 
     def step(self, model: nn.Module, batch) -> tuple[Tensor, dict[str, Tensor]]:

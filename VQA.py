@@ -117,13 +117,10 @@ class VQATask(FinetuneTask):
     name = "VQA"
 
     def __init__(self, setup: Finetune) -> None:
-        config = setup.config
-        super().__init__(setup.model, setup.tokenizer, setup.train_set,
-                         QACollate(setup.tokenizer, config.max_tokens, config.static_text_on), config,
-                         setup.info)
+        super().__init__(setup, QACollate)
         self.val_set, self.test_set = setup.val_set, setup.test_set
-        self.val_gts = ground_truth(config.val_file) if self.val_set is not None else {}
-        self.test_gts = ground_truth(config.test_file)
+        self.val_gts = ground_truth(self.config.val_file) if self.val_set is not None else {}
+        self.test_gts = ground_truth(self.config.test_file)
 
     def step(self, model: nn.Module, batch) -> tuple[Tensor, dict[str, Tensor]]:
         """The answer loss of one batch of questions (answers grouped by question, weighted by score)."""

@@ -48,3 +48,32 @@ def test_missing_run_is_named(tmp_path):
     with pytest.raises(InputFileError, match="2 rates for 1 arms"):
         itm_stall.main(["--compare_dir", str(tmp_path), "--seeds", "4", "--arms", "GRIT-VLP",
                         "--lrs", "1", "2"])
+
+
+def test_probe_on_every_epoch_checkpoint(in_repo, tmp_path):
+    """--probe_limit: the compositional probe of each epoch's checkpoint joins each run's rows, the same
+    probe pairs for every arm (here two runs of one random model: the same accuracy)."""
+    import torch
+
+    from models.pretrain import ALBEF_Base
+    from models.tokenization import build_tokenizer
+    from tools.runs import PRETRAIN_CONFIG
+    from training.config_resolve import resolve_config
+
+    config = resolve_config("pretrain", PRETRAIN_CONFIG, ["vision_init=null"], check_paths=False)
+    torch.manual_seed(0)
+    state = {"model": ALBEF_Base(config, build_tokenizer(config)).state_dict()}
+    root = str(tmp_path / "compare")
+    _write_runs(root, "GRIT-VLP", 5e-4, {1: 2})
+    _write_runs(root, "random batches", 2.5e-4, {1: 2})
+    for arm, lr in (("GRIT-VLP", 5e-4), ("random batches", 2.5e-4)):
+        folder = os.path.join(run_dir(root, arm, 1, lr), "pretrain")
+        os.makedirs(folder)
+        for epoch in range(4):
+            torch.save(state, os.path.join(folder, f"checkpoint_{epoch:02d}.pth"))
+    record = itm_stall.main(["--compare_dir", root, "--seeds", "1", "--probe_limit", "2"])
+    probes = [r["probe"] for runs in record["logs"].values() for r in runs[1]]
+    assert len(probes) == 8 and len(set(probes)) == 1 and 0 <= probes[0] <= 1
+    os.remove(os.path.join(run_dir(root, "GRIT-VLP", 1, 5e-4), "pretrain", "checkpoint_03.pth"))
+    with pytest.raises(InputFileError, match="checkpoint_03.pth is missing"):
+        itm_stall.main(["--compare_dir", root, "--seeds", "1", "--probe_limit", "2"])

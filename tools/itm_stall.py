@@ -13,6 +13,10 @@ metric at the first grouped epoch (epoch 1), the rank correlation over a grouped
 epoch says which figure goes with a late start. With --output_dir it also writes itm_stall.json,
 itm_stall.md and, with matplotlib, itm_stall.png (one panel per metric, a line per run, dashed where the
 ITM had not left chance by half the run).
+
+The ITM figures above are each arm's on its own mined negatives, whose difficulty differs between arms.
+--probe_limit N adds an arm-neutral one, `probe`: the compositional ITM probe (tools.probe, the synthetic
+world's first N probe images) on every epoch's checkpoint of every run, the same pairs for every arm.
 """
 
 from __future__ import annotations
@@ -24,14 +28,14 @@ from grit_io import InputFileError, read_json
 from tools.arms import ARMS, SELECTED_SETTING, selection
 from tools.cli import add_output_dir, emit_record, tool_parser
 from tools.compare import ITM_CHANCE, ITM_LEFT_CHANCE
-from tools.runs import run_dir
+from tools.runs import PRETRAIN_CONFIG, run_dir
 from training.cli import run_main
 
 __all__ = ["METRICS", "build_parser", "itm_epoch", "load_logs", "main", "markdown", "plot",
            "rank_correlations"]
 
 # The figures the mechanism is sought in, in the order they are shown (older runs lack the accuracies).
-METRICS = ("loss_itm", "itm_accuracy", "itm_match_accuracy", "grit_hardness", "itm_false_negatives",
+METRICS = ("loss_itm", "itm_accuracy", "itm_match_accuracy", "probe", "grit_hardness", "itm_false_negatives",
            "batch_same_scene")
 
 
@@ -54,6 +58,31 @@ def load_logs(output_dir: str, arms: list[str], seeds: list[int],
                                      f"{seed}: {path} is missing (run python -m tools.compare first)")
             out[arm][seed] = read_json(path, "run result")["log"]
     return out
+
+
+def add_probe(logs: dict[str, dict[int, list[dict]]], compare_dir: str, arms: list[str],
+              lrs: list[float] | None, limit: int, config: str = PRETRAIN_CONFIG) -> None:
+    """Each log row gets `probe`: tools.probe's overall accuracy (first `limit` images) of that epoch's
+    checkpoint (pretrain/checkpoint_EE.pth); InputFileError naming a missing one. The probe's own output
+    is not printed."""
+    import contextlib
+    import io
+
+    from tools import probe
+
+    for k, arm in enumerate(arms):
+        lr, setting = (lrs[k], SELECTED_SETTING.get(arm)) if lrs else selection(arm)
+        for seed, rows in logs[arm].items():
+            folder = os.path.join(run_dir(compare_dir, arm, seed, lr, setting), "pretrain")
+            for row in rows:
+                checkpoint = os.path.join(folder, f"checkpoint_{row['epoch']:02d}.pth")
+                if not os.path.isfile(checkpoint):
+                    raise InputFileError(f"--probe_limit: {checkpoint} is missing (the run kept fewer "
+                                         "checkpoints: keep_checkpoints)")
+                with contextlib.redirect_stdout(io.StringIO()):
+                    result = probe.main(["--config", config, "--checkpoint", checkpoint, "--device", "cpu",
+                                         "--limit", str(limit)])
+                row["probe"] = result["overall"]
 
 
 def rank_correlations(logs: dict[int, list[dict]], epoch: int = 1) -> dict[str, float]:
@@ -95,7 +124,7 @@ def plot(logs: dict[str, dict[int, list[dict]]], path: str) -> str | None:
         import matplotlib.pyplot as plt
     except ImportError:
         return None
-    fig, axes = plt.subplots(2, 3, figsize=(15, 8))
+    fig, axes = plt.subplots(2, 4, figsize=(20, 8))
     colours = plt.rcParams["axes.prop_cycle"].by_key()["color"]
     for ax, name in zip(axes.flat, METRICS):
         for c, (arm, runs) in enumerate(logs.items()):
@@ -107,6 +136,8 @@ def plot(logs: dict[str, dict[int, list[dict]]], path: str) -> str | None:
                             linestyle="--" if late else "-", label=arm if k == 0 else None)
         ax.set_title(name)
         ax.set_xlabel("epoch")
+    for ax in axes.flat[len(METRICS):]:
+        ax.axis("off")
     axes.flat[0].legend()
     fig.tight_layout()
     fig.savefig(path, dpi=90)
@@ -124,6 +155,9 @@ def build_parser():
                    help="the arms (default: GRIT-VLP and random batches)")
     p.add_argument("--lrs", type=float, nargs="+", default=None,
                    help="each arm's learning rate, in --arms' order (default: its selection, tools.arms)")
+    p.add_argument("--probe_limit", type=int, default=0,
+                   help="N > 0: the ITM probe on every epoch's checkpoint, first N probe images (default: 0, "
+                        "off; synthetic world only)")
     add_output_dir(p, "itm_stall.{json,md,png}", without="the tables and the record are only printed")
     return p
 
@@ -134,6 +168,8 @@ def main(argv: list[str] | None = None) -> dict:
     if args.lrs and len(args.lrs) != len(args.arms):
         raise InputFileError(f"--lrs gives {len(args.lrs)} rates for {len(args.arms)} arms")
     logs = load_logs(args.compare_dir, args.arms, args.seeds, args.lrs)
+    if args.probe_limit > 0:
+        add_probe(logs, args.compare_dir, args.arms, args.lrs, args.probe_limit)
     table = markdown(logs)
     print(table)
     record = {"compare_dir": args.compare_dir, "seeds": args.seeds,

@@ -81,13 +81,15 @@ def train_or_evaluate(setup: Finetune, task: Task) -> dict:
 
 
 class FinetuneTask(Task):
-    """A fine-tuning task's training side: the training split through finetune_sampler (seeded by
-    config.seed), bad samples skipped and counted, `collate` wrapped to drop them; the task keeps its
-    tokenizer, config, ranks and device."""
+    """A fine-tuning task's training side: the set-up's model and training split, through
+    finetune_sampler (seeded by config.seed), bad samples skipped and counted, batches made by
+    collate_class(tokenizer, max_tokens, static_text) (self.task_collate, wrapped to drop bad samples);
+    the task keeps its tokenizer, config, ranks and device."""
 
-    def __init__(self, model: nn.Module, tokenizer, train_set, collate, config: TaskConfig,
-                 info: DistInfo) -> None:
+    def __init__(self, setup: Finetune, collate_class: type) -> None:
+        config, info, train_set = setup.config, setup.info, setup.train_set
+        self.task_collate = collate_class(setup.tokenizer, config.max_tokens, config.static_text_on)
         sampler = finetune_sampler(train_set, info, seed=config.seed, batch_size=config.batch_size_train)
-        super().__init__(model, SkipBadSamples(train_set), SkipBadCollate(collate), sampler,
+        super().__init__(setup.model, SkipBadSamples(train_set), SkipBadCollate(self.task_collate), sampler,
                          config.batch_size_train, sampler.loader_generator)
-        self.tokenizer, self.config, self.info, self.device = tokenizer, config, info, info.device
+        self.tokenizer, self.config, self.info, self.device = setup.tokenizer, config, info, info.device
