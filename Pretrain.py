@@ -37,7 +37,7 @@ from training.cli import run_main, script_parser, start
 from training.config import PretrainConfig
 from training.distributed import is_main_process, print_main
 from training.inputs import prepare_inputs
-from training.loaders import check_global_batch
+from training.loaders import build_sampler, check_global_batch
 from training.pictures import batch_grid, denormalize
 from training.reproducibility import make_generator
 from training.task import Task
@@ -196,9 +196,7 @@ def main(argv: Sequence[str] | None = None) -> dict:
     dataset = SkipBadSamples(create_dataset("pretrain", config))
     check_global_batch(len(dataset), config.batch_size, info.world_size,
                        config.train_files + config.train_shard_specs, "batch_size")
-    sampler = GritSampler(dataset, num_replicas=info.world_size, rank=info.rank, seed=config.seed,
-                          batch_size=config.batch_size, dim=config.embed_dim, device=info.device,
-                          **config.sampler_options())
+    sampler = build_sampler(config, dataset, info.world_size, info.rank, info.device)
     collate = SkipBadCollate(ImageTextCollate(tokenizer, config.max_tokens, config.static_text_on))
 
     model = ALBEF_Base(config, tokenizer).to(info.device)

@@ -212,3 +212,12 @@ def test_later_grouping_and_rank_skip(data_dir, tmp_path, capsys):
     assert ['batch_groups' in r for r in log] == [False, False, True]
     first = torch.load(os.path.join(out, 'checkpoint_00.pth'), map_location='cpu', weights_only=True)
     assert first['sampler']['indices'].numel() == 0  # epoch 0 collected nothing
+    # tools.batch_scenes rebuilds every epoch's batches: the random ones from the seed, epoch 2 from epoch 1's
+    from tools.batch_scenes import same_scene_by_epoch
+
+    rebuilt = same_scene_by_epoch(out)
+    assert rebuilt['missing'] == []
+    assert [rebuilt['batch_same_scene'][r['epoch']] for r in log] == pytest.approx(
+        [r['batch_same_scene'] for r in log], abs=1e-6)
+    os.remove(os.path.join(out, 'checkpoint_00.pth'))  # epoch 1 is random: it does not need it
+    assert same_scene_by_epoch(out)['missing'] == []

@@ -21,7 +21,7 @@ from collections.abc import Sequence
 import torch
 
 from dataset import create_dataset
-from grit import GritSampler
+from grit.config import first_grouped_epoch
 from grit_io import InputFileError
 from models.false_negatives import same_group_share
 from tools.cli import add_output_dir, emit_record, tool_parser
@@ -31,6 +31,7 @@ from training.checkpoints import checkpoint_path, load_checkpoint
 from training.cli import Parser, run_main
 from training.config import PretrainConfig
 from training.config_resolve import resolve_config
+from training.loaders import build_sampler
 
 __all__ = ["NoSceneTable", "build_parser", "epoch_orders", "main", "run_config", "same_scene_by_epoch",
            "scene_ids", "with_batch_scenes"]
@@ -85,20 +86,22 @@ def epoch_orders(pre_dir: str, config: PretrainConfig, dataset_len: int) -> tupl
         path = checkpoint_path(pre_dir, epoch=epoch)
         if os.path.isfile(path):
             states[epoch] = load_checkpoint(path)["sampler"]
+    # The first grouped epoch (grit.group_from_epoch may keep later ones random too); an epoch before it
+    # comes from the seed like random batches.
+    first = first_grouped_epoch(config.grit.group_from_epoch, config.grit.mode, False)
     grouped = config.strategy != "random"
     orders: dict[int, torch.Tensor] = {}
     missing: list[int] = []
     for epoch in epochs:
         # A grouped epoch e was composed at the end of e - 1, into that checkpoint's state; epoch 0 and
         # random batches come from the seed. The ranks that ran it: its own state's (else the nearest).
-        state = states.get(epoch - 1) if grouped and epoch > 0 else None
+        composed = grouped and epoch >= first
+        state = states.get(epoch - 1) if composed else None
         ranks = states.get(epoch) or states.get(epoch - 1) or next(iter(states.values()), None)
-        if ranks is None or (grouped and epoch > 0 and state is None):
+        if ranks is None or (composed and state is None):
             missing.append(epoch)
             continue
-        sampler = GritSampler(dataset_len, num_replicas=int(ranks["num_replicas"]), rank=0,
-                              seed=config.seed, batch_size=config.batch_size, dim=config.embed_dim,
-                              **config.sampler_options())
+        sampler = build_sampler(config, dataset_len, int(ranks["num_replicas"]), 0)
         if state is not None:
             sampler.load_state_dict(state)
         sampler.set_epoch(epoch)

@@ -169,8 +169,9 @@ class Batching:
 
     def problems(self, grit: Grit) -> list[str]:
         """Settings that cannot act, one message each: an option of a strategy this run does not use (set
-        away from its default), a grouping strategy with grit.enabled false, and a rank window or
-        neighbourhood larger than the M - 1 others each entry of a sub-queue ranks."""
+        away from its default), a grouping strategy with grit.enabled false, and a rank skip that passes
+        over all M - 1 others each entry of a sub-queue ranks (B3's window or GRIT's chain would hold
+        nothing to rank). A window or neighbourhood only partly inside the sub-queue is cut to it."""
         name = self.name(grit)
         out = []
         for f in dataclasses.fields(self):
@@ -187,11 +188,9 @@ class Batching:
         if name == "random" or others < 1:
             return out
         where = f"the {others} others each entry ranks in its sub-queue (grit.search_space {others + 1})"
-        if name == "b3" and self.b3.rank_skip + self.b3.rank_window > others:
-            out.append(f"batching.b3.rank_skip + rank_window ({self.b3.rank_skip} + {self.b3.rank_window}) "
-                       f"exceed {where}: the window would hold no or fewer examples")
-        if name in ("gcbs", "rwr") and getattr(self, name).neighbours > others:
-            out.append(f"batching.{name}.neighbours ({getattr(self, name).neighbours}) exceeds {where}")
+        if name == "b3" and self.b3.rank_skip >= others:
+            out.append(f"batching.b3.rank_skip ({self.b3.rank_skip}) passes over all {where}: B3's window "
+                       "would be empty, its graph without edges")
         if name == "grit" and self.grit.rank_skip >= others:
             out.append(f"batching.grit.rank_skip ({self.grit.rank_skip}) must be below {where}: the chain "
                        "would always take the least similar")

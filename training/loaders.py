@@ -10,6 +10,7 @@ from typing import Any
 import torch
 from torch.utils.data import DataLoader, Dataset, DistributedSampler, Sampler
 
+from grit import GritSampler
 from training.config_files import ConfigError
 from training.distributed import DistInfo
 from training.reproducibility import worker_init_fn
@@ -94,6 +95,16 @@ def finetune_sampler(dataset: Dataset, info: DistInfo, *, seed: int, batch_size:
     loader_generator is the DataLoader's."""
     return ResumableSampler(dataset, num_replicas=info.world_size, rank=info.rank, shuffle=True, seed=seed,
                             drop_last=True, batch_size=batch_size)
+
+
+def build_sampler(config: Any, dataset: Dataset | int, num_replicas: int, rank: int,
+                  device: torch.device | str | None = None) -> GritSampler:
+    """Pre-training's sampler from its config (training.config.PretrainConfig): the batching strategy with
+    its options, the queues, the seed, the per-rank batch and the feature size; `dataset` a sized dataset or
+    its length. Pretrain.py and the tools that rebuild a run's batches (tools.batch_scenes) build it here."""
+    return GritSampler(dataset, num_replicas=num_replicas, rank=rank, seed=config.seed,
+                       batch_size=config.batch_size, dim=config.embed_dim, device=device,
+                       **config.sampler_options())
 
 
 def create_loader(dataset: Dataset, sampler: Sampler | None, batch_size: int, num_workers: int,
