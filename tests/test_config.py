@@ -477,7 +477,9 @@ def test_pretrain_too_small_for_a_batch_fails_before_the_model(tmp_path, monkeyp
 
 
 def test_finetune_too_small_for_a_batch_fails_before_the_model_unless_evaluating(tmp_path, monkeypatch):
-    monkeypatch.setattr(Retrieval, "build_on_every_rank", _model_built)
+    import training.finetune
+
+    monkeypatch.setattr(training.finetune, "build_on_every_rank", _model_built)  # the scaffold builds it
     argv = ["--config", TINY["retrieval"], "--output_dir", str(tmp_path / "out"), "--device", "cpu",
             "--set", *_small_data(tmp_path)]
     with pytest.raises(ConfigError, match=r"has 3 entries, fewer than one global batch: batch_size_train 32"):

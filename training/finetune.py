@@ -53,7 +53,7 @@ class Finetune:
 
 
 def set_up(argv: Sequence[str] | None, parser: Parser, task: str, build_model: ModelBuilder, *,
-           unit: str = "pairs", check: Callable[[Run], None] | None = None) -> Finetune:
+           unit: str = "entries", check: Callable[[Run], None] | None = None) -> Finetune:
     """Start `task`'s script: config and process group (training.cli.start), `check` (a script's own
     refusals, before any input is prepared), inputs, tokenizer, the train/val/test splits, the global
     batch checked against the training split (counted in `unit`) unless only evaluating, and the model
