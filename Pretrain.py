@@ -30,7 +30,8 @@ from dataset.bad_samples import SkipBadCollate, SkipBadSamples
 from grit import GritSampler
 from models.false_negatives import mined_false_negative_rate, same_group_share
 from models.loading import load_weights
-from models.objectives import itm_accuracy, total_loss
+from models.negatives import itm_accuracy
+from models.objectives import total_loss
 from models.pretrain import ALBEF_Base
 from models.tokenization import build_tokenizer
 from training.cli import run_main, script_parser, start

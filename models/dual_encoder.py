@@ -16,7 +16,8 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from models.bert import build_text_encoder
-from models.objectives import itm_pair_weights, masked_mean
+from models.negatives import itm_pair_weights
+from models.objectives import masked_mean
 from models.vit import build_vision_encoder, check_vision_text_widths
 
 __all__ = ["ImageTextModel"]

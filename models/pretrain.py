@@ -11,7 +11,8 @@ from torch import Tensor
 from models.dual_encoder import ImageTextModel
 from models.false_negatives import caption_keys, false_negative_mask, odd_constants
 from models.mlm import mask_tokens, mlm_capacity, select_masked
-from models.objectives import concat_all_gather, hardest_negative_similarity, itc_loss, mine_negatives
+from models.negatives import hardest_negative_similarity, mine_negatives
+from models.objectives import concat_all_gather, itc_loss
 
 
 class ALBEF_Base(ImageTextModel):  # noqa: N801 (the paper's name)

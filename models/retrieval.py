@@ -15,7 +15,8 @@ from torch import Tensor
 
 from models.dual_encoder import ImageTextModel
 from models.momentum import FeatureQueue, MomentumPairs
-from models.objectives import concat_all_gather, itc_loss, mine_negatives
+from models.negatives import mine_negatives
+from models.objectives import concat_all_gather, itc_loss
 
 __all__ = [
     "ALBEF_Retrieval",

@@ -11,14 +11,8 @@ from conftest import HANG_GUARD_S
 
 from models.false_negatives import caption_keys, false_negative_mask
 from models.mlm import mask_tokens
-from models.objectives import (
-    concat_all_gather,
-    gather_features,
-    hardest_negative_similarity,
-    itc_loss,
-    local_columns,
-    mine_negatives,
-)
+from models.negatives import hardest_negative_similarity, mine_negatives
+from models.objectives import concat_all_gather, gather_features, itc_loss, local_columns
 
 
 def _feats(b, d, seed=0, dtype=torch.float64):
@@ -479,7 +473,7 @@ def test_gather_identity_without_distributed():
 
 
 def test_itm_accuracy_counts_right_pairs_and_matches():
-    from models.objectives import itm_accuracy
+    from models.negatives import itm_accuracy
 
     # B = 2: pairs [match 0, match 1, (0, neg text), (1, neg text), (neg image, 0), (neg image, 1)]
     logits = torch.tensor([[0.0, 1.0], [1.0, 0.0], [2.0, 0.0], [0.0, 3.0], [1.0, 0.5], [1.0, -1.0]])

@@ -347,7 +347,7 @@ def mined_negatives(monkeypatch, model, images, text, keys, seeds) -> list[tuple
     """The ITM negatives the model's forward mines, (neg_text_idx (B,), neg_image_idx (B,)) per seed: the
     real models.pretrain.mine_negatives, its results recorded."""
     import models.pretrain
-    from models.objectives import mine_negatives
+    from models.negatives import mine_negatives
 
     drawn = []
 
@@ -410,7 +410,7 @@ def test_guard_on_a_batch_of_one_image(tokenizer, negatives, sampling):
 
 
 def test_guard_fallback_keeps_a_negative_for_every_item(tokenizer):
-    from models.objectives import mine_negatives
+    from models.negatives import mine_negatives
 
     _, on = guard_models(tokenizer)
     # Pair 0 shares its image with 1 and its caption with 2: positive with the whole batch.

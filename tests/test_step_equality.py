@@ -15,7 +15,8 @@ from conftest import tiny_config, word_tokenizer
 
 from dataset.collate import ImageTextCollate
 from models.mlm import mask_tokens, mlm_capacity, select_masked
-from models.objectives import itc_loss, itm_pair_weights, masked_mean, mine_negatives
+from models.negatives import itm_pair_weights, mine_negatives
+from models.objectives import itc_loss, masked_mean
 from models.pretrain import ALBEF_Base
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # tests/conftest.py

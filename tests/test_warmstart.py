@@ -13,7 +13,7 @@ from conftest import tiny_config
 
 from grit import GritSampler, load_index_array
 from models.false_negatives import false_negative_mask
-from models.objectives import hardest_negative_similarity
+from models.negatives import hardest_negative_similarity
 from tools.warmstart import INDICES_FILE, batch_hardness, group_features, main
 from training.cli import run_main
 from training.config import Grit

@@ -39,7 +39,7 @@ from dataset.transforms import test_transform
 from grit import GritCollector
 from grit_io import set_trust_checkpoint
 from models.false_negatives import caption_keys, false_negative_mask
-from models.objectives import hardest_negative_similarity
+from models.negatives import hardest_negative_similarity
 from models.pretrain import ALBEF_Base
 from models.tokenization import build_tokenizer
 from tools.cli import checkpoint_parser, emit_record, resolve_device, tool_config
