@@ -88,7 +88,8 @@ def epoch_orders(pre_dir: str, config: PretrainConfig, dataset_len: int) -> tupl
             states[epoch] = load_checkpoint(path)["sampler"]
     # The first grouped epoch (grit.group_from_epoch may keep later ones random too); an epoch before it
     # comes from the seed like random batches.
-    first = first_grouped_epoch(config.grit.group_from_epoch, config.grit.mode, False)
+    grit = config.grit
+    first = first_grouped_epoch(grit.group_from_epoch, grit.mode, bool(grit.warmstart_indices))
     grouped = config.strategy != "random"
     orders: dict[int, torch.Tensor] = {}
     missing: list[int] = []

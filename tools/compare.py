@@ -54,26 +54,31 @@ from tools.stats import paired_interval, spread
 from training.cli import Parser, run_main
 from training.config_resolve import resolve_config
 
-__all__ = ["COLUMNS", "ITM_CHANCE", "STRATEGY_BENCH", "build_parser", "main", "report", "select_lr",
-           "side_by_side", "summary_row", "sweep_key"]
+__all__ = ["COLUMNS", "ITM_CHANCE", "STRATEGY_BENCH", "build_parser", "itm_epoch", "main", "report",
+           "select_lr", "side_by_side", "summary_row", "sweep_key"]
 
 STRATEGY_BENCH = 'docs/results/strategy_bench.json'  # the strategies' measured cost (tools.strategy_bench)
 ITM_CHANCE = 0.637  # ITM's loss when it says p(match) = 1/3 (one positive, two mined negatives per pair)
 ITM_LEFT_CHANCE = 0.02  # itm_epoch: the first epoch (1-based) whose mean loss_itm is this far below chance
+
+
+def itm_epoch(rows: list[dict]) -> int:
+    """The first epoch (1-based) whose mean ITM loss is ITM_LEFT_CHANCE below chance: when ITM starts to
+    learn, what separates a low seed from a high one (docs/batch-construction.md). A run where it never
+    does counts as one epoch past its end (censored, not dropped)."""
+    return next((r['epoch'] + 1 for r in rows if r['loss_itm'] < ITM_CHANCE - ITM_LEFT_CHANCE), len(rows) + 1)
+
+
 def summary_row(rows: list[dict], retrieval: dict, probe_result: dict) -> dict:
     """The numbers of one run that the tables show: test (and val) R@1 re-ranked and ITC-only, the probe."""
     # The batch figures of the last epoch (nan where a run has none: an older run, random batches' groups);
     # the same-scene share over the epochs after the first (one epoch's is a few dozen examples).
     same_scene = [r['batch_same_scene'] for r in rows if r.get('epoch', 0) > 0 and 'batch_same_scene' in r]
-    # When ITM starts to learn, what separates a low seed from a high one (docs/batch-construction.md):
-    # 1-based; a run where it never does counts as one epoch past its end (censored, not dropped).
-    itm_epoch = next((r['epoch'] + 1 for r in rows if r['loss_itm'] < ITM_CHANCE - ITM_LEFT_CHANCE),
-                     len(rows) + 1)
     out = {'loss_itm': rows[-1]['loss_itm'], 'grit_hardness': rows[-1]['grit_hardness'],
            **{k: rows[-1].get(k, math.nan) for k in ('grit_hardness_t2i', 'itm_false_negatives',
                                                    'batch_groups')},
            'batch_same_scene': statistics.fmean(same_scene) if same_scene else math.nan,
-           'itm_epoch': itm_epoch,
+           'itm_epoch': itm_epoch(rows),
            'train_seconds': sum(r['train_seconds'] for r in rows),
            # The strategy's own work (feature collection, grouping, dealing) as a share of the run's wall
            # clock: a ratio within one run, so it holds however fast the shared machine was that hour, which

@@ -27,11 +27,11 @@ import os
 from grit_io import InputFileError, read_json
 from tools.arms import ARMS, SELECTED_SETTING, selection
 from tools.cli import add_output_dir, emit_record, tool_parser
-from tools.compare import ITM_CHANCE, ITM_LEFT_CHANCE
+from tools.compare import itm_epoch
 from tools.runs import PRETRAIN_CONFIG, run_dir
 from training.cli import run_main
 
-__all__ = ["METRICS", "build_parser", "itm_epoch", "load_logs", "main", "markdown", "plot",
+__all__ = ["METRICS", "add_probe", "arm_setting", "build_parser", "load_logs", "main", "markdown", "plot",
            "rank_correlations"]
 
 # The figures the mechanism is sought in, in the order they are shown (older runs lack the accuracies).
@@ -39,17 +39,17 @@ METRICS = ("loss_itm", "itm_accuracy", "itm_match_accuracy", "probe", "grit_hard
            "batch_same_scene")
 
 
-def itm_epoch(rows: list[dict]) -> int:
-    """The first epoch (1-based) whose mean ITM loss is ITM_LEFT_CHANCE below chance; len + 1 if none."""
-    return next((r["epoch"] + 1 for r in rows if r["loss_itm"] < ITM_CHANCE - ITM_LEFT_CHANCE), len(rows) + 1)
+def arm_setting(arms: list[str], lrs: list[float] | None) -> dict[str, tuple[float, str | None]]:
+    """{arm: (lr, grid setting)}: --lrs in --arms' order with each arm's selected setting, or the arm's
+    selection (tools.arms)."""
+    return {arm: (lrs[k], SELECTED_SETTING.get(arm)) if lrs else selection(arm) for k, arm in enumerate(arms)}
 
 
 def load_logs(output_dir: str, arms: list[str], seeds: list[int],
               lrs: list[float] | None = None) -> dict[str, dict[int, list[dict]]]:
     """{arm: {seed: per-epoch log rows}} of the runs tools.compare made in output_dir."""
     out: dict[str, dict[int, list[dict]]] = {}
-    for k, arm in enumerate(arms):
-        lr, setting = (lrs[k], SELECTED_SETTING.get(arm)) if lrs else selection(arm)
+    for arm, (lr, setting) in arm_setting(arms, lrs).items():
         out[arm] = {}
         for seed in seeds:
             path = os.path.join(run_dir(output_dir, arm, seed, lr, setting), "result.json")
@@ -70,8 +70,7 @@ def add_probe(logs: dict[str, dict[int, list[dict]]], compare_dir: str, arms: li
 
     from tools import probe
 
-    for k, arm in enumerate(arms):
-        lr, setting = (lrs[k], SELECTED_SETTING.get(arm)) if lrs else selection(arm)
+    for arm, (lr, setting) in arm_setting(arms, lrs).items():
         for seed, rows in logs[arm].items():
             folder = os.path.join(run_dir(compare_dir, arm, seed, lr, setting), "pretrain")
             for row in rows:
