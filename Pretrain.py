@@ -5,14 +5,14 @@
     python -m torch.distributed.launch --nproc_per_node=4 --use_env Pretrain.py \
         --config configs/Pretrain.yaml --output_dir output/Pretrain
 
-log.txt gets one JSON line per epoch (training.trainer): the four losses, grit_hardness and
-grit_hardness_t2i (mean ITC similarity of each image's hardest in-batch text negative, and of each
+log.txt gets one JSON line per epoch (training.trainer): the four losses, hardness and
+hardness_t2i (mean ITC similarity of each image's hardest in-batch text negative, and of each
 text's hardest image negative), with ITM itm_accuracy and itm_match_accuracy (the share of its 3B pairs
 classified right and of its B matches called a match: 2/3 and 0 at chance), where the data has a scene
 table itm_false_negatives (with ITM: the share of mined ITM negatives that show the anchor's scene) and
 batch_same_scene (the share of examples whose batch holds another of their scene: the false negatives a
 batch contains, before the guard), batch_groups (grouped epochs: how many sub-queues a batch draws from)
-and grit_seconds (the batching strategy's collection and grouping).
+and sampler_seconds (the batching strategy's collection and grouping).
 """
 
 from __future__ import annotations
@@ -30,8 +30,6 @@ from dataset.bad_samples import SkipBadCollate, SkipBadSamples
 from grit import GritSampler
 from models.false_negatives import mined_false_negative_rate, same_group_share
 from models.loading import load_weights
-from models.negatives import itm_accuracy
-from models.objectives import total_loss
 from models.pretrain import ALBEF_Base
 from models.tokenization import build_tokenizer
 from training.cli import run_main, script_parser, start
@@ -73,7 +71,7 @@ class PretrainTask(Task):
         # batch_same_scene (the share of examples whose batch holds another of their scene).
         scenes = getattr(dataset, "scene_ids", None)
         self.scene_ids = None if scenes is None else scenes.to(device)
-        self.grit_seconds = 0.0
+        self.sampler_seconds = 0.0
         self.features: dict[str, Tensor | None] = {}
 
     def step(self, model: nn.Module, batch) -> tuple[Tensor, dict[str, Tensor]]:
@@ -82,26 +80,27 @@ class PretrainTask(Task):
         valid = batch.valid_on(self.device)  # None without bad samples: the paper's computation
         out = model(batch.image.to(self.device, non_blocking=True), batch.text.to(self.device),
                     image_key=None if self.image_keys is None else self.image_keys[idx], valid=valid)
-        self.features = {"image": out["image_feat"], "text": out["text_feat"], "idx": idx, "valid": valid}
+        # fp32 even under autocast: these feed the sampler's queues.
+        image_feat, text_feat = out["image_feat"].detach().float(), out["text_feat"].detach().float()
+        self.features = {"image": image_feat, "text": text_feat, "idx": idx, "valid": valid}
         # The epoch's first batch, for its picture (batch_pictures): device tensors kept, copied at its end.
         if self.config.batch_pictures and self.shown is None and is_main_process():
             # Copies: under compile's CUDA graphs the outputs' memory is reused by the next step.
             self.shown = {"image": batch.image[:8], "ids": batch.text["input_ids"][:8],
-                          "image_feat": out["image_feat"][:8].detach().clone(),
-                          "text_feat": out["text_feat"][:8].detach().clone()}
-        metrics = {k: out[k].detach() for k in ALBEF_Base.loss_names}
-        metrics["grit_hardness"] = out["hardness"]
-        metrics["grit_hardness_t2i"] = out["hardness_t2i"]
-        if self.config.itm:  # whether ITM has left chance (2/3 and 0 there): the stalled-ITM diagnosis
-            metrics["itm_accuracy"], metrics["itm_match_accuracy"] = itm_accuracy(
-                out["itm_logits"], out["neg_text_idx"], out["neg_image_idx"], valid)
+                          "image_feat": image_feat[:8].clone(), "text_feat": text_feat[:8].clone()}
+        objectives = self.model.objectives
+        metrics = {k: out[k].detach() for k in objectives.loss_names}
+        metrics["hardness"] = out["hardness"]
+        metrics["hardness_t2i"] = out["hardness_t2i"]
+        # The objectives' own (ITM: itm_accuracy, itm_match_accuracy, 2/3 and 0 at chance).
+        metrics |= {k: out[k] for k in objectives.metric_names}
         if self.scene_ids is not None:
             scenes = self.scene_ids[idx]
             metrics["batch_same_scene"] = same_group_share(scenes, valid)
             if self.config.itm:
                 metrics["itm_false_negatives"] = mined_false_negative_rate(
                     scenes, out["neg_text_idx"], out["neg_image_idx"], valid)
-        return total_loss(out, ALBEF_Base.loss_names), metrics
+        return out["loss"], metrics
 
     def after_step(self, metrics: dict[str, Tensor], batch, skipped: bool) -> None:
         """GRIT phase 1 (and, when the queue is full, phases 2-3) on the step's detached projections.
@@ -112,61 +111,62 @@ class PretrainTask(Task):
         feats = self.features
         valid = torch.zeros_like(feats["idx"], dtype=torch.bool) if skipped else feats["valid"]
         self.sampler.collect(feats["image"], feats["text"], feats["idx"], valid)
-        self.grit_seconds += time.perf_counter() - start
+        self.sampler_seconds += time.perf_counter() - start
 
     def start_epoch(self, epoch: int) -> None:
         """The epoch's batches: GRIT's groups from the last epoch (naive mode: from an extra pass now)."""
         start = time.perf_counter()
-        self.grit_seconds = 0.0
-        naive = self.naive_pass if self.config.grit.mode == "naive" else None
+        self.sampler_seconds = 0.0
+        naive = self.naive_pass if self.config.batching.mode == "naive" else None
         self.sampler.set_epoch(epoch, naive_pass=naive)
-        self.model.start_epoch(epoch)  # the losses' per-epoch settings (S-ITC's start)
-        self.grit_seconds += time.perf_counter() - start
+        self.model.objectives.start_epoch(epoch)  # the losses' per-epoch settings (S-ITC's start)
+        self.sampler_seconds += time.perf_counter() - start
 
     def end_epoch(self, epoch: int) -> dict[str, float]:
         """Group the partial queue and compose the next epoch's batches; log GRIT's time this epoch."""
         start = time.perf_counter()
         groups = self.sampler.groups_per_batch  # of this epoch's batches (before end_epoch composes the next)
         self.sampler.end_epoch()
-        self.grit_seconds += time.perf_counter() - start
+        self.sampler_seconds += time.perf_counter() - start
         extra = {} if groups is None else {"batch_groups": round(groups, 4)}
-        return {"grit_seconds": round(self.grit_seconds, 3), **extra}
+        return {"sampler_seconds": round(self.sampler_seconds, 3), **extra}
 
     def summary(self) -> list[str]:
         """The start-up summary's task lines: empty tar shards, if any, and GRIT's sizes."""
-        grit, N = self.config.grit, self.config.batch_size
+        batching, N = self.config.batching, self.config.batch_size
         empty = self.dataset.empty_shards()
         lines = [f"{len(empty)} empty shard{'s' * (len(empty) != 1)} (0 samples) left out: "
                  + ", ".join(empty[:5]) + (", ..." if len(empty) > 5 else "")] if empty else []
-        if not self.config.grit_on:
+        if not self.config.grouped:
             return [*lines, "batching.strategy random: random batches every epoch (the ALBEF baseline)"]
         W = self.sampler.num_replicas
         first_grouped = self.sampler.first_grouped
-        if grit.warmstart_indices:
-            first = "epoch 0 from grit.warmstart_indices"
+        if batching.warmstart_indices:
+            first = "epoch 0 from batching.warmstart_indices"
         elif first_grouped == 0:
             first = "grouped batches from epoch 0"
         else:
             random_epochs = "epoch 0" if first_grouped == 1 else f"epochs 0-{first_grouped - 1}"
             first = f"{random_epochs} random, grouped batches from epoch {first_grouped}"
         return [*lines, f"batching.strategy {self.config.strategy} ({self.sampler.grouping.describe()}), "
-                f"{grit.mode}: groups of N = {N} per rank from sub-queues of M = {grit.search_space} in "
-                f"queues of L = {grit.queue_size}, W = {W} ranks, D = {self.sampler.dataset_len:,}; {first}"]
+                f"{batching.mode}: groups of N = {N} per rank from sub-queues of M = {batching.search_space} "
+                f"in queues of L = {batching.queue_size}, W = {W} ranks, D = {self.sampler.dataset_len:,}; "
+                f"{first}"]
 
     def grouped(self, epoch: int) -> bool:
         """True when epoch `epoch`'s batches are GRIT groups (not random)."""
-        return self.config.grit_on and epoch >= self.sampler.first_grouped
+        return self.config.grouped and epoch >= self.sampler.first_grouped
 
     def pictures(self, epoch: int, output_dir: str) -> dict[str, str]:
-        """batches/epoch_EE_{grit|random}.png: the epoch's first batch on rank 0 (up to 8 of its samples),
+        """batches/epoch_EE_{grouped|random}.png: the epoch's first batch on rank 0 (up to 8 of its samples),
         each with its caption and its hardest in-batch negative (training.pictures)."""
         shown, self.shown = self.shown, None
         if shown is None:
             return {}
-        kind = "grit" if self.grouped(epoch) else "random"
+        kind = "grouped" if self.grouped(epoch) else "random"
         captions = self.tokenizer.batch_decode(shown["ids"].cpu(), skip_special_tokens=True)
         similarity = shown["image_feat"].float() @ shown["text_feat"].float().T
-        what = "a GRIT batch (one group)" if kind == "grit" else "a random batch"
+        what = f"a {self.config.strategy} batch (one group)" if kind == "grouped" else "a random batch"
         path = batch_grid(denormalize(shown["image"]), captions, similarity.cpu(),
                           os.path.join(output_dir, "batches", f"epoch_{epoch:02d}_{kind}.png"),
                           f"epoch {epoch}: {what} - red: each image's hardest in-batch negative caption")

@@ -29,7 +29,6 @@ from torch import Tensor, nn
 from dataset import ImageCollate, ImageTextCollate, RetrievalEvalDataset
 from dataset.bad_samples import SkipBadCollate, SkipBadSamples
 from models.loading import load_weights, read_checkpoint
-from models.objectives import total_loss
 from models.retrieval import MOMENTUM_PREFIXES, QUEUE_KEYS, RETRIEVAL_IGNORED_PREFIXES, ALBEF_Retrieval
 from models.retrieval_eval import dense_scores, itr_metrics, topk_rankings
 from training.bad_samples import BadSampleLog
@@ -147,8 +146,7 @@ class RetrievalTask(FinetuneTask):
         """The three losses of one batch (ids: image ids, so captions of one image are positives)."""
         out = model(batch.image.to(self.device, non_blocking=True), batch.text.to(self.device),
                     batch.ids.to(self.device, non_blocking=True), valid=batch.valid_on(self.device))
-        names = ALBEF_Retrieval.loss_names
-        return total_loss(out, names), {k: out[k].detach() for k in names}
+        return out["loss"], {k: out[k].detach() for k in self.model.objectives.loss_names}
 
     def evaluate(self, epoch: int | None, output_dir: str) -> dict:
         """Recall metrics of the val and test splits (rankings_{split}.json written when configured)."""

@@ -1,7 +1,7 @@
 """`make demo`: tiny GRIT-VLP pre-training on the built-in synthetic data (the paper's M/N = 15) and, side
 by side, the same run with random batches (CPU, under 5 minutes), each at the learning rate tools.compare
 selected for it on val (tools.arms.SELECTED_LR), then, for both, zero-shot retrieval (ITM re-ranked and
-ITC only) and the compositional ITM probe, printed side by side with their per-epoch grit_hardness and ITM
+ITC only) and the compositional ITM probe, printed side by side with their per-epoch hardness and ITM
 loss. One seed of the README's comparison (`python -m tools.compare`, 3 seeds, the rates swept).
 
     python demo.py [--output_dir output/demo] [--seed S] [--no_compare] [--downstream]
@@ -31,7 +31,7 @@ from tools.launch import in_root
 from tools.runs import last_checkpoint, lr_overrides, prepare_pretraining, run_pairs, slug
 from training.cli import Parser, run_main
 
-COLUMNS = ('epoch', *ALBEF_Base.loss_names, 'grit_hardness', 'train_seconds')
+COLUMNS = ('epoch', *ALBEF_Base.paper_losses, 'hardness', 'train_seconds')
 
 
 def table(rows: list[dict], columns: tuple[str, ...]) -> str:
@@ -51,7 +51,7 @@ def build_parser() -> Parser:
     parser.add_argument('--seed', type=int, default=None,
                         help="the tiny config's seed for both runs (default: the config's)")
     parser.add_argument('--no_compare', dest='compare', action='store_false',
-                        help='skip the second pre-training with grit.enabled=false')
+                        help='skip the second pre-training with batching.strategy=random')
     # Opt-in: it would quadruple the demo's time (docs/synthetic-world.md, 'NLVR2 on the synthetic data').
     parser.add_argument('--downstream', action='store_true',
                         help=f'also pre-train GRIT-VLP with {DOWNSTREAM_PRETRAIN_CONFIG} and run NLVR2 '
@@ -95,7 +95,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     print(f'\ncheckpoint: {os.path.relpath(checkpoint)}\nlogs:       {args.output_dir}/*/pretrain/log.txt, '
           f'{args.output_dir}/*/zeroshot/log.txt, probe.json')
     print(f'batches:    a random batch {os.path.relpath(os.path.join(pictures, "epoch_00_random.png"))} '
-          f'and a GRIT batch {os.path.relpath(os.path.join(pictures, f"epoch_{last:02d}_grit.png"))} '
+          f'and a GRIT batch {os.path.relpath(os.path.join(pictures, f"epoch_{last:02d}_grouped.png"))} '
           '(each image\'s hardest in-batch negative caption in red)')
     print(f'demo time:  {time.time() - start:.0f} s')
 

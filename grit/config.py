@@ -1,9 +1,9 @@
 """The defaults a GritSampler's switches take, the rules its options must obey, and the index-array files
-grit.warmstart_indices may name.
+batching.warmstart_indices may name.
 
-DEFAULTS are the paper's: GritSampler's signature and the `grit` block of the typed config
-(training.config.Grit, where each option's meaning is) both take them from here; the config checks the
-same rules at start-up."""
+DEFAULTS are the paper's: GritSampler's signature and the `batching` block of the typed config
+(training.config_blocks.Batching, where each option's meaning is) both take them from here; the config
+checks the same rules at start-up."""
 
 from __future__ import annotations
 
@@ -31,31 +31,34 @@ def first_grouped_epoch(group_from_epoch: int, mode: str, warmstart: bool) -> in
 
 
 def option_problems(*, batch_size: int, enabled: bool, queue_size: int | None, search_space: int | None,
-                    mode: str, group_from_epoch: int = 0, warmstart: bool = False) -> list[str]:
+                    mode: str, group_from_epoch: int = 0, warmstart: bool = False,
+                    prefix: str = "") -> list[str]:
     """What is wrong with a GritSampler's options (one message each; [] when they hold): the mode, and
-    with GRIT on, positive sizes with batch_size <= search_space <= queue_size, and no warm start for a
-    first epoch that group_from_epoch keeps random."""
+    with grouping on, positive sizes with batch_size <= search_space <= queue_size, and no warm start for
+    a first epoch that group_from_epoch keeps random. prefix: how the messages name the options (the
+    typed config's 'batching.'; '': GritSampler's keyword arguments)."""
     if mode not in MODES:
-        return [f"grit.mode must be one of {MODES}, got {mode!r}"]
+        return [f"{prefix}mode must be one of {MODES}, got {mode!r}"]
     if not enabled:
         return []
     if group_from_epoch and warmstart:
-        return [f"grit.warmstart_indices groups epoch 0, but grit.group_from_epoch ({group_from_epoch}) "
+        return [f"{prefix}warmstart_indices groups epoch 0, but {prefix}group_from_epoch "
+                f"({group_from_epoch}) "
                 "keeps the epochs before it random; set one of them"]
-    bad = [f"grit.{name} must be a positive integer while GRIT is on, got {value!r}"
+    bad = [f"{prefix}{name} must be a positive integer while batches are grouped, got {value!r}"
            for name, value in (("queue_size", queue_size), ("search_space", search_space))
            if isinstance(value, bool) or not isinstance(value, int) or value < 1]
     if bad:
         return bad
     if search_space < batch_size:
-        return [f"grit.search_space ({search_space}) must be >= batch_size ({batch_size}): each per-rank "
+        return [f"{prefix}search_space ({search_space}) must be >= batch_size ({batch_size}): each per-rank "
                 "batch is one group cut from a sub-queue"]
     if queue_size < search_space:
-        return [f"grit.queue_size ({queue_size}) must be >= grit.search_space ({search_space})"]
+        return [f"{prefix}queue_size ({queue_size}) must be >= {prefix}search_space ({search_space})"]
     return []
 
 
-def load_index_array(path: str, dataset_len: int, what: str = "grit.warmstart_indices") -> torch.Tensor:
+def load_index_array(path: str, dataset_len: int, what: str = "batching.warmstart_indices") -> torch.Tensor:
     """Load a 1-D array of distinct dataset indices in [0, dataset_len) from .pt/.pth, .npy or .json."""
     if not os.path.isfile(path):
         raise FileNotFoundError(f"{what}: no such file: {path}")

@@ -47,8 +47,9 @@ class GritSampler(torch.utils.data.Sampler):
                  index_dtype: torch.dtype | None = None, strategy: str = "grit",
                  strategy_options: dict | None = None) -> None:
         """dataset: a sized dataset or its length D; batch_size N per rank; queue_size L and search_space M
-        (N <= M <= L); the switches default to the paper's (grit.config.DEFAULTS) and are the `grit` block's
-        keys (training.config.Grit says what each means; the scripts pass config.grit.sampler_options());
+        (N <= M <= L); the switches default to the paper's (grit.config.DEFAULTS) and are the `batching`
+        block's keys (training.config_blocks.Batching says what each means; the scripts pass its
+        sampler_options());
         dim: the feature size collect() gets; device: where the queues and the grouping live; strategy: how
         a sub-queue is grouped (grit.strategies: 'grit', the paper's chain; 'random' = enabled False;
         'b3', 'gcbs', 'rwr') with its keyword options. ValueError when the options break

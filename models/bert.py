@@ -54,6 +54,26 @@ def load_bert_config(path: str) -> BertConfig:
     return config
 
 
+def _contexts(mode: str, encoder_hidden_states: Tensor | Sequence[Tensor] | None,
+              encoder_attention_mask: Tensor | Sequence[Tensor] | None, context_index: Tensor | None,
+              dtype: torch.dtype) -> tuple[list[Tensor], list[Tensor | None]]:
+    """The cross-attention layers' image tokens and their additive masks, as lists (one per context)."""
+    if encoder_hidden_states is None:
+        raise ValueError(f"BertEncoder mode {mode!r} needs encoder_hidden_states (image tokens)")
+    contexts = ([encoder_hidden_states] if isinstance(encoder_hidden_states, Tensor)
+                else list(encoder_hidden_states))
+    if encoder_attention_mask is None or isinstance(encoder_attention_mask, Tensor):
+        masks = [encoder_attention_mask] * len(contexts)
+    else:
+        masks = list(encoder_attention_mask)
+    if len(masks) != len(contexts):
+        raise ValueError("encoder_attention_mask list must match encoder_hidden_states list")
+    if context_index is not None and (len(contexts) != 1 or masks[0] is not None):
+        raise ValueError("context_index needs one encoder_hidden_states tensor and no "
+                         "encoder_attention_mask")
+    return contexts, [_attention_mask(m, dtype) for m in masks]
+
+
 def _attention_mask(
     attention_mask: Tensor | None, dtype: torch.dtype, causal_len: int | None = None,
     device: torch.device | None = None,
@@ -191,27 +211,10 @@ class BertEncoder(nn.Module):
         dtype = compute_dtype(x)
         self_mask = _attention_mask(attention_mask, dtype, x.shape[1] if self.is_decoder else None, x.device)
 
-        runs_cross = any(i >= self.cross_from for i in range(start, stop))
         contexts, context_masks = None, None
-        if runs_cross:
-            if encoder_hidden_states is None:
-                raise ValueError(f"BertEncoder mode {mode!r} needs encoder_hidden_states (image tokens)")
-            contexts = (
-                [encoder_hidden_states]
-                if isinstance(encoder_hidden_states, Tensor)
-                else list(encoder_hidden_states)
-            )
-            if encoder_attention_mask is None or isinstance(encoder_attention_mask, Tensor):
-                masks = [encoder_attention_mask] * len(contexts)
-            else:
-                masks = list(encoder_attention_mask)
-            if len(masks) != len(contexts):
-                raise ValueError("encoder_attention_mask list must match encoder_hidden_states list")
-            context_masks = [_attention_mask(m, dtype) for m in masks]
-            if context_index is not None and (len(contexts) != 1 or masks[0] is not None):
-                raise ValueError("context_index needs one encoder_hidden_states tensor and no "
-                                 "encoder_attention_mask")
-
+        if any(i >= self.cross_from for i in range(start, stop)):
+            contexts, context_masks = _contexts(mode, encoder_hidden_states, encoder_attention_mask,
+                                                context_index, dtype)
         for i in range(start, stop):
             layer = self.layers[i]
             if i >= self.cross_from:

@@ -1,7 +1,7 @@
 """ImageTextModel: the image and text encoders, ITC projections and ITM head that the pre-training model
 (models.pretrain.ALBEF_Base) and the retrieval model (models.retrieval.ALBEF_Retrieval) share, with the
-computations both run on them: encoding, the L2-normalised ITC features, ITM logits and the ITM loss over
-[positives, (image, negative text), (negative image, text)].
+computations both run on them: encoding, the L2-normalised ITC features, and ITM's pairs [positives, (image,
+negative text), (negative image, text)] and their logits (the losses are models.losses').
 
 The module names are ALBEF's (visual_encoder, text_encoder, vision_proj, text_proj, temp, itm_head), so
 ALBEF and GRIT-VLP checkpoints load into either model without key surgery.
@@ -16,8 +16,6 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from models.bert import build_text_encoder
-from models.negatives import itm_pair_weights
-from models.objectives import masked_mean
 from models.vit import build_vision_encoder, check_vision_text_widths
 
 __all__ = ["ImageTextModel"]
@@ -124,30 +122,3 @@ class ImageTextModel(nn.Module):
         return (torch.cat([text_embeds, text_embeds.index_select(0, neg_text_idx), text_embeds]),
                 torch.cat([attention_mask, attention_mask.index_select(0, neg_text_idx), attention_mask]),
                 torch.cat([own, own, neg_image_idx]))
-
-    @staticmethod
-    def itm_criterion(logits: Tensor, neg_text_idx: Tensor, neg_image_idx: Tensor,
-                      valid: Tensor | None = None) -> Tensor:
-        """ITM cross-entropy of the 3B pairs' logits (3B,2) (itm_pairs' order: B matches, then 2B
-        non-matches) -> 0-dim. valid (B,) bool: pairs with a bad sample are left out of the mean
-        (itm_pair_weights); None: the plain mean over the 3B pairs."""
-        batch = neg_text_idx.shape[0]
-        labels = torch.zeros(3 * batch, dtype=torch.long, device=logits.device)
-        labels[:batch] = 1
-        if valid is None:
-            return F.cross_entropy(logits, labels)
-        return masked_mean(F.cross_entropy(logits, labels, reduction="none"),
-                           itm_pair_weights(valid, neg_text_idx, neg_image_idx))
-
-    def itm_pair_loss(self, image_embeds: Tensor, text_embeds: Tensor, attention_mask: Tensor,
-                      neg_text_idx: Tensor, neg_image_idx: Tensor, valid: Tensor | None = None) -> Tensor:
-        """ITM cross-entropy over B positives and the 2B mined negatives -> 0-dim.
-
-        image tokens (B,1+P,Dv), text states (B,L,H), mask (B,L); neg_text_idx[i] (B,) is image i's negative
-        text, neg_image_idx[i] (B,) text i's negative image. valid (B,) bool: pairs with a bad sample are
-        left out of the mean (itm_pair_weights); None: the plain mean over the 3B pairs.
-        """
-        # One fusion pass over [positives, (image, negative text), (negative image, text)].
-        hidden, mask, image_index = self.itm_pairs(text_embeds, attention_mask, neg_text_idx, neg_image_idx)
-        logits = self.itm_logits(hidden, mask, image_embeds, image_index)
-        return self.itm_criterion(logits, neg_text_idx, neg_image_idx, valid)

@@ -193,13 +193,25 @@ def load_weights(
         resampled += done
 
     report = LoadReport(resampled=resampled, notes=notes)
+    usable = _sort_keys(state, own, report, _reasons(skip), ignore, source)
+    model.load_state_dict(usable, strict=False)
+    report.missing = missing_after_tying(model, set(usable))
+    logger.info("loaded %s: %s", source or "state dict", report.summary())
+    if strict and (report.missing or report.unexpected):
+        raise ValueError(f"strict load of {source or 'state dict'} failed: {report.summary()}")
+    return report
+
+
+def _sort_keys(state: dict, own: dict, report: LoadReport, skip: Mapping[str, str],
+               ignore: Sequence[str] | Mapping[str, str], source: str | None) -> dict:
+    """The checkpoint keys the model takes -> {key: tensor}; the others go into the report as ignored
+    (skip, ignore) or unexpected. A key whose shape differs from the model's raises, naming the file."""
     usable = {}
-    skip = _reasons(skip)
     for key, value in state.items():
         if (skipped := _first_reason(key, skip)) is not None:
             report.ignored.append(key)
             report.reasons[key] = skipped
-        elif key in own_keys:
+        elif key in own:
             if value.shape != own[key].shape:
                 where = f"checkpoint {source!r}" if source else "checkpoint"
                 raise (InputFileError if source else ValueError)(
@@ -212,12 +224,7 @@ def load_weights(
             report.reasons[key] = reason
         else:
             report.unexpected.append(key)
-    model.load_state_dict(usable, strict=False)
-    report.missing = missing_after_tying(model, set(usable))
-    logger.info("loaded %s: %s", source or "state dict", report.summary())
-    if strict and (report.missing or report.unexpected):
-        raise ValueError(f"strict load of {source or 'state dict'} failed: {report.summary()}")
-    return report
+    return usable
 
 
 __all__ = ["ALWAYS_IGNORED", "IGNORE_REASONS", "LoadReport", "ignore_reason", "load_task_checkpoint",

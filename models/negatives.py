@@ -9,7 +9,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from models.objectives import _check_rows, _fp32, masked_mean
+from models.objectives import check_rows, masked_mean, upcast
 
 __all__ = ["hardest_negative_similarity", "itm_accuracy", "itm_pair_weights", "mine_negatives"]
 
@@ -62,7 +62,7 @@ def mine_negatives(
                 f"{positive.dtype} {tuple(positive.shape)}"
             )
         excluded = excluded | positive
-        _check_rows(
+        check_rows(
             torch.cat([~excluded, ~excluded.t()]),
             "mine_negatives: some image or text has no in-batch negative (all items are positives); "
             "batch size must be >= 2 with at least two distinct images",
@@ -111,7 +111,7 @@ def _pick(
         return sim.masked_fill(excluded, float("-inf")).argmax(dim=1)
     if mode == "hard":
         # ALBEF's +1e-5 keeps every negative reachable when the softmax underflows to zero.
-        weights = F.softmax(_fp32(sim), dim=1) + 1e-5
+        weights = F.softmax(upcast(sim), dim=1) + 1e-5
     else:
         weights = torch.ones_like(sim, dtype=torch.float)
     weights = weights.masked_fill(excluded, 0.0)
@@ -134,6 +134,6 @@ def hardest_negative_similarity(sim: Tensor, positive: Tensor | None = None) -> 
                 f"{positive.dtype} {tuple(positive.shape)}"
             )
         excluded = excluded | positive
-    hardest = _fp32(sim.detach()).masked_fill(excluded, float("-inf")).amax(dim=1)
+    hardest = upcast(sim.detach()).masked_fill(excluded, float("-inf")).amax(dim=1)
     valid = torch.isfinite(hardest)
     return torch.where(valid, hardest, 0.0).sum() / valid.sum()

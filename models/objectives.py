@@ -9,8 +9,6 @@ pre-training and every fine-tuning model compose the same code. Paper: Eq. 1-2 (
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
-
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
@@ -18,11 +16,13 @@ from torch import Tensor
 
 __all__ = [
     "assert_on_device",
+    "check_rows",
     "concat_all_gather",
     "gather_features",
     "itc_loss",
     "local_columns",
     "masked_mean",
+    "upcast",
 ]
 
 
@@ -33,7 +33,7 @@ def _rank_world() -> tuple[int, int]:
     return 0, 1
 
 
-def _fp32(x: Tensor) -> Tensor:
+def upcast(x: Tensor) -> Tensor:
     """Upcast half types to fp32 (double stays double) for softmax/log maths."""
     return x.float() if x.dtype in (torch.float16, torch.bfloat16) else x
 
@@ -52,7 +52,7 @@ def assert_on_device(ok: Tensor, message: str) -> None:
         torch._assert_async(ok, message)
 
 
-def _check_rows(mask: Tensor, message: str) -> None:
+def check_rows(mask: Tensor, message: str) -> None:
     """Raise ValueError(message) unless every row of the bool mask has a True entry (see _check)."""
     assert_on_device(mask.any(dim=1).all(), message)
 
@@ -110,17 +110,8 @@ def itc_loss(
 ) -> dict[str, Tensor]:
     """ITC (Eq. 1-2) + consistency (Eq. 6); feats (B, d) L2-normalised -> losses (0-dim), sims (B, N).
 
-    The "other side" of the contrast (N columns) is, in this order of precedence:
-      * image_bank / text_bank (N, d), given together: retrieval with a queue (ALBEF). Build them as
-        cat([feat_m, queue.t()]) (see FeatureQueue.bank); sim_i2t = image_feat @ text_bank.T / temp,
-        sim_t2i = text_feat @ image_bank.T / temp. Row j of both banks must be the same pair, so the
-        two softmaxes of the consistency term range over the same N pairs. No momentum distillation.
-      * gather=True: all ranks' features (N = W*B, gather_features: gradient to the local part only);
-        the true pair of row i is column rank*B + i. Consistency then compares rows over the same
-        W*B pairs (images for p_t2v, texts for p_v2t). Each rank's loss covers its own B rows; the
-        gradient that other ranks' rows would send to this rank's columns is dropped (open_clip's
-        local_loss without gather_with_grad).
-      * otherwise the local batch (N = B), the paper's in-batch pre-training setting.
+    The other side of the contrast (N columns): image_bank / text_bank (N, d), the local batch gathered
+    over the ranks (gather), or the local batch (N = B, the paper's): see _contrast_sides.
 
     positive (B, N) bool: positive[i, j] is True when pair i and column pair j share the image or
     the caption (false_negative_mask), so image i matches text j and text i matches image j; it
@@ -137,66 +128,87 @@ def itc_loss(
     loss_cons = lambda_cons / 2 * mean_i [KL(sg(p_v2t_i) || p_t2v_i) + KL(sg(p_t2v_i) || p_v2t_i)],
     where p_v2t_i = softmax(sim_i2t[i]) (image i over texts) and p_t2v_i = softmax(sim_t2i[i])
     (text i over images). lambda_cons == 0 -> loss_cons is an exact zero and costs nothing.
-    Returned sims keep their graph (use .detach() for mining).
-
-    Loss-side answers to hard and false negatives (not in GRIT-VLP; 0 = off, exactly the paper's ITC):
-      * hn_beta: HN-NCE (Radenovic et al., CVPR 2023): in both directions every negative's exp-logit in
-        the denominator is weighted by w_ij = n_i softmax_j(hn_beta * logit_ij) over the row's n_i
-        negatives (the weights differentiated too; the positive's weight alpha = 1), so that the hardest
-        negatives count more and the weights still sum to n_i; the consistency term keeps the plain softmaxes.
-      * smoothing: MAFA's smoothed ITC targets (S-ITC, CVPR 2024): each row's target becomes
-        (1 - smoothing) * target + smoothing * uniform over the row's valid columns.
+    Returned sims keep their graph (use .detach() for mining). hn_beta (HN-NCE) and smoothing (S-ITC),
+    0 = off, exactly the paper's ITC: see _itc_loss_valid.
     """
-    if image_feat.dim() != 2 or image_feat.shape != text_feat.shape:
-        raise ValueError(
-            f"itc_loss: image_feat and text_feat must both be (B, d), got "
-            f"{tuple(image_feat.shape)} and {tuple(text_feat.shape)}"
-        )
-    if lambda_cons < 0:
-        raise ValueError(f"itc_loss: lambda_cons must be >= 0, got {lambda_cons}")
-    b = image_feat.shape[0]
-    offset = 0
-    if (image_bank is None) != (text_bank is None):
-        raise ValueError("itc_loss: image_bank and text_bank must be given together")
-    if image_bank is not None:
-        if gather:
-            raise ValueError("itc_loss: gather=True and a feature bank are exclusive; gather into the bank")
-        if image_bank.shape != text_bank.shape or image_bank.shape[1] != image_feat.shape[1]:
-            raise ValueError(
-                f"itc_loss: banks must both be (N, {image_feat.shape[1]}), got "
-                f"{tuple(image_bank.shape)} and {tuple(text_bank.shape)}"
-            )
-        image_all, text_all = image_bank, text_bank
-    elif gather:
-        rank, _ = _rank_world()
-        offset = rank * b
-        image_all, text_all = gather_features(image_feat), gather_features(text_feat)
-    else:
-        image_all, text_all = image_feat, text_feat
-    n = text_all.shape[0]
-    if n < b:
-        raise ValueError(f"itc_loss: the bank has {n} rows, fewer than the batch ({b})")
-
+    image_all, text_all, offset = _contrast_sides(image_feat, text_feat, gather, image_bank, text_bank)
+    b, n = image_feat.shape[0], text_all.shape[0]
+    _check_targets(positive, (b, n), lambda_cons, hn_beta, smoothing)
     sim_i2t = image_feat @ text_all.t() / temp
     sim_t2i = text_feat @ image_all.t() / temp
-    if positive is not None:
-        if positive.shape != (b, n) or positive.dtype != torch.bool:
-            raise ValueError(
-                f"itc_loss: positive must be a bool ({b}, {n}) mask, got "
-                f"{positive.dtype} {tuple(positive.shape)}"
-            )
-        _check_rows(positive, "itc_loss: every row of `positive` needs at least one True (its own pair)")
-    if hn_beta < 0 or not 0 <= smoothing < 1:
-        raise ValueError(f"itc_loss: hn_beta must be >= 0 and 0 <= smoothing < 1, got {hn_beta}, {smoothing}")
     if valid is not None or hn_beta or smoothing:
         if valid is None:
             valid = torch.ones(b, dtype=torch.bool, device=sim_i2t.device)
             valid_columns = torch.ones(n, dtype=torch.bool, device=sim_i2t.device)
         return _itc_loss_valid(sim_i2t, sim_t2i, lambda_cons, positive, offset, valid,
                                valid_columns, gather, hn_beta, smoothing)
+    return _itc_loss_plain(sim_i2t, sim_t2i, lambda_cons, positive, offset)
+
+
+def _contrast_sides(image_feat: Tensor, text_feat: Tensor, gather: bool, image_bank: Tensor | None,
+                    text_bank: Tensor | None) -> tuple[Tensor, Tensor, int]:
+    """The columns ITC contrasts against -> (images (N, d), texts (N, d), the column of row 0's pair).
+
+    In this order of precedence:
+      * image_bank / text_bank (N, d), given together: retrieval with a queue (ALBEF). Build them as
+        cat([feat_m, queue.t()]) (see FeatureQueue.bank); sim_i2t = image_feat @ text_bank.T / temp,
+        sim_t2i = text_feat @ image_bank.T / temp. Row j of both banks must be the same pair, so the
+        two softmaxes of the consistency term range over the same N pairs. No momentum distillation.
+      * gather=True: all ranks' features (N = W*B, gather_features: gradient to the local part only);
+        the true pair of row i is column rank*B + i. Consistency then compares rows over the same
+        W*B pairs (images for p_t2v, texts for p_v2t). Each rank's loss covers its own B rows; the
+        gradient that other ranks' rows would send to this rank's columns is dropped (open_clip's
+        local_loss without gather_with_grad).
+      * otherwise the local batch (N = B), the paper's in-batch pre-training setting.
+    """
+    if image_feat.dim() != 2 or image_feat.shape != text_feat.shape:
+        raise ValueError(
+            f"itc_loss: image_feat and text_feat must both be (B, d), got "
+            f"{tuple(image_feat.shape)} and {tuple(text_feat.shape)}"
+        )
+    b = image_feat.shape[0]
+    if (image_bank is None) != (text_bank is None):
+        raise ValueError("itc_loss: image_bank and text_bank must be given together")
+    if image_bank is None:
+        if not gather:
+            return image_feat, text_feat, 0
+        return gather_features(image_feat), gather_features(text_feat), _rank_world()[0] * b
+    if gather:
+        raise ValueError("itc_loss: gather=True and a feature bank are exclusive; gather into the bank")
+    if image_bank.shape != text_bank.shape or image_bank.shape[1] != image_feat.shape[1]:
+        raise ValueError(
+            f"itc_loss: banks must both be (N, {image_feat.shape[1]}), got "
+            f"{tuple(image_bank.shape)} and {tuple(text_bank.shape)}"
+        )
+    if image_bank.shape[0] < b:
+        raise ValueError(f"itc_loss: the bank has {image_bank.shape[0]} rows, fewer than the batch ({b})")
+    return image_bank, text_bank, 0
+
+
+def _check_targets(positive: Tensor | None, shape: tuple[int, int], lambda_cons: float, hn_beta: float,
+                   smoothing: float) -> None:
+    """Raise ValueError for a positive mask that is not bool (B, N) with a True in every row, or a weight
+    out of its range."""
+    if lambda_cons < 0:
+        raise ValueError(f"itc_loss: lambda_cons must be >= 0, got {lambda_cons}")
+    if positive is not None:
+        if positive.shape != shape or positive.dtype != torch.bool:
+            raise ValueError(
+                f"itc_loss: positive must be a bool {shape} mask, got "
+                f"{positive.dtype} {tuple(positive.shape)}"
+            )
+        check_rows(positive, "itc_loss: every row of `positive` needs at least one True (its own pair)")
+    if hn_beta < 0 or not 0 <= smoothing < 1:
+        raise ValueError(f"itc_loss: hn_beta must be >= 0 and 0 <= smoothing < 1, got {hn_beta}, {smoothing}")
+
+
+def _itc_loss_plain(sim_i2t: Tensor, sim_t2i: Tensor, lambda_cons: float, positive: Tensor | None,
+                    offset: int) -> dict[str, Tensor]:
+    """itc_loss without bad samples, HN-NCE or smoothing: the paper's computation."""
+    b = sim_i2t.shape[0]
     # Losses in fp32: under autocast the sims may be fp16 and log-softmax over a large bank loses bits.
-    log_p_v2t = F.log_softmax(_fp32(sim_i2t), dim=1)
-    log_p_t2v = F.log_softmax(_fp32(sim_t2i), dim=1)
+    log_p_v2t = F.log_softmax(upcast(sim_i2t), dim=1)
+    log_p_t2v = F.log_softmax(upcast(sim_t2i), dim=1)
 
     if positive is None:
         target = torch.arange(offset, offset + b, device=sim_i2t.device).unsqueeze(1)
@@ -223,16 +235,6 @@ def itc_loss(
 _MASKED_LOGIT = -1e9
 
 
-def total_loss(out: Mapping[str, Tensor], names: Sequence[str]) -> Tensor:
-    """The training loss: a model's named losses summed in `names`' order (model.loss_names), each
-    already weighted as its config says (loss_cons by lambda_cons) -> 0-dim. The one place losses meet:
-    the scripts, tools.step_bench and the logs all read a model's loss_names."""
-    total = out[names[0]]
-    for name in names[1:]:
-        total = total + out[name]
-    return total
-
-
 def masked_mean(values: Tensor, weight: Tensor) -> Tensor:
     """values (B,), weight (B,) bool/float -> 0-dim weighted mean; 0 (with a graph) when the weight is 0."""
     weight = weight.to(values.dtype)
@@ -255,7 +257,14 @@ def _itc_loss_valid(sim_i2t: Tensor, sim_t2i: Tensor, lambda_cons: float, positi
                     offset: int, valid: Tensor, valid_columns: Tensor | None, gather: bool,
                     hn_beta: float = 0.0, smoothing: float = 0.0) -> dict[str, Tensor]:
     """itc_loss with bad samples (invalid rows weigh 0, invalid columns are masked out of the softmax),
-    HN-NCE's weights or smoothed targets."""
+    HN-NCE's weights or smoothed targets (not in GRIT-VLP; 0 = off):
+      * hn_beta: HN-NCE (Radenovic et al., CVPR 2023): in both directions every negative's exp-logit in
+        the denominator is weighted by w_ij = n_i softmax_j(hn_beta * logit_ij) over the row's n_i
+        negatives (the weights differentiated too; the positive's weight alpha = 1), so that the hardest
+        negatives count more and the weights still sum to n_i; the consistency term keeps the plain softmaxes.
+      * smoothing: MAFA's smoothed ITC targets (S-ITC, CVPR 2024): each row's target becomes
+        (1 - smoothing) * target + smoothing * uniform over the row's valid columns.
+    """
     b, n = sim_i2t.shape
     if valid.shape != (b,) or valid.dtype != torch.bool:
         raise ValueError(
@@ -266,8 +275,8 @@ def _itc_loss_valid(sim_i2t: Tensor, sim_t2i: Tensor, lambda_cons: float, positi
         valid_columns = concat_all_gather(valid.to(torch.uint8)).bool() if gather else valid
     if valid_columns.shape != (n,):
         raise ValueError(f"itc_loss: valid_columns must be ({n},), got {tuple(valid_columns.shape)}")
-    log_p_v2t = F.log_softmax(_fp32(sim_i2t).masked_fill(~valid_columns, _MASKED_LOGIT), dim=1)
-    log_p_t2v = F.log_softmax(_fp32(sim_t2i).masked_fill(~valid_columns, _MASKED_LOGIT), dim=1)
+    log_p_v2t = F.log_softmax(upcast(sim_i2t).masked_fill(~valid_columns, _MASKED_LOGIT), dim=1)
+    log_p_t2v = F.log_softmax(upcast(sim_t2i).masked_fill(~valid_columns, _MASKED_LOGIT), dim=1)
     own = torch.zeros(b, n, dtype=torch.bool, device=sim_i2t.device)
     own[torch.arange(b, device=own.device), torch.arange(offset, offset + b, device=own.device)] = True
     if positive is None:
@@ -279,9 +288,9 @@ def _itc_loss_valid(sim_i2t: Tensor, sim_t2i: Tensor, lambda_cons: float, positi
     if hn_beta:
         negative = valid_columns[None, :] & ~target
         ce_v2t = F.log_softmax(hard_negative_logits(
-            _fp32(sim_i2t).masked_fill(~valid_columns, _MASKED_LOGIT), negative, hn_beta), dim=1)
+            upcast(sim_i2t).masked_fill(~valid_columns, _MASKED_LOGIT), negative, hn_beta), dim=1)
         ce_t2v = F.log_softmax(hard_negative_logits(
-            _fp32(sim_t2i).masked_fill(~valid_columns, _MASKED_LOGIT), negative, hn_beta), dim=1)
+            upcast(sim_t2i).masked_fill(~valid_columns, _MASKED_LOGIT), negative, hn_beta), dim=1)
     target = target.to(log_p_v2t.dtype)
     target = target / target.sum(dim=1, keepdim=True)
     if smoothing:

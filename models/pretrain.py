@@ -1,34 +1,37 @@
-"""ALBEF_Base: ALBEF without the momentum model; ITC(+consistency) + ITM_hard + MLM (paper Eq. 7)."""
+"""ALBEF_Base: ALBEF without the momentum model. Its forward returns what ITC(+consistency), ITM_hard and MLM
+(paper Eq. 7) need; the losses themselves are models.losses' objectives, composed from the config."""
 
 from __future__ import annotations
 
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor
 
 from models.dual_encoder import ImageTextModel
 from models.false_negatives import caption_keys, false_negative_mask, odd_constants
+from models.losses import build_objectives
 from models.mlm import mask_tokens, mlm_capacity, select_masked
 from models.negatives import hardest_negative_similarity, mine_negatives
-from models.objectives import concat_all_gather, itc_loss
+from models.objectives import concat_all_gather
 
 
 class ALBEF_Base(ImageTextModel):  # noqa: N801 (the paper's name)
-    """ViT image encoder, split BERT (text + fusion encoder, MLM head), ITC projections, ITM head."""
+    """ViT image encoder, split BERT (text + fusion encoder, MLM head), ITC projections, ITM head, and the
+    config's objectives (models.losses) as the submodule `objectives`."""
 
-    # The losses forward() returns, each weighted (loss_cons by lambda_cons): models.objectives.total_loss
-    # sums them; the logs, tools.step_bench and demo.py read the names from here.
-    loss_names = ("loss_itc", "loss_cons", "loss_itm", "loss_mlm")
+    # The paper's losses, always reported (an exact zero when switched off); objectives.loss_names adds
+    # any other objective's after them. The logs, tools.step_bench and demo.py read them.
+    paper_losses = ("loss_itc", "loss_cons", "loss_itm", "loss_mlm")
 
     def __init__(self, config: Any, tokenizer: Any) -> None:
         """Build the model; text weights from config.text_encoder (null: random init).
 
         config: the resolved pre-training config (training.config.PretrainConfig); reads itc, itm, mlm,
-        itm_negatives, hard_sampling, lambda_cons, itc_gather, guard_false_negatives, mlm_probability,
-        mlm_masked_only, itc_hn_beta, itc_smoothing(_epoch), share_image_kv, embed_dim, temp and the
-        encoders' keys. tokenizer: vocabulary size and MLM special tokens.
+        itm_negatives, hard_sampling, itc_gather, guard_false_negatives, mlm_probability, mlm_masked_only,
+        share_image_kv, embed_dim, temp, the encoders' keys and what the objectives read (lambda_cons,
+        contrastive_loss, itc_hn_beta, itc_smoothing(_epoch)). tokenizer: vocabulary size and MLM special
+        tokens.
         """
         super().__init__(config, tokenizer, mlm_head=True)
         self.use_itc = config.itc
@@ -47,26 +50,20 @@ class ALBEF_Base(ImageTextModel):  # noqa: N801 (the paper's name)
         positions = self.text_encoder.config.max_position_embeddings
         self.register_buffer("caption_constants", odd_constants(positions), persistent=False)
         self.mlm_probability = config.mlm_probability
-        # Loss-side switches (not in GRIT-VLP; 0 = the paper's ITC): HN-NCE's beta and MAFA's S-ITC, whose
-        # smoothing starts at epoch itc_smoothing_epoch (start_epoch).
-        self.itc_hn_beta = config.itc_hn_beta
-        self.itc_smoothing_value, self.itc_smoothing_epoch = config.itc_smoothing, config.itc_smoothing_epoch
-        self.itc_smoothing = 0.0 if config.itc_smoothing_epoch else config.itc_smoothing
         self.mlm_masked_only = config.mlm_masked_only
 
         self.vocab_size = self.text_encoder.config.vocab_size
         self.mask_token_id = tokenizer.mask_token_id
         # ALBEF never masks [PAD] or [CLS]; [SEP] stays maskable.
         self.special_ids = [tokenizer.pad_token_id, tokenizer.cls_token_id]
-
-    def start_epoch(self, epoch: int) -> None:
-        """Per-epoch settings of the losses: S-ITC's smoothing from epoch itc_smoothing_epoch on."""
-        self.itc_smoothing = self.itc_smoothing_value if epoch >= self.itc_smoothing_epoch else 0.0
+        # Last: parameters an objective learns (SigLIP's) come after the encoders' in the model's order.
+        self.objectives = build_objectives(config, self.paper_losses)
 
     @property
     def uses_every_parameter(self) -> bool:
-        """False when an objective is switched off: its modules get no gradient (DDP must be told)."""
-        return self.use_itc and self.use_itm and self.use_mlm
+        """False when an objective is switched off or replaced: its modules get no gradient (DDP must be
+        told)."""
+        return self.use_itc and self.use_itm and self.use_mlm and not self.objectives.replaced
 
     @torch.no_grad()
     def false_negative_masks(
@@ -108,26 +105,60 @@ class ALBEF_Base(ImageTextModel):  # noqa: N801 (the paper's name)
             labels = labels.masked_fill(~valid[:, None], -100)
         return masked_ids, labels
 
-    def mlm_criterion(self, hidden: Tensor, labels: Tensor) -> Tensor:
-        """MLM cross-entropy of fused states (B,L,H) over the masked tokens of labels (B,L) -> 0-dim.
+    def mlm_outputs(self, hidden: Tensor, labels: Tensor) -> dict[str, Tensor]:
+        """Fused states (B,L,H), labels (B,L) -> {'mlm_logits' (R,V), 'mlm_labels' (R,)} for the MLM loss.
 
-        mlm_masked_only: vocabulary logits only for a fixed-size selection holding every masked token
-        (models.mlm.select_masked; a data-dependent hidden[labels != -100] would sync the host
-        every step). Off (ALBEF): logits at every position, the masked half used. Summing and dividing by
-        a clamped count keeps the loss finite when nothing was masked.
+        mlm_masked_only: vocabulary logits only for a fixed-size selection of R rows holding every masked
+        token (models.mlm.select_masked; a data-dependent hidden[labels != -100] would sync the host
+        every step). Off (ALBEF): logits at every position (R = B*L), the masked ones used.
         """
         if self.mlm_masked_only:
             positions, labels = select_masked(labels, mlm_capacity(labels.numel(), self.mlm_probability))
             hidden = hidden.flatten(0, 1).index_select(0, positions)
         else:
             hidden, labels = hidden.flatten(0, 1), labels.flatten()
-        loss_sum = F.cross_entropy(self.text_encoder.mlm_logits(hidden), labels, ignore_index=-100,
-                                   reduction="sum")
-        return loss_sum / (labels != -100).sum().clamp(min=1)
+        return {"mlm_logits": self.text_encoder.mlm_logits(hidden), "mlm_labels": labels}
+
+    @torch.no_grad()
+    def mine(self, image_feat: Tensor, text_feat: Tensor, positive: Tensor | None,
+             valid: Tensor | None) -> dict[str, Tensor | None]:
+        """ITC projections (B,d), the guard's mining positives (B,B) -> the batch's hardness both ways and,
+        with ITM, its mined negatives: neg_text_idx (B,) (text of image i), neg_image_idx (B,) (image of
+        text i).
+
+        Mining happens in the local batch (GRIT puts similar pairs there); the local block of the (possibly
+        gathered) ITC similarities is just the local cosine matrix over the temperature. Bad samples are
+        neither anchors nor negatives.
+        """
+        cosine = image_feat.detach() @ text_feat.detach().t()
+        excluded = positive
+        if valid is not None:
+            excluded = ~(valid[:, None] & valid[None, :])
+            if positive is not None:
+                excluded = excluded | positive
+        found = {"hardness": hardest_negative_similarity(cosine, excluded),
+                 # the same from the captions' side: each text's hardest in-batch image negative
+                 "hardness_t2i": hardest_negative_similarity(cosine.t(), None if excluded is None
+                                                             else excluded.t()),
+                 "neg_text_idx": None, "neg_image_idx": None}
+        if valid is not None:  # at most one good sample: no negative to measure; logged as 0
+            for key in ("hardness", "hardness_t2i"):
+                found[key] = torch.nan_to_num(found[key], nan=0.0)
+        if self.use_itm:
+            logits_i2t = cosine / self.temp
+            found["neg_text_idx"], found["neg_image_idx"] = mine_negatives(
+                logits_i2t, logits_i2t.t(), positive, mode=self.itm_negatives, sampling=self.hard_sampling,
+                valid=valid)
+        return found
 
     def forward(self, image: Tensor, text, image_key: Tensor | None = None,
-                valid: Tensor | None = None) -> dict[str, Tensor]:
-        """image (B,3,H,W), text (tokenizer output, (B,L)), image_key (B,) int -> losses (0-dim), feats (B,d).
+                valid: Tensor | None = None) -> dict[str, Tensor | None]:
+        """image (B,3,H,W), text (tokenizer output, (B,L)), image_key (B,) int -> what the objectives need.
+
+        Returns image_feat, text_feat (B,d) with their graph (detach them for GRIT's queues), temp, the
+        guard's ITC positives `positive` (B,N) (None without it), `valid`, the batch's hardness both ways,
+        and with ITM its mined negatives and `itm_logits` (3B,2) in itm_pairs' order, with MLM `mlm_logits`
+        (R,V) and `mlm_labels` (R,). Losses: models.losses (WithObjectives runs both).
 
         image_key (e.g. PretrainDataset.image_keys[idx]) is needed with guard_false_negatives and
         ignored without it. valid (B,) bool marks bad samples (False; dataset.bad_samples): they are
@@ -137,18 +168,18 @@ class ALBEF_Base(ImageTextModel):  # noqa: N801 (the paper's name)
         share_image_kv: the plain and the masked captions go through the text layers in one pass, and
         ITM's 3B pairs and MLM's B captions through the fusion layers in one pass whose cross-attention
         keys and values are computed once per image. Off: ALBEF's passes (text; ITM fusion; MLM text and
-        fusion), in ALBEF's order. The losses are the same; only dropout draws its masks in another order.
+        fusion), in ALBEF's order. The outputs are the same; only dropout draws its masks in another order.
         """
         # Item access works for a BatchEncoding and for a plain dict.
         input_ids, attention_mask = text["input_ids"], text["attention_mask"]
         batch = input_ids.shape[0]
-        shared = self.share_image_kv
-
         image_embeds = self.encode_image(image)
-        if shared and self.use_mlm:
+        mlm = None
+        if self.share_image_kv and self.use_mlm:
             masked_ids, mlm_labels = self._mask(input_ids, valid)
             text_embeds, mlm_text = self.encode_text(torch.cat([input_ids, masked_ids]),
                                                      attention_mask.repeat(2, 1)).split(batch)
+            mlm = (mlm_text, mlm_labels)
         else:
             text_embeds = self.encode_text(input_ids, attention_mask)
         image_feat, text_feat = self.project(image_embeds, text_embeds)
@@ -162,88 +193,48 @@ class ALBEF_Base(ImageTextModel):  # noqa: N801 (the paper's name)
                     "(pass image_key=dataset.image_keys[idx], or set guard_false_negatives: false)"
                 )
             positive_itc, positive_mining = self.false_negative_masks(image_key, input_ids, attention_mask)
+        out = {"image_feat": image_feat, "text_feat": text_feat, "temp": self.temp, "positive": positive_itc,
+               "valid": valid, **self.mine(image_feat, text_feat, positive_mining, valid), "itm_logits": None}
+        fuse = self._fuse_shared if self.share_image_kv else self._fuse_separate
+        return out | fuse(image_embeds, input_ids, text_embeds, attention_mask, out, mlm, valid)
 
-        zero = image_feat.new_zeros(())
-        if self.use_itc:
-            valid_itc = valid
-            if self.itc_gather and valid is None:
-                # Every rank gathers the flags when any rank may hold a bad sample: a rank that skipped
-                # the all_gather would desynchronise the collectives (our extension, not the paper's).
-                valid_itc = torch.ones(image_feat.shape[0], dtype=torch.bool, device=image_feat.device)
-            itc = itc_loss(image_feat, text_feat, self.temp, self.lambda_cons,
-                           positive=positive_itc, gather=self.itc_gather, valid=valid_itc,
-                           hn_beta=self.itc_hn_beta, smoothing=self.itc_smoothing)
-            loss_itc, loss_cons = itc["loss_itc"], itc["loss_cons"]
-        else:
-            loss_itc, loss_cons = zero, zero
-
-        # Mining happens in the local batch (GRIT puts similar pairs there); the local block of the
-        # (possibly gathered) ITC similarities is just the local cosine matrix over the temperature.
-        with torch.no_grad():
-            cosine = image_feat.detach() @ text_feat.detach().t()
-            excluded = positive_mining
-            if valid is not None:  # bad samples are neither anchors nor negatives
-                excluded = ~(valid[:, None] & valid[None, :])
-                if positive_mining is not None:
-                    excluded = excluded | positive_mining
-            hardness = hardest_negative_similarity(cosine, excluded)
-            # the same from the captions' side: each text's hardest in-batch image negative
-            hardness_t2i = hardest_negative_similarity(cosine.t(), None if excluded is None else excluded.t())
-            if valid is not None:  # at most one good sample: no negative to measure; logged as 0
-                hardness = torch.nan_to_num(hardness, nan=0.0)
-                hardness_t2i = torch.nan_to_num(hardness_t2i, nan=0.0)
+    def _fuse_shared(self, image_embeds: Tensor, input_ids: Tensor, text_embeds: Tensor,
+                     attention_mask: Tensor, out: dict, mlm: tuple[Tensor, Tensor] | None,
+                     valid: Tensor | None) -> dict[str, Tensor]:
+        """share_image_kv: ITM's 3B pairs and MLM's B masked captions in one fusion pass -> their outputs."""
+        if not (self.use_itm or self.use_mlm):
+            return {}
+        batch = input_ids.shape[0]
+        rows, masks, images = [], [], []
         if self.use_itm:
-            with torch.no_grad():
-                logits_i2t = cosine / self.temp
-                neg_text_idx, neg_image_idx = mine_negatives(
-                    logits_i2t, logits_i2t.t(), positive_mining,
-                    mode=self.itm_negatives, sampling=self.hard_sampling, valid=valid,
-                )
-
-        loss_itm = loss_mlm = zero
-        itm_logits = None
-        if shared and (self.use_itm or self.use_mlm):
-            rows, masks, images = [], [], []
-            if self.use_itm:
-                pairs = self.itm_pairs(text_embeds, attention_mask, neg_text_idx, neg_image_idx)
-                rows, masks, images = [pairs[0]], [pairs[1]], [pairs[2]]
-            if self.use_mlm:
-                rows.append(mlm_text)
-                masks.append(attention_mask)
-                images.append(torch.arange(batch, device=input_ids.device))
-            fused = self.fuse(torch.cat(rows), torch.cat(masks), image_embeds, torch.cat(images))
-            if self.use_itm:
-                itm_logits = self.itm_head(fused[:3 * batch, 0])
-            if self.use_mlm:
-                loss_mlm = self.mlm_criterion(fused[-batch:], mlm_labels)
-        else:
-            if self.use_itm:  # itm_pair_loss's one fusion pass, its logits kept for the logged accuracy
-                pairs = self.itm_pairs(text_embeds, attention_mask, neg_text_idx, neg_image_idx)
-                itm_logits = self.itm_logits(*pairs[:2], image_embeds, pairs[2])
-            if self.use_mlm:
-                masked_ids, mlm_labels = self._mask(input_ids, valid)
-                hidden = self.text_encoder(masked_ids, attention_mask, mode="multimodal",
-                                           encoder_hidden_states=image_embeds)
-                loss_mlm = self.mlm_criterion(hidden, mlm_labels)
+            pairs = self.itm_pairs(text_embeds, attention_mask, out["neg_text_idx"], out["neg_image_idx"])
+            rows, masks, images = [pairs[0]], [pairs[1]], [pairs[2]]
+        if self.use_mlm:
+            rows.append(mlm[0])
+            masks.append(attention_mask)
+            images.append(torch.arange(batch, device=input_ids.device))
+        fused = self.fuse(torch.cat(rows), torch.cat(masks), image_embeds, torch.cat(images))
+        found = {}
         if self.use_itm:
-            loss_itm = self.itm_criterion(itm_logits, neg_text_idx, neg_image_idx, valid)
+            found["itm_logits"] = self.itm_head(fused[:3 * batch, 0])
+        if self.use_mlm:
+            found |= self.mlm_outputs(fused[-batch:], mlm[1])
+        return found
 
-        return {
-            "loss_itc": loss_itc,
-            "loss_cons": loss_cons,
-            "loss_itm": loss_itm,
-            "loss_mlm": loss_mlm,
-            # fp32 even under autocast: these feed GRIT's queues.
-            "image_feat": image_feat.detach().float(),
-            "text_feat": text_feat.detach().float(),
-            "hardness": hardness,
-            "hardness_t2i": hardness_t2i,
-            # the mined ITM negatives (None without ITM): text of image i, image of text i (batch positions)
-            "neg_text_idx": neg_text_idx if self.use_itm else None,
-            "neg_image_idx": neg_image_idx if self.use_itm else None,
-            # ITM's logits (3B, 2) in itm_pairs' order, detached (None without ITM): the logged accuracy
-            "itm_logits": None if itm_logits is None else itm_logits.detach(),
-        }
+    def _fuse_separate(self, image_embeds: Tensor, input_ids: Tensor, text_embeds: Tensor,
+                       attention_mask: Tensor, out: dict, mlm: None,
+                       valid: Tensor | None) -> dict[str, Tensor]:
+        """ALBEF's passes: ITM's fusion, then MLM's masking, text and fusion passes -> ITM / MLM outputs."""
+        found = {}
+        if self.use_itm:
+            pairs = self.itm_pairs(text_embeds, attention_mask, out["neg_text_idx"], out["neg_image_idx"])
+            found["itm_logits"] = self.itm_logits(*pairs[:2], image_embeds, pairs[2])
+        if self.use_mlm:
+            masked_ids, mlm_labels = self._mask(input_ids, valid)
+            hidden = self.text_encoder(masked_ids, attention_mask, mode="multimodal",
+                                       encoder_hidden_states=image_embeds)
+            found |= self.mlm_outputs(hidden, mlm_labels)
+        return found
 
 
 __all__ = ["ALBEF_Base"]

@@ -1,4 +1,5 @@
-"""Image-text retrieval: the fine-tuning model (queue ITC against a momentum encoder + ITM_hard).
+"""Image-text retrieval: the fine-tuning model (queue ITC against a momentum encoder + ITM_hard; the losses
+are models.losses' objectives).
 
 Its evaluation (ITC scores for all pairs, ITM re-ranking of the top k, recall metrics) is in
 models/retrieval_eval.py.
@@ -14,9 +15,10 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from models.dual_encoder import ImageTextModel
+from models.losses import build_objectives
 from models.momentum import FeatureQueue, MomentumPairs
 from models.negatives import mine_negatives
-from models.objectives import concat_all_gather, itc_loss
+from models.objectives import concat_all_gather
 
 __all__ = [
     "ALBEF_Retrieval",
@@ -51,7 +53,8 @@ class ALBEF_Retrieval(ImageTextModel, FeatureQueue):  # noqa: N801 (ALBEF's nami
     similarities excluding same-image pairs; no momentum distillation.
     """
 
-    loss_names = ("loss_itc", "loss_cons", "loss_itm")  # forward()'s weighted losses (total_loss sums them)
+    # The losses always reported (an exact zero when switched off): objectives.loss_names.
+    paper_losses = ("loss_itc", "loss_cons", "loss_itm")
 
     def __init__(self, config: Any, tokenizer: Any) -> None:
         """Build the model; text weights from config.text_encoder (null: random init).
@@ -82,6 +85,7 @@ class ALBEF_Retrieval(ImageTextModel, FeatureQueue):  # noqa: N801 (ALBEF's nami
         # The initial random columns count as valid: ALBEF contrasts against them as real negatives,
         # and valid=None must compute exactly what the model computed before bad samples existed.
         self.register_buffer("valid_queue", torch.ones(1, self.size, dtype=torch.bool))
+        self.objectives = build_objectives(config, self.paper_losses)
 
     def _load_from_state_dict(self, state_dict: dict[str, Tensor], prefix: str, local_metadata: dict,
                               strict: bool, missing_keys: list[str], unexpected_keys: list[str],
@@ -121,26 +125,15 @@ class ALBEF_Retrieval(ImageTextModel, FeatureQueue):  # noqa: N801 (ALBEF's nami
         """False with itm: false (the fusion layers and ITM head get no gradient; DDP must be told)."""
         return self.use_itm
 
-    def itm_loss(self, image_embeds: Tensor, text_embeds: Tensor, attention_mask: Tensor, itc: dict,
-                 in_batch: Tensor, valid: Tensor | None = None) -> Tensor:
-        """ITM cross-entropy: B positives and 2B negatives mined from itc's in-batch sims (B,B) -> 0-dim.
+    def forward(self, image: Tensor, text, idx: Tensor,
+                valid: Tensor | None = None) -> dict[str, Tensor | None]:
+        """image (B,3,H,W), text (tokenizer output (B,L)), idx (B,) image ids -> what the objectives need.
 
-        valid (B,) bool: a bad sample is never mined as a negative, and every pair with one is left
-        out of the mean (itm_pair_weights); None: the plain mean over the 3B pairs.
-        """
-        batch = text_embeds.shape[0]
-        # Hard negatives from the in-batch block of the ITC similarities; every caption of the same
-        # image is a positive, never a negative.
-        with torch.no_grad():
-            neg_text_idx, neg_image_idx = mine_negatives(
-                itc["sim_i2t"][:, :batch].detach(), itc["sim_t2i"][:, :batch].detach(), positive=in_batch,
-                mode=self.itm_negatives, sampling=self.hard_sampling, valid=valid,
-            )
-        return self.itm_pair_loss(image_embeds, text_embeds, attention_mask, neg_text_idx, neg_image_idx,
-                                  valid)
-
-    def forward(self, image: Tensor, text, idx: Tensor, valid: Tensor | None = None) -> dict[str, Tensor]:
-        """image (B,3,H,W), text (tokenizer output (B,L)), idx (B,) image ids -> losses (0-dim) and feats.
+        Returns image_feat, text_feat (B,d) with their graph, temp, the bank (momentum features of the batch,
+        then the queue: image_bank, text_bank (B+K,d)), its image-id positives `positive` (B,B+K), the
+        queued columns' validity `bank_valid` (K,), `valid`, and with ITM `itm_logits` (3B,2) over the
+        negatives mined from the in-batch block (neg_text_idx, neg_image_idx (B,)). The momentum update
+        and the enqueue happen here. Losses: models.losses (WithObjectives runs both).
 
         valid (B,) bool marks bad samples (False; dataset.bad_samples): their rows are left out of
         both losses, their columns never compete in the ITC softmax nor are mined as ITM negatives,
@@ -149,9 +142,7 @@ class ALBEF_Retrieval(ImageTextModel, FeatureQueue):  # noqa: N801 (ALBEF's nami
         the one of the model before bad samples existed as long as the queue holds none either.
         """
         input_ids, attention_mask = text.input_ids, text.attention_mask
-        batch = input_ids.shape[0]
         idx = idx.view(-1)
-
         image_embeds = self.encode_image(image)
         text_embeds = self.encode_text(input_ids, attention_mask)
         image_feat = self.image_feat(image_embeds)
@@ -164,37 +155,34 @@ class ALBEF_Retrieval(ImageTextModel, FeatureQueue):  # noqa: N801 (ALBEF's nami
             text_hidden_m = self.text_encoder_m(input_ids, attention_mask, mode="text")
             text_feat_m = F.normalize(self.text_proj_m(text_hidden_m[:, 0]), dim=-1)
             image_bank, text_bank, positive = self.bank(image_feat_m, text_feat_m, idx)
-        itc = self._queue_itc(image_feat, text_feat, image_bank, text_bank, positive, valid)
+        out = {"image_feat": image_feat, "text_feat": text_feat, "temp": self.temp, "image_bank": image_bank,
+               "text_bank": text_bank, "positive": positive, "bank_valid": self.valid_queue[0].clone(),
+               "valid": valid, "itm_logits": None, "neg_text_idx": None, "neg_image_idx": None}
         self.enqueue(image_feat_m, text_feat_m, idx, valid)
+        if self.use_itm:
+            out |= self.itm_outputs(image_embeds, text_embeds, attention_mask, (image_feat, text_feat),
+                                    (image_feat_m, text_feat_m), positive[:, :idx.shape[0]], valid)
+        return out
 
-        loss_itm = self.itm_loss(image_embeds, text_embeds, attention_mask, itc, positive[:, :batch], valid) \
-            if self.use_itm else itc["loss_itc"].new_zeros(())
-        return {
-            "loss_itc": itc["loss_itc"],
-            "loss_cons": itc["loss_cons"],
-            "loss_itm": loss_itm,
-            "image_feat": image_feat.detach(),
-            "text_feat": text_feat.detach(),
-        }
+    def itm_outputs(self, image_embeds: Tensor, text_embeds: Tensor, attention_mask: Tensor,
+                    feats: tuple[Tensor, Tensor], feats_m: tuple[Tensor, Tensor], in_batch: Tensor,
+                    valid: Tensor | None = None) -> dict[str, Tensor]:
+        """ITM's logits (3B,2) over B positives and 2B negatives mined from the in-batch ITC similarities
+        (the ITC projections feats (B,d) each against the momentum ones feats_m, the bank's first B
+        columns), and the mined indices (B,) each.
 
-    def _queue_itc(self, image_feat: Tensor, text_feat: Tensor, image_bank: Tensor, text_bank: Tensor,
-                   positive: Tensor, valid: Tensor | None) -> dict[str, Tensor]:
-        """itc_loss against the bank (B+K, d): batch columns valid per `valid`, queue ones per valid_queue."""
-        def itc(row_valid: Tensor | None, column_valid: Tensor | None = None) -> dict[str, Tensor]:
-            return itc_loss(image_feat, text_feat, self.temp, self.lambda_cons, positive=positive,
-                            image_bank=image_bank, text_bank=text_bank, valid=row_valid,
-                            valid_columns=column_valid)
-
-        if valid is not None:
-            return itc(valid, torch.cat([valid, self.valid_queue[0]]))
-        # A good batch may still face bad samples queued by earlier steps, on any rank. Whether the
-        # queue holds one is known only on the device, and asking the host would stall every step, so
-        # both losses are computed and the device picks: the plain one (the exact pre-bad-sample
-        # result, and gradient: the other branch gets exact zeros) while the queue is clean, the
-        # masked one otherwise. The extra cost is one (B, B+K) softmax pair, small next to the encoders.
-        plain = itc(None)
-        ones = torch.ones_like(positive[:, 0])
-        masked = itc(ones, torch.cat([ones, self.valid_queue[0]]))
-        clean = self.valid_queue.all()
-        return {**plain, "loss_itc": torch.where(clean, plain["loss_itc"], masked["loss_itc"]),
-                "loss_cons": torch.where(clean, plain["loss_cons"], masked["loss_cons"])}
+        valid (B,) bool: a bad sample is never mined as a negative (the ITM objective leaves every pair
+        with one out of its mean).
+        """
+        # Hard negatives from the in-batch block of the ITC similarities; every caption of the same
+        # image is a positive, never a negative.
+        with torch.no_grad():
+            sim_i2t = feats[0].detach() @ feats_m[1].t() / self.temp
+            sim_t2i = feats[1].detach() @ feats_m[0].t() / self.temp
+            neg_text_idx, neg_image_idx = mine_negatives(
+                sim_i2t, sim_t2i, positive=in_batch, mode=self.itm_negatives,
+                sampling=self.hard_sampling, valid=valid,
+            )
+        hidden, mask, image_index = self.itm_pairs(text_embeds, attention_mask, neg_text_idx, neg_image_idx)
+        return {"itm_logits": self.itm_logits(hidden, mask, image_embeds, image_index),
+                "neg_text_idx": neg_text_idx, "neg_image_idx": neg_image_idx}

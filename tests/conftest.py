@@ -61,8 +61,8 @@ TINY_CONFIGS = {"pretrain": "configs/tiny/Pretrain.yaml", "retrieval": "configs/
 
 def tiny_config(task: str, path: str | None = None, **values):
     """The typed config (training.config) of configs/tiny/<Task>.yaml, or of `path` (repo-relative), with
-    `values` laid over its keys: a dict value merges into a block (grit={"enabled": False}). Data paths
-    are not checked to exist (nothing is read)."""
+    `values` laid over its keys: a dict value merges into a block (batching={"strategy": "random"}). Data
+    paths are not checked to exist (nothing is read)."""
     from training.config_files import load_config, to_plain
     from training.config_resolve import config_from_mapping
 

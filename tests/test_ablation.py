@@ -58,11 +58,11 @@ def test_ablation_config_loads_and_validates(path):
     assert "base" not in to_plain(load_config(path))
     # The typed config: keys, types, values and GRIT's size rules all hold (data paths not checked).
     config = resolve_config("pretrain", path, check_paths=False)
-    grit = config.grit
+    grit = config.batching
     name = os.path.basename(path)[:-5]
     # The switches each row stands for (paper Tables 1, 2, 4, 5).
     expect_grit = name.startswith(("grit", "itc_grit", "itc_cons"))
-    assert grit.enabled == expect_grit
+    assert grit.strategy == ("grit" if expect_grit else "random") and config.grouped == expect_grit
     assert (config.itm, config.mlm) == ((False, False) if name.startswith("itc") else (True, True))
     assert config.itc == (name != "mlm_itm_rand")
     assert (config.lambda_cons > 0) == (name in ("grit_cons15", "grit_vlp", "itc_cons_grit"))
@@ -145,15 +145,15 @@ def test_ablate_micro_end_to_end_and_reuse(micro_env, tmp_path, monkeypatch):
     log_path = os.path.join(out, "micro", "itc_grit", "seed1", "pretrain", "log.txt")
     log = [json.loads(line) for line in open(log_path)]
     assert len(log) == 2 and all(r["loss_itm"] == 0 and r["loss_mlm"] == 0 for r in log)
-    assert all(-1 <= r["grit_hardness"] <= 1 for r in log)  # a cosine similarity, logged every epoch
+    assert all(-1 <= r["hardness"] <= 1 for r in log)  # a cosine similarity, logged every epoch
     saved = resolve_config("pretrain", os.path.join(os.path.dirname(log_path), "config.yaml"),
                            check_paths=False)
-    assert saved.grit.enabled and not saved.itm  # the row ran GRIT without ITM
+    assert saved.batching.strategy == "grit" and not saved.itm  # the row ran GRIT without ITM
     table = open(os.path.join(out, "micro", "table5.md")).read()
     assert "| ITC |" in table and "| ITC + GRIT |" in table and "ITC_cons" not in table
     assert "ZS TR R@1 ITC" in table and "FT IR R@1 ITC" in table
     report = open(os.path.join(out, "micro", "table5_report", "report.md")).read()
-    assert "ITC + GRIT (seed 1)" in report and "grit_hardness" in report
+    assert "ITC + GRIT (seed 1)" in report and "hardness" in report
 
     def no_run(cmd):
         raise AssertionError(f"reused results must not rerun {cmd}")

@@ -29,8 +29,10 @@ from dataset.pretrain import PLACEHOLDER_CAPTION
 from dataset.retrieval import RetrievalTrainDataset
 from dataset.transforms import test_transform as eval_transform  # not collected as a test
 from dataset.vqa import VQADataset
+from models.losses import WithObjectives
 from models.mlm import mask_tokens
 from models.momentum import FeatureQueue
+from models.negatives import mine_negatives
 from models.nlvr import ALBEF_NLVR, assign_texts, nlvr_loss
 from models.objectives import itc_loss
 from models.pretrain import ALBEF_Base
@@ -85,6 +87,11 @@ def batch(tokenizer, n: int = 8, valid: torch.Tensor = VALID):
         images[i] = 0.0
         captions[i] = PLACEHOLDER_CAPTION
     return images, tokenizer(captions, padding="longest", return_tensors="pt")
+
+
+def run(model, *args, **kwargs) -> dict[str, torch.Tensor]:
+    """The model's forward and its objectives (models.losses.WithObjectives): outputs, losses, 'loss'."""
+    return WithObjectives(model)(*args, **kwargs)
 
 
 def rows(text: BatchEncoding, keep: torch.Tensor) -> BatchEncoding:
@@ -190,7 +197,7 @@ def base_model(tokenizer, **overrides) -> ALBEF_Base:
 
 def seeded(model, *args, **kwargs) -> dict[str, torch.Tensor]:
     torch.manual_seed(1)  # the same MLM masks (and multinomial draws) in every call
-    return model(*args, **kwargs)
+    return run(model, *args, **kwargs)
 
 
 # Image keys: pairs 0 and 3 share an image (two captions); the placeholders keep their entries' keys.
@@ -215,8 +222,8 @@ def test_base_losses_equal_the_batch_without_invalid_rows(tokenizer, monkeypatch
                                      model.special_ids, 0.5, torch.Generator().manual_seed(3))
     fixed = {8: (masked_ids, labels), len(KEEP): (masked_ids[KEEP], labels[KEEP])}
     monkeypatch.setattr(pretrain_module, "mask_tokens", lambda ids, *a, **k: fixed[ids.shape[0]])
-    full = model(images, text, image_key=KEYS, valid=VALID)
-    reduced = model(images[KEEP], rows(text, KEEP), image_key=KEYS[KEEP])
+    full = run(model, images, text, image_key=KEYS, valid=VALID)
+    reduced = run(model, images[KEEP], rows(text, KEEP), image_key=KEYS[KEEP])
     for name in ("loss_itc", "loss_cons", "loss_itm", "loss_mlm", "hardness"):
         torch.testing.assert_close(full[name], reduced[name], **TOL, msg=name)
     assert full["loss_cons"] > 0 and full["loss_mlm"] > 0
@@ -290,8 +297,25 @@ def old_forward(model: ALBEF_Retrieval, image, text, idx) -> dict[str, torch.Ten
     itc = itc_loss(image_feat, text_feat, model.temp, model.lambda_cons, positive=positive,
                    image_bank=image_bank, text_bank=text_bank)
     FeatureQueue.enqueue(model, image_feat_m, text_feat_m, idx)
-    loss_itm = model.itm_loss(image_embeds, text_embeds, text.attention_mask, itc, positive[:, :batch_size])
+    loss_itm = old_itm_loss(model, image_embeds, text_embeds, text.attention_mask, itc,
+                            positive[:, :batch_size])
     return {"loss_itc": itc["loss_itc"], "loss_cons": itc["loss_cons"], "loss_itm": loss_itm}
+
+
+def old_itm_loss(model: ALBEF_Retrieval, image_embeds, text_embeds, attention_mask, itc, in_batch):
+    """ALBEF_Retrieval's ITM loss as it was before `valid` existed: negatives mined from the in-batch block
+    of itc's similarities (every caption of the same image a positive), one fusion pass over [positives,
+    (image, negative text), (negative image, text)], the plain cross-entropy mean over the 3B pairs."""
+    batch_size = text_embeds.shape[0]
+    with torch.no_grad():
+        neg_text_idx, neg_image_idx = mine_negatives(
+            itc["sim_i2t"][:, :batch_size].detach(), itc["sim_t2i"][:, :batch_size].detach(),
+            positive=in_batch, mode=model.itm_negatives, sampling=model.hard_sampling)
+    hidden, mask, image_index = model.itm_pairs(text_embeds, attention_mask, neg_text_idx, neg_image_idx)
+    logits = model.itm_logits(hidden, mask, image_embeds, image_index)
+    labels = torch.zeros(3 * batch_size, dtype=torch.long)
+    labels[:batch_size] = 1
+    return F.cross_entropy(logits, labels)
 
 
 def total(out: dict) -> torch.Tensor:
@@ -312,7 +336,7 @@ def test_retrieval_valid_none_is_the_old_computation_bit_for_bit(tokenizer):
         ref = old_forward(ref_model, step_images, text, ids)
         total(ref).backward()
         torch.manual_seed(step)
-        out = model(step_images, text, ids)
+        out = run(model, step_images, text, ids)
         total(out).backward()
         for name in ("loss_itc", "loss_cons", "loss_itm"):
             assert torch.equal(out[name], ref[name]), (step, name)
@@ -332,9 +356,9 @@ def test_retrieval_valid_none_is_the_old_computation_bit_for_bit(tokenizer):
     # valid all True: the masked computation, equal to float tolerance.
     again = copy.deepcopy(model)
     torch.manual_seed(5)
-    out = model(images, text, ids)
+    out = run(model, images, text, ids)
     torch.manual_seed(5)
-    masked = again(images, text, ids, valid=torch.ones(8, dtype=torch.bool))
+    masked = run(again, images, text, ids, valid=torch.ones(8, dtype=torch.bool))
     for name in ("loss_itc", "loss_cons", "loss_itm"):
         torch.testing.assert_close(masked[name], out[name], **TOL, msg=name)
 
@@ -343,8 +367,8 @@ def test_retrieval_losses_equal_the_batch_without_invalid_rows(tokenizer):
     full_model = retrieval_model(tokenizer)
     reduced_model = copy.deepcopy(full_model)  # the same weights and the same (initial) queue
     images, text = batch(tokenizer)
-    full = full_model(images, text, IDS, valid=VALID)
-    reduced = reduced_model(images[KEEP], rows(text, KEEP), IDS[KEEP])
+    full = run(full_model, images, text, IDS, valid=VALID)
+    reduced = run(reduced_model, images[KEEP], rows(text, KEEP), IDS[KEEP])
     for name in ("loss_itc", "loss_cons", "loss_itm"):  # hard argmax mining: the same negatives
         torch.testing.assert_close(full[name], reduced[name], **TOL, msg=name)
     assert full["loss_cons"] > 0
@@ -370,14 +394,14 @@ def test_retrieval_invalid_rows_get_no_gradient_and_all_invalid_is_zero(tokenize
     images, text = batch(tokenizer)
     images.requires_grad_(True)
     embedded = embedding_grads(model)
-    total(model(images, text, IDS, valid=VALID)).backward()
+    total(run(model, images, text, IDS, valid=VALID)).backward()
     assert_zero_rows(images.grad, VALID)
     assert len(embedded) == 1
     assert_zero_rows(embedded[0].grad, VALID)
 
     model.zero_grad()
     none = torch.zeros(8, dtype=torch.bool)
-    out = model(images.detach(), text, -1 - torch.arange(8), valid=none)
+    out = run(model, images.detach(), text, -1 - torch.arange(8), valid=none)
     loss = total(out)
     assert loss.item() == 0.0 and loss.requires_grad
     loss.backward()
@@ -398,7 +422,7 @@ def test_retrieval_queue_never_counts_invalid_momentum_features(tokenizer):
     good_images = good_images.flip(0)
     good_ids = torch.arange(20, 28)
     before = copy.deepcopy(model)
-    out = model(good_images, good_text, good_ids)
+    out = run(model, good_images, good_text, good_ids)
     with torch.no_grad():
         image_embeds = before.encode_image(good_images)
         text_embeds = before.encode_text(good_text.input_ids, good_text.attention_mask)

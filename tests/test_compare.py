@@ -15,8 +15,8 @@ from training.config_resolve import resolve_config
 
 
 def _run(itm: float, txt: float, img: float, colour: float) -> tuple[list[dict], dict, dict]:
-    rows = [{"epoch": e, "grit_hardness": 0.5 + 0.1 * e, "loss_itm": itm + 0.01 * (2 - e),
-             "train_seconds": 10.0, "epoch_seconds": 10.0 + e, "grit_seconds": 0.1 * e} for e in range(3)]
+    rows = [{"epoch": e, "hardness": 0.5 + 0.1 * e, "loss_itm": itm + 0.01 * (2 - e),
+             "train_seconds": 10.0, "epoch_seconds": 10.0 + e, "sampler_seconds": 0.1 * e} for e in range(3)]
     retrieval = {"test_txt_r1": txt, "test_img_r1": img, "test_mean_r1": (txt + img) / 2,
                  "test_r_mean": 40.0, "test_itc_txt_r1": txt - 1, "test_itc_img_r1": img - 1,
                  "test_itc_mean_r1": (txt + img) / 2 - 1,
@@ -28,15 +28,15 @@ def _run(itm: float, txt: float, img: float, colour: float) -> tuple[list[dict],
 
 def test_summary_row_takes_the_last_epoch_both_scorings_and_every_probe_kind():
     row = summary_row(*_run(0.4, 6.0, 4.0, 0.9))
-    assert row["loss_itm"] == 0.4 and row["grit_hardness"] == 0.7 and row["train_seconds"] == 30.0
+    assert row["loss_itm"] == 0.4 and row["hardness"] == 0.7 and row["train_seconds"] == 30.0
     assert (row["txt_r1"], row["img_r1"], row["mean_r1"], row["r_mean"]) == (6.0, 4.0, 5.0, 40.0)
     assert (row["itc_txt_r1"], row["itc_img_r1"], row["itc_mean_r1"]) == (5.0, 3.0, 4.0)
     assert (row["val_mean_r1"], row["val_itc_mean_r1"]) == (16.0, 15.0)
     assert row["probe"] == 0.7 and row["probe_colour"] == 0.9 and row["probe_shape"] == 0.5
-    assert abs(row["grit_share"] - 0.3 / 33.0) < 1e-12  # the batching work over the run's wall clock
+    assert abs(row["sampler_share"] - 0.3 / 33.0) < 1e-12  # the batching work over the run's wall clock
     rows, retrieval, probe = _run(0.4, 6.0, 4.0, 0.9)
     rows[1]["epoch_seconds"] = 500.0  # an epoch stretched by a pause: the run's length is 3 x the median
-    assert abs(summary_row(rows, retrieval, probe)["grit_share"] - 0.3 / 36.0) < 1e-12
+    assert abs(summary_row(rows, retrieval, probe)["sampler_share"] - 0.3 / 36.0) < 1e-12
     assert row["itm_epoch"] == 1  # 0.4 + 0.02: below chance (0.637) by 0.02 from the first epoch on
     slow = summary_row(*_run(0.61, 6.0, 4.0, 0.9))  # loss_itm 0.63, 0.62, 0.61: the third epoch left chance
     assert slow["itm_epoch"] == 3
@@ -96,23 +96,41 @@ def test_each_arm_sweeps_the_rate_with_the_schedule_scaled(monkeypatch):
     assert lr_overrides(1e-3) == ["optimizer.lr=0.001", "schedular.lr=0.001", "schedular.min_lr=0.0001",
                                   "schedular.warmup_lr=0.0001"]
     assert run_dir("/o", "GRIT-VLP M/N=96", 2, 2.5e-4) == "/o/seed2/grit_vlp_m_n_96_lr0.00025"
-    assert ARMS["random batches"] == ["grit.enabled=false"]
+    assert ARMS["random batches"] == ["batching.strategy=random"]
     # The tiny config is the paper's ratio M/N = 15; the earlier ratio is an arm of its own.
     tiny = resolve_config("pretrain", PRETRAIN_CONFIG, check_paths=False)
-    assert tiny.grit.search_space / tiny.batch_size == 15
-    assert tiny.grit.queue_size % tiny.grit.search_space == 0
+    assert tiny.batching.search_space / tiny.batch_size == 15
+    assert tiny.batching.queue_size % tiny.batching.search_space == 0
     wide = resolve_config("pretrain", PRETRAIN_CONFIG, ARMS["GRIT-VLP M/N=96"], check_paths=False)
-    assert wide.grit.search_space / wide.batch_size == 96
+    assert wide.batching.search_space / wide.batch_size == 96
 
 
 def test_evaluations_get_the_overrides_their_config_accepts():
     from tools.runs import overrides_for
 
-    given = ['vision_stem=conv', 'grit.search_space=120', 'bert_config=/x/bert.json', 'max_epoch=20']
+    given = ['vision_stem=conv', 'batching.search_space=120', 'bert_config=/x/bert.json', 'max_epoch=20']
     assert overrides_for('retrieval', given) == ['--set', 'vision_stem=conv', 'bert_config=/x/bert.json',
                                                  'max_epoch=20']
     assert overrides_for('pretrain', given) == ['--set', *given]
-    assert overrides_for('retrieval', ['grit.enabled=false']) == []
+    assert overrides_for('retrieval', ['grit.enabled=false', 'batching.strategy=random']) == []
+    # The old spelling reaches the pre-training in the new one (new_spelling), not dropped.
+    assert overrides_for('pretrain', ['grit.search_space=120', 'grit.enabled=false']) == [
+        '--set', 'batching.search_space=120', 'batching.strategy=random']
+
+
+def test_a_run_made_with_the_old_spelling_is_reused_for_the_new(tmp_path):
+    import json
+
+    from tools.runs import saved_result
+
+    old = ['Pretrain', '--config', 'c.yaml', '--output_dir', '/else/where', '--set', 'grit.enabled=false',
+           'grit.queue_size=64', 'optimizer.lr=0.001']
+    saved = {'command': old, 'log': [], 'retrieval': {}, 'probe': {}}
+    (tmp_path / 'result.json').write_text(json.dumps(saved))
+    new = ['Pretrain', '--config', 'c.yaml', '--output_dir', str(tmp_path), '--set',
+           'batching.strategy=random', 'batching.queue_size=64', 'optimizer.lr=0.001']
+    assert saved_result(str(tmp_path), new)['command'] == old
+    assert saved_result(str(tmp_path), [*new[:-1], 'optimizer.lr=0.002']) is None
 
 
 def test_the_downstream_pretraining_is_the_tiny_one_for_longer(monkeypatch):
@@ -130,7 +148,7 @@ def test_the_downstream_pretraining_is_the_tiny_one_for_longer(monkeypatch):
     assert tiny.max_epoch == tiny.schedular.epochs == 12
     schedule = dataclasses.replace(long.schedular, epochs=12)
     assert dataclasses.replace(long, max_epoch=12, schedular=schedule) == tiny
-    assert long.grit.enabled
+    assert long.batching.strategy == "grit"
     assert pretrain_command("out", ["--seed", "1"], DOWNSTREAM_PRETRAIN_CONFIG) == [
         "Pretrain", "--config", "configs/tiny/Pretrain_long.yaml", "--output_dir", "out", "--seed", "1"]
 
@@ -141,7 +159,7 @@ def test_demo_reads_the_trainers_log_keys():
 
     assert "train_seconds" in demo.COLUMNS and "seconds" not in demo.COLUMNS
     rows = [{"epoch": 0, "loss_itc": 1.0, "loss_cons": 0.0, "loss_itm": 0.6, "loss_mlm": 3.0,
-             "grit_hardness": 0.4, "train_seconds": 12.5}]
+             "hardness": 0.4, "train_seconds": 12.5}]
     assert demo.table(rows, demo.COLUMNS).splitlines()[1].split() == [
         "0", "1.0000", "0.0000", "0.6000", "3.0000", "0.4000", "12.5000"]
 

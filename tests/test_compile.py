@@ -23,7 +23,7 @@ def data_dir(tmp_path_factory) -> str:
 
 
 def _args(data: str, out: str, **extra) -> list[str]:
-    values = {'grit.queue_size': 40, 'grit.search_space': 16, 'max_epoch': 1, 'schedular.epochs': 1,
+    values = {'batching.queue_size': 40, 'batching.search_space': 16, 'max_epoch': 1, 'schedular.epochs': 1,
               'schedular.warmup_steps': 2, 'print_freq': 1000, **extra}
     return ['--config', 'configs/tiny/Pretrain.yaml', '--output_dir', out, '--device', 'cpu',
             '--set', *small_pretrain_sets(data, **values)]

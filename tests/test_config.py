@@ -16,7 +16,7 @@ import torch
 import Pretrain
 import Retrieval
 import training.cli
-from training.config import TASK_CONFIGS, Grit, Optimizer, Schedule, config_class
+from training.config import TASK_CONFIGS, Batching, Optimizer, Schedule, config_class
 from training.config_albef import ALBEF_KEYS
 from training.config_files import ConfigError, load_config, save_config
 from training.config_resolve import config_to_dict, known_keys, render_config, resolve_config, save_resolved
@@ -73,7 +73,7 @@ def message(task: str, path: str, *sets: str, **flags) -> str:
 def test_every_key_has_a_type_a_meaning_and_at_most_one_default(task):
     cls = config_class(task)
     hints = typing.get_type_hints(cls)
-    for block in (cls, Optimizer, Schedule, Grit):
+    for block in (cls, Optimizer, Schedule, Batching):
         for f in dataclasses.fields(block):
             assert f.metadata.get("meaning"), f"{block.__name__}.{f.name} has no meaning"
             assert f.name in typing.get_type_hints(block)
@@ -137,8 +137,8 @@ def test_tiny_configs_transform_images_as_the_tiny_pretraining(path):
 def test_base_overlays_resolve_to_the_base_with_the_overlay_laid_over():
     row = resolve_config("pretrain", "configs/ablation/tiny/grit_naive.yaml")
     base = resolve_config("pretrain", TINY["pretrain"])
-    assert row.grit.mode == "naive" and not row.grit.example_shuffle and row.lambda_cons == 0.0
-    assert dataclasses.replace(row, grit=base.grit, lambda_cons=base.lambda_cons) == base
+    assert row.batching.mode == "naive" and not row.batching.example_shuffle and row.lambda_cons == 0.0
+    assert dataclasses.replace(row, batching=base.batching, lambda_cons=base.lambda_cons) == base
 
 
 # ---------------------------------------------------------------- defaults and round trip
@@ -165,7 +165,7 @@ def test_defaults_are_filled_once_and_the_resolved_config_round_trips(tmp_path):
     for key in known_keys("pretrain"):  # every key written, each with its meaning
         assert f"{key.rsplit('.', 1)[-1]}:" in text
     assert "# MLM masking rate" in text
-    assert config_to_dict(config)["grit"]["search_space"] == 120
+    assert config_to_dict(config)["batching"]["search_space"] == 120
 
 
 def test_print_config_prints_every_key_with_its_meaning_and_exits_0(capsys):
@@ -184,15 +184,16 @@ def test_print_config_prints_every_key_with_its_meaning_and_exits_0(capsys):
 def test_unknown_keys_in_file_and_set_are_listed_together_with_hints(tmp_path):
     def edit(config):
         config["lamda_cons"] = 0.1
-        config["grit"]["serch_space"] = 8
+        config["batching"]["serch_space"] = 8
 
     path = variant(tmp_path, "pretrain", edit)
-    msg = message("pretrain", path, "image_rez=32", "grit.enabled=false")
+    msg = message("pretrain", path, "image_rez=32", "batching.strategy=random")
     assert msg.startswith("3 unknown config keys:")
     assert f"unknown config key 'lamda_cons' (did you mean 'lambda_cons'?) in {path}" in msg
-    assert f"unknown config key 'grit.serch_space' (did you mean 'grit.search_space'?) in {path}" in msg
+    assert (f"unknown config key 'batching.serch_space' (did you mean 'batching.search_space'?) in {path}"
+            in msg)
     assert "unknown config key 'image_rez' (did you mean 'image_res'?) in --set" in msg
-    assert "grit.enabled" not in msg
+    assert "batching.strategy" not in msg
 
 
 def test_one_unknown_key_is_one_line():
@@ -204,25 +205,81 @@ def test_one_unknown_key_is_one_line():
 
 def test_a_config_for_another_script_names_the_script_that_reads_its_keys():
     msg = message("retrieval", TINY["pretrain"])
-    for key in ("grit", "batch_size"):
+    for key in ("batching", "batch_size"):
         assert f"unknown config key '{key}' (read by pretrain, not by retrieval) in {TINY['pretrain']}" in msg
 
 
 def test_set_may_add_a_known_key_the_file_lacks(tmp_path):
     def edit(config):
         del config["print_freq"]
+        config["batching"] = None
+
+    def old_null(config):
+        del config["batching"]
         config["grit"] = None
 
     path = variant(tmp_path, "pretrain", edit)
-    config = resolve_config("pretrain", path, ["print_freq=7", "vision_drop_path=0.1", "grit.enabled=false",
+    config = resolve_config("pretrain", path, ["print_freq=7", "vision_drop_path=0.1",
+                                               "batching.strategy=random",
                                                "train_file.1=data/synthetic/pretrain.json"])
     assert config.print_freq == 7 and config.vision_drop_path == 0.1
-    assert config.grit == Grit(enabled=False)  # the null block became a mapping: GRIT off, defaults
+    assert config.batching == Batching()  # the null block became a mapping: random batches, defaults
     assert config.train_file == ["data/synthetic/pretrain.json"] * 2  # a list item, as before
-    assert resolve_config("pretrain", path).grit == Grit(enabled=False)  # `grit: null`: GRIT off
+    old = variant(tmp_path, "pretrain", old_null, "old.yaml")
+    assert resolve_config("pretrain", old).batching == Batching()  # `grit: null` (old spelling): random
     # Without a task (plain YAML loading) an override still has to name a key of the file.
     with pytest.raises(ConfigError, match="unknown config key 'vision_drop_path'"):
         load_config(path, ["vision_drop_path=0.1"])
+
+
+def test_old_batching_spelling_resolves_to_the_new(tmp_path, monkeypatch, capsys):
+    """The `grit:` block of older configs (and `--set grit.X`) is read as `batching:`: grit.enabled true ->
+    strategy grit, false or `grit: null` -> random, grit.<key> -> batching.<key>; a command line's old key
+    overrides the file's new one; the same key in both spellings from one source is refused."""
+    import training.config_resolve
+
+    monkeypatch.setattr(training.config_resolve, "_noticed", set())  # the notice is printed once per source
+    sizes = {"queue_size": 64, "search_space": 16}
+
+    def block(name: str, value):
+        def edit(config):
+            del config["batching"]
+            config[name] = value
+        return edit
+
+    old = variant(tmp_path, "pretrain", block("grit", {"enabled": True, **sizes}), "old.yaml")
+    new = variant(tmp_path, "pretrain", block("batching", {"strategy": "grit", **sizes}), "new.yaml")
+    assert capsys.readouterr().err == ""
+    assert resolve_config("pretrain", old) == resolve_config("pretrain", new)
+    assert resolve_config("pretrain", new).batching == Batching(strategy="grit", **sizes)
+    err = capsys.readouterr().err
+    assert f"notice: {old}: the `grit:` block is read as `batching:`" in err and str(new) not in err
+    old_null = variant(tmp_path, "pretrain", block("grit", None), "old_null.yaml")
+    new_random = variant(tmp_path, "pretrain", block("batching", {"strategy": "random"}), "new_random.yaml")
+    assert resolve_config("pretrain", old_null) == resolve_config("pretrain", new_random)
+    assert resolve_config("pretrain", old_null).batching == Batching()
+    # --set in the old spelling over a file in the new one, and in the new over one in the old
+    random = variant(tmp_path, "pretrain", block("batching", {"strategy": "random", **sizes}), "random.yaml")
+    for path, old_sets, new_sets in (
+            (TINY["pretrain"], ["grit.enabled=false"], ["batching.strategy=random"]),
+            (random, ["grit.enabled=true"], ["batching.strategy=grit"]),
+            (TINY["pretrain"], ["grit.search_space=32"], ["batching.search_space=32"]),
+            (TINY["pretrain"], ["grit.queue_size=240", "grit.mode=naive"],
+             ["batching.queue_size=240", "batching.mode=naive"]),
+            (old, ["batching.search_space=32"], ["batching.search_space=32"])):
+        via_old = resolve_config("pretrain", path, old_sets)
+        assert via_old == resolve_config("pretrain", path, new_sets), (path, old_sets)
+        assert via_old != resolve_config("pretrain", path), (path, old_sets)  # the override acted
+    assert resolve_config("pretrain", TINY["pretrain"], ["grit.search_space=32"]).batching.search_space == 32
+    assert resolve_config("pretrain", old, ["batching.search_space=32"]).batching.search_space == 32
+    # one key in both spellings from one source: refused, naming both
+    both = variant(tmp_path, "pretrain", lambda config: config.update(grit={"queue_size": 1440}), "both.yaml")
+    msg = message("pretrain", both)
+    assert "config has both 'grit.queue_size' and 'batching.queue_size'" in msg and both in msg
+    msg = message("pretrain", TINY["pretrain"], "grit.search_space=32", "batching.search_space=32")
+    assert "config has both 'grit.search_space' and 'batching.search_space' (from --set)" in msg
+    assert "batching.strategy 'b3' groups batches, but grit.enabled is false" in message(
+        "pretrain", TINY["pretrain"], "batching.strategy=b3", "grit.enabled=false")
 
 
 def test_scheduler_is_read_as_schedular_and_both_together_are_refused(tmp_path):
@@ -245,12 +302,12 @@ def test_a_missing_required_key_is_named_with_its_file(tmp_path):
 
 def test_wrong_types_name_key_type_value_and_source(tmp_path):
     path = variant(tmp_path, "pretrain", lambda config: config.update(image_res="48"))
-    head, *lines = message("pretrain", path, "grit.enabled=maybe", "train_file=5", "clip_grad=[1]",
-                           "optimizer.lr=fast", "seed=1.5").splitlines()
+    head, *lines = message("pretrain", path, "batching.example_shuffle=maybe", "train_file=5",
+                           "clip_grad=[1]", "optimizer.lr=fast", "seed=1.5").splitlines()
     assert head == "6 config values are wrong:"
     assert sorted(lines) == [
+        "  config key 'batching.example_shuffle' must be bool, got 'maybe' (str) from --set",
         "  config key 'clip_grad' must be float or null, got [1] (list) from --set",
-        "  config key 'grit.enabled' must be bool, got 'maybe' (str) from --set",
         f"  config key 'image_res' must be int, got '48' (str) from {path}",
         "  config key 'optimizer.lr' must be float, got 'fast' (str) from --set",
         "  config key 'seed' must be int, got 1.5 (float) from --set",
@@ -280,9 +337,9 @@ def test_types_accept_ints_for_floats_nulls_where_allowed_and_numeric_strings_fo
     config = resolve_config("pretrain", TINY["pretrain"],
                             ["lambda_cons=0", "temp=1", "clip_grad=null", "optimizer.lr='5e-4'",
                              "schedular.lr='5e-4'", "crop_scale=[1, 1]", "vision_init=null",
-                             "grit.queue_size=null", "grit.enabled=false"])
+                             "batching.queue_size=null", "batching.strategy=random"])
     assert config.optimizer.lr == 5e-4 and isinstance(config.temp, float) and config.crop_scale == [1.0, 1.0]
-    assert config.clip_grad is None and config.grit.queue_size is None
+    assert config.clip_grad is None and config.batching.queue_size is None
 
 
 def test_rules_between_keys_name_the_keys_and_where_they_came_from():
@@ -296,14 +353,14 @@ def test_rules_between_keys_name_the_keys_and_where_they_came_from():
 
 
 @pytest.mark.parametrize("sets, text", [
-    (["grit.search_space=4"], "grit.search_space (4) must be >= batch_size (8)"),
-    (["batch_size=1024"], "grit.search_space (120) must be >= batch_size (1024)"),
-    (["grit.queue_size=96"], "grit.queue_size (96) must be >= grit.search_space (120)"),
+    (["batching.search_space=4"], "batching.search_space (4) must be >= batch_size (8)"),
+    (["batch_size=1024"], "batching.search_space (120) must be >= batch_size (1024)"),
+    (["batching.queue_size=96"], "batching.queue_size (96) must be >= batching.search_space (120)"),
 ])
-def test_grit_sizes_are_checked_when_grit_is_on(sets, text):
+def test_grit_sizes_are_checked_when_batches_are_grouped(sets, text):
     msg = message("pretrain", TINY["pretrain"], *sets)
     assert text in msg and msg.endswith(f"(from --set and {TINY['pretrain']})")
-    resolve_config("pretrain", TINY["pretrain"], [*sets, "grit.enabled=false"])
+    resolve_config("pretrain", TINY["pretrain"], [*sets, "batching.strategy=random"])
 
 
 # ---------------------------------------------------------------- data paths
@@ -316,15 +373,15 @@ def test_missing_data_paths_are_listed_together_and_synthetic_ones_are_not(tmp_p
     sets = [f"synthetic_root={synthetic}",
             f"train_file=[{real}, {tmp_path}/gone.json, {synthetic}/later.json]",
             f"image_root={tmp_path}/images", f"vocab_file={synthetic}/vocab.txt",
-            f"grit.warmstart_indices={tmp_path}/g.pt"]
+            f"batching.warmstart_indices={tmp_path}/g.pt"]
     assert message("pretrain", TINY["pretrain"], *sets).splitlines() == [
         "configured data paths that do not exist:",
         f"  train_file: {tmp_path}/gone.json (no such file; from --set)",
         f"  image_root: {tmp_path}/images (no such folder; from --set)",
-        f"  grit.warmstart_indices: {tmp_path}/g.pt (no such file; from --set)",
+        f"  batching.warmstart_indices: {tmp_path}/g.pt (no such file; from --set)",
     ]
-    # GritSampler reads warmstart_indices only with GRIT on
-    assert "warmstart" not in message("pretrain", TINY["pretrain"], *sets, "grit.enabled=false")
+    # GritSampler reads warmstart_indices only while batches are grouped
+    assert "warmstart" not in message("pretrain", TINY["pretrain"], *sets, "batching.strategy=random")
 
 
 def test_nlvr_stage_1_does_not_open_the_evaluation_files(tmp_path):
@@ -417,7 +474,7 @@ def test_albef_files_refuse_momentum_distillation_and_say_what_to_do(tmp_path):
     assert msg.startswith("3 ALBEF config keys this code does not take:")
     assert "'distill' (True, from" in msg and "delete distill, alpha and warm_up" in msg
     msg = message("pretrain", albef_file(tmp_path, ALBEF_PRETRAIN, "Pretrain.yaml"))
-    assert "delete queue_size (GRIT's own queue is grit.queue_size)" in msg and "delete momentum" in msg
+    assert "delete queue_size (GRIT's own queue is batching.queue_size)" in msg and "delete momentum" in msg
     msg = message("vqa", albef_file(tmp_path, ALBEF_VQA, "VQA.yaml"))
     assert "vqa_root is ALBEF's; here every json image path is relative to image_root" in msg
     assert "eos" not in msg  # '[SEP]' is what the decoder does
@@ -489,10 +546,10 @@ def test_finetune_too_small_for_a_batch_fails_before_the_model_unless_evaluating
 
 
 @pytest.mark.parametrize("sets, text", [
-    (["grit.serch_space=4"],
-     "unknown config key 'grit.serch_space' (did you mean 'grit.search_space'?) in --set"),
+    (["batching.serch_space=4"],
+     "unknown config key 'batching.serch_space' (did you mean 'batching.search_space'?) in --set"),
     (["image_res=big"], "config key 'image_res' must be int, got 'big' (str) from --set"),
-    (["grit.search_space=4"], "grit.search_space (4) must be >= batch_size (8)"),
+    (["batching.search_space=4"], "batching.search_space (4) must be >= batch_size (8)"),
     (["synthetic_root=null", "vision_init=null", "train_file=[nowhere.json]"],
      "train_file: nowhere.json (no such file; from --set)"),
 ])
@@ -509,14 +566,14 @@ def test_start_resolves_before_the_process_group_data_and_model(monkeypatch, set
 
 @pytest.mark.parametrize("sets,says", [
     (["batching.b3.rank_skip=2"], "batching.b3.rank_skip is set (2) but this run's strategy is 'grit'"),
-    (["batching.grit.rank_skip=2", "grit.enabled=false"], "batching.grit.rank_skip is set (2)"),
+    (["batching.grit.rank_skip=2", "batching.strategy=random"], "batching.grit.rank_skip is set (2)"),
     (["batching.strategy=b3", "grit.enabled=false"],
      "batching.strategy 'b3' groups batches, but grit.enabled"),
     (["batching.strategy=b3", "batching.b3.rank_skip=200"],
      "batching.b3.rank_skip (200) passes over all the 119 others"),
     (["batching.grit.rank_skip=119"], "batching.grit.rank_skip (119) must be below"),
     (["itc_smoothing=0.2", "itc_smoothing_epoch=12"], "itc_smoothing_epoch (12) is not before the run's end"),
-    (["grit.group_from_epoch=12"], "grit.group_from_epoch (12) is not before the run's end"),
+    (["batching.group_from_epoch=12"], "batching.group_from_epoch (12) is not before the run's end"),
     (["itc=false", "itm_negatives=random", "itc_hn_beta=0.5"], "itc_hn_beta is 0.5 but itc is false"),
     (["batching.gcbs.k=5"], "'batching.gcbs.k' (did you mean 'batching.gcbs.neighbours'?)"),
 ])
@@ -527,7 +584,7 @@ def test_settings_that_cannot_act_are_refused_naming_the_key(sets, says):
 
 def test_settings_that_act_are_accepted():
     for sets in (["batching.strategy=b3", "batching.b3.rank_skip=2"], ["batching.strategy=random"],
-                 ["batching.grit.rank_skip=2", "grit.group_from_epoch=11"], ["itc_smoothing=0.2",
+                 ["batching.grit.rank_skip=2", "batching.group_from_epoch=11"], ["itc_smoothing=0.2",
                  "itc_smoothing_epoch=11"], ["batching.strategy=b3", "batching.b3.rank_skip=100"],
                  ["batching.strategy=gcbs", "batching.gcbs.neighbours=500"]):
         resolve_config("pretrain", TINY["pretrain"], sets, check_paths=False)

@@ -54,16 +54,16 @@ def test_every_other_arm_is_measured_against_albef_base_at_its_selection(monkeyp
 
 def test_time_in_epochs_adds_the_strategys_work_over_the_runs_median_step_time(tmp_path):
     """A point's time_epochs: its epochs plus the strategy's own seconds so far over the median step time of
-    the run's epochs (epoch_seconds less grit_seconds), so that an epoch stretched by a busy machine moves
+    the run's epochs (epoch_seconds less sampler_seconds), so that an epoch stretched by a busy machine moves
     the seconds but not the time in epochs."""
     zero = tmp_path / "zeroshot_e01"
     zero.mkdir()
     scores = {f"{split}_{scoring}{d}_r1": 50.0 for split in ("val", "test") for scoring in ("", "itc_")
               for d in ("txt", "img")}
     (zero / "log.txt").write_text(json.dumps(scores) + "\n")
-    log = [{"epoch": 0, "epoch_seconds": 10.0, "grit_seconds": 0.5},
-           {"epoch": 1, "epoch_seconds": 100.0, "grit_seconds": 1.0},  # a paused epoch
-           {"epoch": 2, "epoch_seconds": 11.0, "grit_seconds": 1.0}]
+    log = [{"epoch": 0, "epoch_seconds": 10.0, "sampler_seconds": 0.5},
+           {"epoch": 1, "epoch_seconds": 100.0, "sampler_seconds": 1.0},  # a paused epoch
+           {"epoch": 2, "epoch_seconds": 11.0, "sampler_seconds": 1.0}]
     p = efficiency.point(str(tmp_path), 1, log)
     assert p["epoch"] == 2 and p["seconds"] == pytest.approx(110.0)
     assert p["time_epochs"] == pytest.approx(2 + 1.5 / 10.0)  # median of 9.5, 99, 10
@@ -82,7 +82,7 @@ def test_each_arm_is_timed_beside_albef_base_on_one_thread_each(monkeypatch, tmp
             os.makedirs(out, exist_ok=True)
             strategy = 0.0 if out.endswith("albef_base") else 0.5
             rows = [{"epoch": e, "epoch_seconds": (30.0 if e == 0 else 10.0 + e) + strategy,
-                     "grit_seconds": strategy} for e in range(3)]
+                     "sampler_seconds": strategy} for e in range(3)]
             with open(os.path.join(out, "log.txt"), "w") as f:
                 f.write("".join(json.dumps(r) + "\n" for r in rows))
 
@@ -97,7 +97,7 @@ def test_each_arm_is_timed_beside_albef_base_on_one_thread_each(monkeypatch, tmp
         assert "max_epoch=3" in command and "schedular.epochs=3" in command and command[-1] != "--resume"
         assert command[command.index("--seed") + 1] == "1"
     assert timing == {"GRIT-VLP": {"epoch_seconds": 12.0, "albef_base_epoch_seconds": 11.5,
-                                   "ratio": pytest.approx(12.0 / 11.5), "grit_seconds": 0.5}}
+                                   "ratio": pytest.approx(12.0 / 11.5), "sampler_seconds": 0.5}}
     assert "| GRIT-VLP | 12.00 s | 11.50 s | 1.043 | 0.500 s |" in efficiency.timing_table(timing, 3)
     # timed again with the same commands: read from its result.json, nothing launched
     assert efficiency.time_beside_baseline(runs, str(tmp_path), 3, []) == timing and len(launched) == 1
@@ -172,7 +172,7 @@ def test_merged_curves_and_timings_are_read_not_run_and_a_foreign_record_is_name
     monkeypatch.chdir(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     monkeypatch.setattr(efficiency, "prepare_pretraining", lambda overrides=(): None)
     lrs = {"ALBEF_Base": efficiency.ARM_LR["ALBEF_Base"], "GRIT-VLP": efficiency.ARM_LR["GRIT-VLP"]}
-    timed = {"epoch_seconds": 12.0, "albef_base_epoch_seconds": 10.0, "ratio": 1.2, "grit_seconds": 0.1}
+    timed = {"epoch_seconds": 12.0, "albef_base_epoch_seconds": 10.0, "ratio": 1.2, "sampler_seconds": 0.1}
     saved = {"seeds": [1], "learning_rates": lrs, "settings": {}, "micro": False, "timing_epochs": 3,
              "curves": {"ALBEF_Base": {"1": _curve([10, 20], 10.0)},
                         "GRIT-VLP": {"1": [p | {"timed_seconds": 1.0} for p in _curve([15, 30], 8.0)]}},

@@ -33,6 +33,7 @@ import models.pretrain
 from dataset.collate import ImageTextBatch
 from grit import GritSampler
 from models.bert_layers import BertLayer
+from models.losses import WithObjectives
 from models.mlm import mask_tokens
 from models.pretrain import ALBEF_Base
 from tools.launch import child_env
@@ -97,12 +98,18 @@ def pairs(tokenizer, n: int = N) -> tuple[torch.Tensor, BatchEncoding, torch.Ten
 
 
 def seeded_step(model, image, text, keys) -> tuple[dict, dict]:
-    """Forward + backward of the four losses from seed 1 (the same MLM masks) -> (losses, grads by name)."""
+    """Forward + backward of the four losses from seed 1 (the same MLM masks) -> (losses, grads by name).
+
+    An ALBEF_Base runs with its objectives (models.losses.WithObjectives, as the trainer runs it); a
+    wrapped WithObjectives (compile, DDP) runs as it is. Gradients by the ALBEF_Base's parameter names."""
+    net = WithObjectives(model) if isinstance(model, ALBEF_Base) else model
     model.zero_grad(set_to_none=True)
     torch.manual_seed(1)
-    out = model(image, text, image_key=keys)
+    out = net(image, text, image_key=keys)
     sum(out[k] for k in LOSSES).backward()
-    grads = {n: p.grad.detach().clone() for n, p in unwrap(model).named_parameters() if p.grad is not None}
+    module = unwrap(net)
+    module = module.model if isinstance(module, WithObjectives) else module
+    grads = {n: p.grad.detach().clone() for n, p in module.named_parameters() if p.grad is not None}
     return {k: out[k].detach() for k in (*LOSSES, "hardness")}, grads
 
 
@@ -132,7 +139,7 @@ def test_autocast_training_step_with_the_scaler_is_close_to_fp32(tokenizer, amp)
     opt_config = config().optimizer
 
     torch.manual_seed(1)
-    fp32 = ref(image, text, image_key=keys)
+    fp32 = WithObjectives(ref)(image, text, image_key=keys)
     trainer_update(ref, sum(fp32[k] for k in LOSSES), build_optimizer(ref, opt_config),
                    build_scaler(False, DEV))
     if amp == "bf16":
@@ -151,7 +158,7 @@ def test_autocast_training_step_with_the_scaler_is_close_to_fp32(tokenizer, amp)
         scale = scaler.get_scale() if scaler.is_enabled() else None
         torch.manual_seed(1)
         with torch.autocast(DEV.type, dtype=dtype):
-            out = model(image, text, image_key=keys)
+            out = WithObjectives(model)(image, text, image_key=keys)
         trainer_update(model, sum(out[k] for k in LOSSES), optimizer, scaler)
         if scale is None or scaler.get_scale() >= scale:
             break
@@ -162,7 +169,6 @@ def test_autocast_training_step_with_the_scaler_is_close_to_fp32(tokenizer, amp)
     for key in LOSSES:
         assert out[key].dtype == torch.float32 and torch.isfinite(out[key]), key
         assert out[key].item() == pytest.approx(fp32[key].item(), rel=2e-2, abs=2e-2), key
-    assert out["image_feat"].dtype == torch.float32 and out["text_feat"].dtype == torch.float32
     grads = {n: p.grad for n, p in model.named_parameters() if p.grad is not None}
     ref_grads = {n: p.grad for n, p in ref.named_parameters() if p.grad is not None}
     assert grads.keys() == ref_grads.keys() and grads
@@ -170,6 +176,17 @@ def test_autocast_training_step_with_the_scaler_is_close_to_fp32(tokenizer, amp)
     assert F.cosine_similarity(flat(grads), flat(ref_grads), dim=0) > 0.99  # unscaled, as fp32's
     assert all(torch.isfinite(p).all() for p in model.parameters())
     assert any(not torch.equal(p, start[n]) for n, p in model.named_parameters())
+    # GRIT's features, fp32 under autocast too: the model's projections keep their graph and the autocast
+    # dtype; Pretrain.py's step detaches them and makes them fp32 for the sampler's queues.
+    import Pretrain
+
+    task = types.SimpleNamespace(device=DEV, image_keys=keys, model=model, scene_ids=None, shown=None,
+                                 features={}, config=types.SimpleNamespace(batch_pictures=False, itm=True))
+    batch = ImageTextBatch(image=image, text=text, ids=keys, valid=torch.ones(N, dtype=torch.bool),
+                           reasons=[])
+    with torch.autocast(DEV.type, dtype=dtype):
+        Pretrain.PretrainTask.step(task, WithObjectives(model), batch)
+    assert task.features["image"].dtype == torch.float32 and task.features["text"].dtype == torch.float32
 
 
 # ----------------------------------------------------------------------------- fused AdamW
@@ -213,8 +230,9 @@ def test_compiled_training_forward_matches_eager(tokenizer, monkeypatch):
     image, text, keys = (x.to(DEV) for x in pairs(tokenizer))
     eager, eager_grads = seeded_step(model, image, text, keys)
     info = DistInfo(rank=0, world_size=1, local_rank=0, device=DEV, distributed=False)
-    compiled = wrap_ddp(model, info, compile="default")
-    assert compiled is not model and unwrap(compiled) is model
+    net = WithObjectives(model)  # the trainer's unit (Task.train_module): the model and its objectives
+    compiled = wrap_ddp(net, info, compile="default")
+    assert compiled is not net and unwrap(compiled) is net and net.model is model
     torch._dynamo.reset()
     torch._dynamo.utils.counters.clear()
     try:
@@ -380,14 +398,14 @@ def test_bad_sample_mask_on_the_device(tokenizer, monkeypatch):
     batch = ImageTextBatch(image=images, text=text, ids=keys, valid=valid, reasons=["3: unreadable image"])
     assert batch.valid_on(DEV).device.type == DEV.type
 
-    on_cpu = cpu_model(images, text, image_key=keys, valid=batch.valid_on("cpu"))
+    on_cpu = WithObjectives(cpu_model)(images, text, image_key=keys, valid=batch.valid_on("cpu"))
     image = images.to(DEV).requires_grad_(True)
-    out = model(image, text.to(DEV), image_key=keys.to(DEV), valid=batch.valid_on(DEV))
+    out = WithObjectives(model)(image, text.to(DEV), image_key=keys.to(DEV), valid=batch.valid_on(DEV))
     sum(out[k] for k in LOSSES).backward()  # before the next forward, which clamps temp in place
     assert torch.all(image.grad[3] == 0)
     assert (image.grad[keep].flatten(1).abs().sum(1) > 0).all()
     kept = BatchEncoding({k: v[keep] for k, v in text.items()}).to(DEV)
-    reduced = model(images[keep].to(DEV), kept, image_key=keys[keep].to(DEV))
+    reduced = WithObjectives(model)(images[keep].to(DEV), kept, image_key=keys[keep].to(DEV))
     for name in (*LOSSES, "hardness"):
         torch.testing.assert_close(out[name].detach().cpu(), on_cpu[name].detach(), **CLOSE, msg=name)
         torch.testing.assert_close(out[name].detach(), reduced[name].detach(), **CLOSE, msg=name)
@@ -406,9 +424,10 @@ def synthetic(tmp_path_factory) -> str:
 
 def pretrain(data: str, out: str, epochs: int, *flags: str) -> subprocess.CompletedProcess:
     """Pretrain.py on the device: 57 entries, 7 steps an epoch, two GRIT queue fills; deterministic."""
-    sets = small_pretrain_sets(data, **{"grit.queue_size": 24, "grit.search_space": 8, "max_epoch": epochs,
-                                        "schedular.epochs": 2, "schedular.warmup_steps": 2,
-                                        "print_freq": 1000, "deterministic": "true",
+    sets = small_pretrain_sets(data, **{"batching.queue_size": 24, "batching.search_space": 8,
+                                        "max_epoch": epochs, "schedular.epochs": 2,
+                                        "schedular.warmup_steps": 2, "print_freq": 1000,
+                                        "deterministic": "true",
                                         # the pictures' copies of device outputs run on the device too
                                         "batch_pictures": "true"})
     # cuBLAS repeats its results only with this workspace setting (torch's reproducibility notes);
@@ -442,7 +461,7 @@ def test_save_and_resume_on_the_device_equals_the_unbroken_run(synthetic, tmp_pa
     # Bitwise on the CPU. On CUDA deterministic kernels make the runs repeat, but torch only warns about
     # an op without a deterministic kernel (warn_only), so equal up to float32 rounding.
     tol = dict(rel=1e-5, abs=1e-7) if ON_CUDA else dict(rel=0, abs=0)
-    for key in (*LOSSES, "grit_hardness"):
+    for key in (*LOSSES, "hardness"):
         assert b[1][key] == pytest.approx(a[1][key], **tol), key
     first, second = (torch.load(os.path.join(out, "checkpoint_01.pth"), map_location="cpu",
                                 weights_only=True) for out in (full, split))

@@ -27,6 +27,7 @@ from transformers import BertTokenizerFast
 
 import models.bert
 from models.bert_layers import BertLayer
+from models.losses import WithObjectives
 from models.nlvr import ALBEF_NLVR, nlvr_loss
 from models.pretrain import ALBEF_Base
 from models.retrieval import ALBEF_Retrieval
@@ -73,21 +74,22 @@ def images(seed: int, n: int = N) -> Tensor:
 
 
 def total(out: dict[str, Tensor]) -> Tensor:
-    """The sum of a model output's loss_* entries."""
-    return sum(v for k, v in out.items() if k.startswith("loss"))
+    """The sum of a model output's loss_* entries (WithObjectives' 'loss' is their sum: not counted twice)."""
+    return sum(v for k, v in out.items() if k.startswith("loss_"))
 
 
 def base_case(config: Any, tokenizer) -> tuple[nn.Module, Callable[[nn.Module], Tensor]]:
     model = ALBEF_Base(config, tokenizer)
     image, caption = images(0), text(tokenizer, 0)
     keys = torch.arange(N)  # the tiny config guards false negatives
-    return model, lambda m: total(m(image, caption, image_key=keys))
+    # The forward and its objectives (models.losses), as Pretrain.py's step.
+    return model, lambda m: total(WithObjectives(m)(image, caption, image_key=keys))
 
 
 def retrieval_case(config: Any, tokenizer) -> tuple[nn.Module, Callable[[nn.Module], Tensor]]:
     model = ALBEF_Retrieval(config, tokenizer)
     image, caption, idx = images(1), text(tokenizer, 1), torch.tensor([0, 1, 2, 0, 3, 4])
-    return model, lambda m: total(m(image, caption, idx))
+    return model, lambda m: total(WithObjectives(m)(image, caption, idx))
 
 
 def nlvr_case(config: Any, tokenizer) -> tuple[nn.Module, Callable[[nn.Module], Tensor]]:
@@ -228,8 +230,8 @@ def test_pretrain_script_with_grad_checkpointing(tmp_path, monkeypatch):
     for on in ("false", "true"):
         calls.clear()
         out = str(tmp_path / f"run_{on}")
-        sets = small_pretrain_sets(data, **{"grit.queue_size": 16, "grit.search_space": 8, "max_epoch": 1,
-                                            "schedular.epochs": 1, "grad_checkpointing": on})
+        sets = small_pretrain_sets(data, **{"batching.queue_size": 16, "batching.search_space": 8,
+                                            "max_epoch": 1, "schedular.epochs": 1, "grad_checkpointing": on})
         run_here(Pretrain, ["--config", "configs/tiny/Pretrain.yaml", "--output_dir", out, "--device", "cpu",
                             "--set", *sets])
         state = torch.load(os.path.join(out, "checkpoint_00.pth"), map_location="cpu", weights_only=True)

@@ -1,8 +1,8 @@
 """Slow (`make test-slow`, about 50 minutes): issue 11's claim on the tiny world, per seed.
 
 For seeds 1, 2 and 3, tools.compare --selected pre-trains configs/tiny/Pretrain.yaml with GRIT batches and
-with random batches (grit.enabled=false), each at its learning rate selected on val (the README's sweep),
-and evaluates both: under GRIT the ITM loss must end well below chance (0.637, one positive in three),
+with random batches (batching.strategy=random), each at its learning rate selected on val (the README's
+sweep), and evaluates both: under GRIT the ITM loss must end well below chance (0.637, one positive in three),
 and GRIT must be ahead on mean zero-shot R@1, re-ranked and ITC only, and on the compositional ITM probe.
 The downstream chain of demo --downstream then runs per seed: GRIT pre-training for 36 epochs
 (configs/tiny/Pretrain_long.yaml), NLVR2 text assignment and fine-tune, and VQA from that checkpoint.

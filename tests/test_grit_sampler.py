@@ -11,7 +11,7 @@ from grit_sim import DIM, clustered_features, hardness, make_samplers, run_epoch
 
 GRIT = dict(enabled=True, queue_size=40, search_space=24, example_shuffle=True, batch_shuffle=True,
             mode="concurrent", warmstart_indices=None, shard_grouping=True)
-OFF = dict(GRIT, enabled=False, queue_size=None, search_space=None)  # a config's `grit: null`
+OFF = dict(GRIT, enabled=False, queue_size=None, search_space=None)  # a config's `batching.strategy: random`
 
 
 @pytest.mark.parametrize("W", [1, 2, 3])
@@ -202,21 +202,21 @@ def test_warmstart_indices(tmp_path, suffix):
 
 def test_bad_input_errors(tmp_path):
     D, N = 64, 8
-    with pytest.raises(ValueError, match="grit.search_space"):
+    with pytest.raises(ValueError, match="GritSampler: search_space"):
         make_samplers(D, N, 1, dict(GRIT, search_space=4))
-    with pytest.raises(ValueError, match="grit.queue_size"):
+    with pytest.raises(ValueError, match="GritSampler: queue_size"):
         make_samplers(D, N, 1, dict(GRIT, queue_size=16, search_space=24))
-    with pytest.raises(ValueError, match="grit.mode"):
+    with pytest.raises(ValueError, match="GritSampler: mode"):
         make_samplers(D, N, 1, dict(GRIT, mode="fast"))
     with pytest.raises(TypeError, match="unexpected keyword argument 'serch_space'"):
         make_samplers(D, N, 1, dict(GRIT, serch_space=4))
     with pytest.raises(ValueError, match="fewer than one global batch"):
         make_samplers(10, N, 2, GRIT)
-    with pytest.raises(FileNotFoundError, match="grit.warmstart_indices"):
+    with pytest.raises(FileNotFoundError, match="batching.warmstart_indices"):
         make_samplers(D, N, 1, dict(GRIT, warmstart_indices=str(tmp_path / "missing.pt")))
     for bad in (torch.arange(D).view(8, 8), torch.tensor([0, 1, 1]), torch.tensor([0, D])):
         torch.save(bad, tmp_path / "bad.pt")
-        with pytest.raises(ValueError, match="grit.warmstart_indices"):
+        with pytest.raises(ValueError, match="batching.warmstart_indices"):
             make_samplers(D, N, 1, dict(GRIT, warmstart_indices=str(tmp_path / "bad.pt")))
 
     (s,) = make_samplers(D, N, 1, dict(GRIT, queue_size=16, search_space=8))

@@ -1,4 +1,4 @@
-"""GRIT grouping split across ranks (grit.shard_grouping): every rank chains only its sub-queues, the
+"""GRIT grouping split across ranks (batching.shard_grouping): every rank chains only its sub-queues, the
 chains are all-gathered, and G equals the unsharded grouping exactly."""
 
 from __future__ import annotations
@@ -13,12 +13,13 @@ import torch.multiprocessing as mp
 
 from grit.collector import GritCollector
 from tools.grit_bench import clustered_features
-from training.config import Grit
+from training.config import Batching
 
 # 2 full fills of 6 sub-queues and a partial one of 68 entries (5 sub-queues, the last one short):
 # uneven shares for W = 2 (3 + 2) and W = 3 (2 + 2 + 1).
 N_SAMPLES, QUEUE, SEARCH, DIM, BATCH = 260, 96, 16, 8, 10
-GRIT_ON = Grit(queue_size=QUEUE, search_space=SEARCH).sampler_options()  # the grit block's defaults
+# the batching block's defaults, strategy grit
+GRIT_ON = Batching(strategy='grit', queue_size=QUEUE, search_space=SEARCH).sampler_options()
 
 
 def _features() -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -133,4 +134,4 @@ def test_int32_and_int64_index_arrays_give_the_same_batches():
     assert torch.equal(resumed.epoch_indices().long(), state64['indices'])
     with pytest.raises(ValueError, match='cannot hold'):
         GritSampler(2**31, num_replicas=1, rank=0, batch_size=8, index_dtype=torch.int32,
-                    **Grit(enabled=False).sampler_options())
+                    **Batching(strategy='random').sampler_options())

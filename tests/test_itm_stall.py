@@ -15,7 +15,7 @@ def _write_runs(root: str, arm: str, lr: float, seeds_to_start: dict[int, int]) 
     """Runs whose ITM leaves chance at the given 1-based epoch; epoch 1's hardness grows with that epoch."""
     for seed, start in seeds_to_start.items():
         rows = [{"epoch": e, "loss_itm": 0.637 if e + 1 < start else 0.55,
-                 "grit_hardness": 0.5 + 0.01 * start,
+                 "hardness": 0.5 + 0.01 * start,
                  "itm_accuracy": 2 / 3, "itm_match_accuracy": 0.0 if e + 1 < start else 0.4,
                  "itm_false_negatives": 0.1 * seed, "batch_same_scene": 0.2}
                 for e in range(4)]
@@ -33,10 +33,10 @@ def test_tables_epochs_and_correlations(tmp_path, capsys):
     record = itm_stall.main(["--compare_dir", root, "--seeds", "1", "2", "3", "--output_dir", report])
     assert record["itm_epoch"] == {"GRIT-VLP": {1: 2, 2: 4, 3: 5}, "random batches": {1: 2, 2: 2, 3: 2}}
     rho = record["rank_correlation_epoch1"]
-    assert rho["GRIT-VLP"]["grit_hardness"] == pytest.approx(1.0)  # rises with the late start
+    assert rho["GRIT-VLP"]["hardness"] == pytest.approx(1.0)  # rises with the late start
     assert rho["GRIT-VLP"]["itm_false_negatives"] == pytest.approx(1.0)  # 0.1 x seed: the same order
     assert math.isnan(rho["GRIT-VLP"]["batch_same_scene"])  # constant: no correlation to give
-    assert math.isnan(rho["random batches"]["grit_hardness"])  # every seed leaves chance at once
+    assert math.isnan(rho["random batches"]["hardness"])  # every seed leaves chance at once
     out = capsys.readouterr().out
     assert "### itm_match_accuracy" in out and "| GRIT-VLP | 3 | 5 | 0.000 | 0.000 | 0.000 | 0.000 |" in out
     assert all(os.path.isfile(os.path.join(report, f"itm_stall.{ext}")) for ext in ("md", "json"))

@@ -34,7 +34,7 @@ def _env(**extra: str) -> dict:
 
 
 def _args(data: str, out: str, **values) -> list[str]:
-    sets = {"grit.queue_size": 36, "grit.search_space": 12, "batch_size": 6, "max_epoch": 2,
+    sets = {"batching.queue_size": 36, "batching.search_space": 12, "batch_size": 6, "max_epoch": 2,
             "schedular.epochs": 2, "schedular.warmup_steps": 4, "print_freq": 1000, **values}
     return ["Pretrain.py", "--config", "configs/tiny/Pretrain.yaml", "--output_dir", out, "--device", "cpu",
             "--set", *small_pretrain_sets(data, **sets)]

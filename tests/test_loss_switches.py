@@ -1,7 +1,7 @@
 """The loss-side switches beside batch construction (models.objectives.itc_loss): HN-NCE's weighted
 negatives (hn_beta) and MAFA's smoothed ITC targets (smoothing), each 0 = the paper's ITC, each against
-an independent float64 computation of its paper's formula; and the one function that sums a model's
-named losses."""
+an independent float64 computation of its paper's formula; and the one method that sums a model's
+named losses (models.losses.Objectives.total)."""
 
 from __future__ import annotations
 
@@ -11,7 +11,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from models.objectives import hard_negative_logits, itc_loss, total_loss
+from models.losses import Objectives
+from models.objectives import hard_negative_logits, itc_loss
 
 TEMP = 0.07
 
@@ -131,11 +132,19 @@ def test_bad_values_are_refused():
         itc_loss(image, text, TEMP, smoothing=1.0)
 
 
-def test_total_loss_sums_the_named_losses_in_order():
+def test_total_loss_sums_the_named_losses_in_order(tmp_path):
     out = {"a": torch.tensor(1.0), "b": torch.tensor(2.0), "c": torch.tensor(4.0), "extra": torch.tensor(8.0)}
-    assert float(total_loss(out, ("a", "b", "c"))) == 7.0
+    assert float(Objectives({}, ("a", "b", "c")).total(out)) == 7.0
+    from conftest import tiny_config, word_tokenizer
+
     from models.pretrain import ALBEF_Base
     from models.retrieval import ALBEF_Retrieval
 
-    assert ALBEF_Base.loss_names == ("loss_itc", "loss_cons", "loss_itm", "loss_mlm")
-    assert ALBEF_Retrieval.loss_names == ("loss_itc", "loss_cons", "loss_itm")
+    assert ALBEF_Base.paper_losses == ("loss_itc", "loss_cons", "loss_itm", "loss_mlm")
+    assert ALBEF_Retrieval.paper_losses == ("loss_itc", "loss_cons", "loss_itm")
+    tokenizer = word_tokenizer(tmp_path, ["a", "dog"])
+    small = dict(image_res=32, vision_depth=2, vision_init=None, text_encoder=None)
+    pretrain = ALBEF_Base(tiny_config("pretrain", **small), tokenizer)
+    retrieval = ALBEF_Retrieval(tiny_config("retrieval", **small), tokenizer)
+    assert pretrain.objectives.loss_names == ("loss_itc", "loss_cons", "loss_itm", "loss_mlm")
+    assert retrieval.objectives.loss_names == ("loss_itc", "loss_cons", "loss_itm")

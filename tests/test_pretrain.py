@@ -22,7 +22,7 @@ from conftest import (
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 LOG_KEYS = {'epoch', 'step', 'lr', 'loss_itc', 'loss_cons', 'loss_itm', 'loss_mlm', 'train_seconds',
-            'epoch_seconds', 'samples_per_s', 'bad_samples', 'grit_hardness', 'grit_seconds'}
+            'epoch_seconds', 'samples_per_s', 'bad_samples', 'hardness', 'sampler_seconds'}
 CKPT_KEYS = {'model', 'optimizer', 'lr_scheduler', 'scaler', 'sampler', 'config', 'epoch', 'step'}
 
 
@@ -43,7 +43,7 @@ def n_entries(data: str) -> int:
 
 def overrides(data: str, **extra) -> list[str]:
     """--set arguments: the tiny config shrunk further, on the test's own synthetic set."""
-    values = {'grit.queue_size': 40, 'grit.search_space': 16, 'max_epoch': 2, 'schedular.epochs': 2,
+    values = {'batching.queue_size': 40, 'batching.search_space': 16, 'max_epoch': 2, 'schedular.epochs': 2,
               'schedular.warmup_steps': 4, 'print_freq': 1000, **extra}
     return ['--set', *small_pretrain_sets(data, **values)]
 
@@ -99,8 +99,8 @@ def test_two_processes(data_dir, tmp_path, launcher):
         cmd = [sys.executable, '-m', 'torch.distributed.run', '--nproc_per_node=2']
     cmd += ['--master_port', str(free_port()),
             'Pretrain.py', '--config', 'configs/tiny/Pretrain.yaml', '--output_dir', out, '--device', 'cpu',
-            *overrides(data_dir, batch_size=6, **{'grit.search_space': 12, 'grit.queue_size': 36,
-                                                  'grit.mode': mode})]
+            *overrides(data_dir, batch_size=6, **{'batching.search_space': 12, 'batching.queue_size': 36,
+                                                  'batching.mode': mode})]
     run_script(cmd)
     log = read_log(out)
     assert [r['epoch'] for r in log] == [0, 1]
@@ -166,7 +166,7 @@ def test_each_strategy_and_loss_switch_by_one_key(data_dir, tmp_path, capsys, se
     # (the synthetic world has a scene table; the tiny config's guard keeps same-image pairs out: 0),
     # and, for a grouped epoch, how many sub-queues a batch draws from
     for record in log:
-        assert 0 < record['grit_hardness_t2i'] < 1 and record['itm_false_negatives'] == 0.0
+        assert 0 < record['hardness_t2i'] < 1 and record['itm_false_negatives'] == 0.0
         # ITM's accuracy over its 3B pairs and over its B matches (2/3 and 0 at chance)
         assert 0 <= record['itm_match_accuracy'] <= 1 and 0 <= record['itm_accuracy'] <= 1
     assert 'batch_groups' not in log[0]  # epoch 0 is random in every strategy
@@ -197,14 +197,14 @@ def test_each_strategy_and_loss_switch_by_one_key(data_dir, tmp_path, capsys, se
 
 
 def test_later_grouping_and_rank_skip(data_dir, tmp_path, capsys):
-    """Issue 49's remedies, each one key: grit.group_from_epoch keeps the epochs before it random (epoch 1
+    """Issue 49's remedies, each one key: batching.group_from_epoch keeps the epochs before it random (epoch 1
     collects, epoch 2 is grouped) and batching.grit.rank_skip changes GRIT's chain; the summary says both."""
     import Pretrain
 
     out = str(tmp_path / 'run')
     run_here(Pretrain, ['--config', 'configs/tiny/Pretrain.yaml', '--output_dir', out, '--device', 'cpu',
                         *overrides(data_dir, max_epoch=3, **{'schedular.epochs': 3}),
-                        'grit.group_from_epoch=2', 'batching.grit.rank_skip=2'])
+                        'batching.group_from_epoch=2', 'batching.grit.rank_skip=2'])
     printed = capsys.readouterr().out
     assert 'skipping the 2 most similar' in printed
     assert 'epochs 0-1 random, grouped batches from epoch 2' in printed

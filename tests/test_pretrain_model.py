@@ -10,6 +10,7 @@ from transformers import BertConfig, BertForMaskedLM, BertModel
 
 from grit_io import InputFileError
 from models.loading import load_weights
+from models.losses import WithObjectives
 from models.pretrain import ALBEF_Base
 from training.config_files import ConfigError
 from training.optimizer import build_optimizer
@@ -75,6 +76,11 @@ def synthetic_batch(tokenizer, n=6):
         for k in torch.randint(3, 9, (n,), generator=gen)
     ]
     return images, tokenizer(captions, padding="longest", return_tensors="pt")
+
+
+def run(model, *args, **kwargs) -> dict[str, torch.Tensor]:
+    """The model's forward and its objectives (models.losses.WithObjectives): outputs, losses, 'loss'."""
+    return WithObjectives(model)(*args, **kwargs)
 
 
 def albef_reference_shapes(vocab: int) -> dict[str, tuple]:
@@ -169,11 +175,12 @@ def test_losses_outputs_and_training_signal(tokenizer):
     torch.manual_seed(0)
     model = ALBEF_Base(config(), tokenizer)
     images, text = synthetic_batch(tokenizer)
-    out = model(images, text)
+    out = run(model, images, text)
     for key in ("loss_itc", "loss_cons", "loss_itm", "loss_mlm", "hardness"):
         assert out[key].dim() == 0 and torch.isfinite(out[key]), key
     for key in ("image_feat", "text_feat"):
-        assert out[key].shape == (6, 32) and not out[key].requires_grad
+        # With their graph (the objectives' input); Pretrain.py detaches them for GRIT's queues.
+        assert out[key].shape == (6, 32) and out[key].requires_grad
         assert torch.allclose(out[key].norm(dim=-1), torch.ones(6), atol=1e-5)
     assert not out["hardness"].requires_grad and -1 <= out["hardness"] <= 1
     assert out["loss_cons"] > 0 and out["loss_itc"] > 0
@@ -181,7 +188,7 @@ def test_losses_outputs_and_training_signal(tokenizer):
     optimizer = torch.optim.AdamW(model.parameters(), lr=2e-3)
     totals = []
     for _ in range(20):
-        out = model(images, text)
+        out = run(model, images, text)
         total = out["loss_itc"] + out["loss_cons"] + out["loss_itm"] + out["loss_mlm"]
         optimizer.zero_grad()
         total.backward()
@@ -195,7 +202,7 @@ def test_losses_outputs_and_training_signal(tokenizer):
         model.temp.fill_(5.0)
         model(images, text)
     assert model.temp.item() == 5.0
-    out = model(images, text)
+    out = run(model, images, text)
     (out["loss_itc"] + out["loss_itm"]).backward()
     optimizer.step()
     assert model.temp.item() == pytest.approx(0.5)
@@ -205,7 +212,7 @@ def test_every_parameter_gets_a_gradient(tokenizer):
     torch.manual_seed(0)
     model = ALBEF_Base(config(hard_sampling="multinomial"), tokenizer)
     images, text = synthetic_batch(tokenizer)
-    out = model(images, text)
+    out = run(model, images, text)
     (out["loss_itc"] + out["loss_cons"] + out["loss_itm"] + out["loss_mlm"]).backward()
     no_grad = [n for n, p in model.named_parameters() if p.grad is None]
     assert no_grad == []
@@ -217,7 +224,7 @@ def test_itc_off(tokenizer):
         config(itc=False, itm_negatives="hard")
     torch.manual_seed(0)
     model = ALBEF_Base(config(itc=False, itm_negatives="random"), tokenizer)
-    out = model(*synthetic_batch(tokenizer))
+    out = run(model, *synthetic_batch(tokenizer))
     assert out["loss_itc"] == 0 and out["loss_cons"] == 0
     assert torch.isfinite(out["loss_itm"]) and torch.isfinite(out["loss_mlm"])
 
@@ -285,7 +292,7 @@ def guard_models(tokenizer, **overrides) -> tuple[ALBEF_Base, ALBEF_Base]:
 
 def seeded_forward(model, images, text, image_key=None) -> dict[str, torch.Tensor]:
     torch.manual_seed(1)  # the same MLM masks (and multinomial draws) in every call
-    return model(images, text, image_key=image_key)
+    return run(model, images, text, image_key=image_key)
 
 
 LOSS_KEYS = ("loss_itc", "loss_cons", "loss_itm", "loss_mlm", "hardness")
@@ -433,7 +440,7 @@ def test_guard_needs_image_key(tokenizer):
         on(images, text)
     with pytest.raises(ValueError, match="image_key"):
         on(images, text, image_key=torch.arange(5))
-    assert torch.isfinite(off(images, text)["loss_itc"])  # without the guard no key is needed
+    assert torch.isfinite(run(off, images, text)["loss_itc"])  # without the guard no key is needed
 
 
 def test_guard_with_itc_gather_single_process(tokenizer):
@@ -454,7 +461,7 @@ def test_itc_only_dual_encoder(tokenizer):
     dual = ALBEF_Base(config(itm=False, mlm=False), tokenizer)
     assert not dual.uses_every_parameter and full.uses_every_parameter
     images, text = synthetic_batch(tokenizer)
-    out, ref = dual(images, text), full(images, text)
+    out, ref = run(dual, images, text), run(full, images, text)
     assert out["loss_itm"].item() == 0.0 and out["loss_mlm"].item() == 0.0
     assert torch.equal(out["loss_itc"], ref["loss_itc"]) and torch.equal(out["hardness"], ref["hardness"])
     (out["loss_itc"] + out["loss_cons"] + out["loss_itm"] + out["loss_mlm"]).backward()

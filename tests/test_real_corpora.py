@@ -529,7 +529,7 @@ def test_members_reads_tgz_and_deb_archives(tmp_path):
 
 REAL = {"pretrain": "configs/real/Pretrain.yaml", "retrieval": "configs/real/Retrieval.yaml",
         "artist": "configs/real/Retrieval_artist.yaml"}
-TIMINGS = {"train_seconds", "epoch_seconds", "samples_per_s", "grit_seconds"}
+TIMINGS = {"train_seconds", "epoch_seconds", "samples_per_s", "sampler_seconds"}
 
 
 @pytest.mark.parametrize("name", sorted(REAL))
@@ -564,8 +564,8 @@ def test_pretraining_on_the_built_corpora_from_json_and_shards_then_zero_shot_re
     shape = ["image_res=32", "patch_size=16", "vision_depth=1", "vision_init=null", "synthetic_root=null",
              f"vocab_file={root}/vocab.txt", f"image_root={root}"]
     lists = f"train_file=[{root}/pretrain_emoji.json,{root}/pretrain_clipart.json]"
-    small = ["max_epoch=1", "schedular.epochs=1", "schedular.warmup_steps=2", "grit.queue_size=24",
-             "grit.search_space=16", "batch_pictures=false", "print_freq=1000"]
+    small = ["max_epoch=1", "schedular.epochs=1", "schedular.warmup_steps=2", "batching.queue_size=24",
+             "batching.search_space=16", "batch_pictures=false", "print_freq=1000"]
     logs = {}
     for source in ("json", f"shards={root}/shards/real.json"):
         out = str(tmp_path / source.split("=")[0])

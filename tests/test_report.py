@@ -25,10 +25,10 @@ from training.cli import run_main
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 # What Pretrain.py appends to log.txt per epoch, in its order (training.trainer).
-PRETRAIN_KEYS = ("epoch", "step", "lr", "grit_hardness", "loss_cons", "loss_itc", "loss_itm", "loss_mlm",
+PRETRAIN_KEYS = ("epoch", "step", "lr", "hardness", "loss_cons", "loss_itc", "loss_itm", "loss_mlm",
                  "train_seconds", "samples_per_s", "epoch_seconds", "bad_samples", "skipped_steps",
-                 "grit_seconds")
-PLOTTED = ["loss_cons", "loss_itc", "loss_itm", "loss_mlm", "grit_hardness", "samples_per_s", "grit_seconds",
+                 "sampler_seconds")
+PLOTTED = ["loss_cons", "loss_itc", "loss_itm", "loss_mlm", "hardness", "samples_per_s", "sampler_seconds",
            "epoch_seconds"]
 
 
@@ -237,11 +237,11 @@ def test_real_pretrain_runs(tmp_path):
 
     data = ensure_synthetic(str(tmp_path / "synthetic"), n=48, seed=3)
     # As tests/test_pretrain.py shrinks the tiny config, smaller still.
-    sets = small_pretrain_sets(data, **{"grit.queue_size": 16, "grit.search_space": 8, "max_epoch": 2,
+    sets = small_pretrain_sets(data, **{"batching.queue_size": 16, "batching.search_space": 8, "max_epoch": 2,
                                         "schedular.epochs": 2, "schedular.warmup_steps": 2,
                                         "print_freq": 1000})
     dirs = []
-    for name, extra in (("grit", []), ("random", ["grit.enabled=false"])):
+    for name, extra in (("grit", []), ("random", ["batching.strategy=random"])):
         out = str(tmp_path / name)
         run_here(Pretrain, ["--config", "configs/tiny/Pretrain.yaml", "--output_dir", out, "--device", "cpu",
                             "--set", *sets, *extra])

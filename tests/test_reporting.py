@@ -132,12 +132,12 @@ def test_batch_grid_draws_each_image_its_caption_and_its_hardest_negative(tmp_pa
                           "hardest negative: #0 (0.60) a red cube"]
 
 
-def test_pretrain_pictures_a_random_and_a_grit_batch_and_logs_them(tmp_path):
+def test_pretrain_pictures_a_random_and_a_grouped_batch_and_logs_them(tmp_path):
     from dataset.synthetic import ensure_synthetic
 
     data = ensure_synthetic(str(tmp_path / "synthetic"), n=96, seed=3)
     out = tmp_path / "run"
-    values = {"grit.queue_size": 40, "grit.search_space": 16, "max_epoch": 2, "schedular.epochs": 2,
+    values = {"batching.queue_size": 40, "batching.search_space": 16, "max_epoch": 2, "schedular.epochs": 2,
               "schedular.warmup_steps": 4, "print_freq": 5, "batch_pictures": "true"}
     env = {k: v for k, v in os.environ.items() if not k.startswith("WANDB_")}
     env.update(OMP_NUM_THREADS="1", PYTHONPATH=ROOT, HOME=str(tmp_path / "home"), WANDB_SILENT="true",
@@ -149,12 +149,12 @@ def test_pretrain_pictures_a_random_and_a_grit_batch_and_logs_them(tmp_path):
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert ("batching.strategy grit (GRIT's greedy alternating chain), concurrent: groups of N = 8 per rank "
             "from sub-queues of M = 16") in proc.stdout
-    assert sorted(os.listdir(out / "batches")) == ["epoch_00_random.png", "epoch_01_grit.png"]
+    assert sorted(os.listdir(out / "batches")) == ["epoch_00_random.png", "epoch_01_grouped.png"]
     events = _events(str(out / "tensorboard"))
-    assert set(events.Tags()["images"]) == {"batches/random", "batches/grit"}
-    assert {"train/loss_itc", "train/grit_hardness", "train/samples_per_s", "epoch/grit_seconds"} <= set(
+    assert set(events.Tags()["images"]) == {"batches/random", "batches/grouped"}
+    assert {"train/loss_itc", "train/hardness", "train/samples_per_s", "epoch/sampler_seconds"} <= set(
         events.Tags()["scalars"])
     # W&B, offline (no account here): both pictures among the run's media
     run_dir = glob.glob(str(out / "wandb" / "offline-run-*"))[0]
     media = glob.glob(os.path.join(run_dir, "files", "media", "images", "batches", "*.png"))
-    assert sorted(os.path.basename(m).split("_")[0] for m in media) == ["grit", "random"]
+    assert sorted(os.path.basename(m).split("_")[0] for m in media) == ["grouped", "random"]

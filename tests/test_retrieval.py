@@ -14,6 +14,7 @@ from conftest import free_port
 
 from dataset import ImageCollate, create_dataset, ensure_synthetic
 from dataset.bad_samples import SkipBadCollate, SkipBadSamples
+from models.losses import WithObjectives
 from models.retrieval import ALBEF_Retrieval
 from models.retrieval_eval import MISSED_RANK, itr_metrics, rerank_topk, retrieval_ranks
 from models.tokenization import build_tokenizer
@@ -195,7 +196,7 @@ def test_training_step_uses_queue_and_image_id_positives(data):
     text = tokenizer(["a red circle", "a red circle", "a blue square", "a green star", "a big dot", "x"],
                      padding="longest", return_tensors="pt")
     ids = torch.tensor([3, 3, 5, 7, 9, 11])
-    out = model(images, text, ids)
+    out = WithObjectives(model)(images, text, ids)  # the forward and its objectives (models.losses)
     (out["loss_itc"] + out["loss_itm"]).backward()
     assert torch.isfinite(out["loss_itc"]) and torch.isfinite(out["loss_itm"])
     assert model.queue_ptr.item() == 6 and model.idx_queue[0, :6].tolist() == ids.tolist()

@@ -77,8 +77,8 @@ def bad_list(data_dir, tmp_path_factory) -> tuple[str, dict[int, str]]:
 
 
 def overrides(data: str, train_file: str, **extra) -> list[str]:
-    values = {'train_file': f'[{train_file}]', 'grit.queue_size': 24, 'grit.search_space': 8, 'max_epoch': 2,
-              'schedular.epochs': 2, 'schedular.warmup_steps': 2, 'print_freq': 1000,
+    values = {'train_file': f'[{train_file}]', 'batching.queue_size': 24, 'batching.search_space': 8,
+              'max_epoch': 2, 'schedular.epochs': 2, 'schedular.warmup_steps': 2, 'print_freq': 1000,
               'max_bad_fraction': 0.2, **extra}
     return ['--set', *small_pretrain_sets(data, **values)]
 
@@ -274,20 +274,21 @@ def test_sigterm_to_the_process_group_with_loader_workers(data_dir, tmp_path):
 
 
 def _nan_on_calls(monkeypatch, calls: set[int]) -> list[int]:
-    """Make ALBEF_Base.forward return a NaN loss_itc on the given (0-based) calls; returns the counter."""
-    from models.pretrain import ALBEF_Base
+    """Make the model's objectives (models.losses.Objectives.forward, run once per training step by
+    WithObjectives) return a NaN loss_itc on the given (0-based) calls; returns the counter."""
+    from models.losses import Objectives
 
-    original = ALBEF_Base.forward
+    original = Objectives.forward
     counter = [0]
 
     def forward(self, *args, **kwargs):
-        out = original(self, *args, **kwargs)
+        losses, metrics = original(self, *args, **kwargs)
         if counter[0] in calls:
-            out['loss_itc'] = out['loss_itc'] * float('nan')
+            losses['loss_itc'] = losses['loss_itc'] * float('nan')
         counter[0] += 1
-        return out
+        return losses, metrics
 
-    monkeypatch.setattr(ALBEF_Base, 'forward', forward)
+    monkeypatch.setattr(Objectives, 'forward', forward)
     return counter
 
 

@@ -431,7 +431,7 @@ def test_config_keys_for_shards():
 
 def _pretrain(data: str, out: str, *extra: str, launcher: list[str] | None = None,
               check: bool = True) -> subprocess.CompletedProcess:
-    values = {"grit.queue_size": 40, "grit.search_space": 16, "max_epoch": 2, "schedular.epochs": 2,
+    values = {"batching.queue_size": 40, "batching.search_space": 16, "max_epoch": 2, "schedular.epochs": 2,
               "schedular.warmup_steps": 4, "print_freq": 1000}
     cmd = [*(launcher or [sys.executable]), "Pretrain.py", "--config", "configs/tiny/Pretrain.yaml",
            "--output_dir", out, "--device", "cpu", "--set", *small_pretrain_sets(data, **values), *extra]
@@ -446,7 +446,7 @@ def _pretrain_here(data: str, out: str, *extra: str) -> dict:
     """_pretrain's run in this process (conftest.run_here): the same script, no interpreter start-up."""
     import Pretrain
 
-    values = {"grit.queue_size": 40, "grit.search_space": 16, "max_epoch": 2, "schedular.epochs": 2,
+    values = {"batching.queue_size": 40, "batching.search_space": 16, "max_epoch": 2, "schedular.epochs": 2,
               "schedular.warmup_steps": 4, "print_freq": 1000}
     return run_here(Pretrain, ["--config", "configs/tiny/Pretrain.yaml", "--output_dir", out, "--device",
                                "cpu", "--set", *small_pretrain_sets(data, **values), *extra])
@@ -457,7 +457,7 @@ def _log(out: str) -> list[dict]:
         return [json.loads(line) for line in f]
 
 
-TIMINGS = {"train_seconds", "epoch_seconds", "samples_per_s", "grit_seconds"}
+TIMINGS = {"train_seconds", "epoch_seconds", "samples_per_s", "sampler_seconds"}
 
 
 def test_pretraining_from_shards_sees_what_the_json_run_sees(data_dir, converted, tmp_path):
@@ -499,8 +499,8 @@ def test_two_process_gloo_pretraining_from_independent_shards(data_dir, tmp_path
     pattern = str(shards / "{00000..00002}.tar")
     out = str(tmp_path / "run")
     port = str(free_port())
-    _pretrain(data_dir, out, f"train_shards={pattern}", "batch_size=6", "grit.search_space=12",
-              "grit.queue_size=36", launcher=[sys.executable, "-m", "torch.distributed.run",
+    _pretrain(data_dir, out, f"train_shards={pattern}", "batch_size=6", "batching.search_space=12",
+              "batching.queue_size=36", launcher=[sys.executable, "-m", "torch.distributed.run",
                                               "--nproc_per_node=2", "--master_port", port])
     log = _log(out)
     n_json = len(json.load(open(os.path.join(data_dir, "pretrain.json"))))

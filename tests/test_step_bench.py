@@ -14,6 +14,7 @@ import torch
 from conftest import HANG_GUARD_S
 from torch.utils import flop_counter
 
+from models.losses import WithObjectives
 from models.pretrain import ALBEF_Base
 from models.tokenization import tokenizer_from_vocab
 from training.config_resolve import resolve_config
@@ -51,6 +52,7 @@ def independent_count(**keys) -> int:
     config = dataclasses.replace(resolve_config("pretrain", CONFIG, check_paths=False), **keys)
     tokenizer = tokenizer_from_vocab(config.vocab_file)
     model = ALBEF_Base(dataclasses.replace(config, vision_init=None), tokenizer).train()
+    net = WithObjectives(model)  # the forward and its objectives (models.losses), as Pretrain.py's step
     res, length = config.image_res, config.max_tokens
     ids = torch.randint(5, len(tokenizer), (BATCH, length))
     text = {"input_ids": ids, "attention_mask": torch.ones_like(ids)}
@@ -65,7 +67,7 @@ def independent_count(**keys) -> int:
                aten._scaled_dot_product_flash_attention_for_cpu_backward: backward}
     counter = flop_counter.FlopCounterMode(display=False, custom_mapping=mapping)
     with counter:
-        out = model(torch.randn(BATCH, 3, res, res), text, image_key=torch.arange(BATCH))
+        out = net(torch.randn(BATCH, 3, res, res), text, image_key=torch.arange(BATCH))
         (out["loss_itc"] + out["loss_cons"] + out["loss_itm"] + out["loss_mlm"]).backward()
     return counter.get_total_flops()
 
@@ -184,7 +186,8 @@ def test_bf16_compile_is_bf16_under_compile(monkeypatch):
 
 class OneAttentionLayer(torch.nn.Module):
     """x (B, L, H) -> q, k, v projections, heads x scaled-dot-product attention, output projection; the
-    output's sum is `loss_itc` (the other three losses zero), as tools.step_bench.forward_loss reads them."""
+    output's sum is `loss_itc` (the other three losses zero) and `loss`, their sum, as a model with its
+    objectives (models.losses.WithObjectives) returns them to tools.step_measure.forward_loss."""
 
     def __init__(self, hidden: int, heads: int) -> None:
         super().__init__()
@@ -196,7 +199,9 @@ class OneAttentionLayer(torch.nn.Module):
         q, k, v = (f(x).view(B, L, self.heads, -1).transpose(1, 2) for f in (self.q, self.k, self.v))
         a = torch.nn.functional.scaled_dot_product_attention(q, k, v).transpose(1, 2).reshape(B, L, H)
         zero = x.new_zeros(())
-        return {"loss_itc": self.out(a).sum(), "loss_cons": zero, "loss_itm": zero, "loss_mlm": zero}
+        loss_itc = self.out(a).sum()
+        return {"loss_itc": loss_itc, "loss_cons": zero, "loss_itm": zero, "loss_mlm": zero,
+                "loss": loss_itc + zero + zero + zero}
 
 
 def test_count_flops_equals_the_closed_form_of_a_tiny_attention_layer():

@@ -14,6 +14,7 @@ import torch.nn.functional as F
 from conftest import tiny_config, word_tokenizer
 
 from dataset.collate import ImageTextCollate
+from models.losses import WithObjectives
 from models.mlm import mask_tokens, mlm_capacity, select_masked
 from models.negatives import itm_pair_weights, mine_negatives
 from models.objectives import itc_loss, masked_mean
@@ -60,15 +61,21 @@ def twin_models(tokenizer, reference: dict, candidate: dict, dtype=torch.float64
 
 
 def step(model, image, text, valid=None, seed: int = 1, autocast: torch.dtype | None = None):
-    """Forward and backward of the sum of the four losses -> ({loss: value}, {parameter: gradient})."""
+    """Forward and backward of the sum of the four losses -> ({loss: value}, {parameter: gradient}).
+
+    An ALBEF_Base runs with its objectives (models.losses.WithObjectives, as the trainer runs it); a
+    Reference or an already wrapped (possibly compiled) WithObjectives runs as it is."""
+    net = WithObjectives(model) if isinstance(model, ALBEF_Base) else model
     model.zero_grad(set_to_none=True)
     torch.manual_seed(seed)  # the MLM masks
     with torch.autocast("cpu", dtype=autocast or torch.float32, enabled=autocast is not None):
-        out = model(image, text, image_key=IMAGE_KEYS, valid=valid)
+        out = net(image, text, image_key=IMAGE_KEYS, valid=valid)
         loss = out["loss_itc"] + out["loss_cons"] + out["loss_itm"] + out["loss_mlm"]
     loss.backward()
     losses = {k: out[k].detach().double() for k in ("loss_itc", "loss_cons", "loss_itm", "loss_mlm")}
     module = getattr(model, "_orig_mod", model)  # a compiled model's parameters, by their own names
+    if isinstance(module, WithObjectives):
+        module = module.model
     grads = {n: p.grad.double() for n, p in module.named_parameters() if p.grad is not None}
     return losses, grads
 
@@ -305,7 +312,8 @@ def test_the_pretraining_step_compiles_as_one_graph(tokenizer):
     model = ALBEF_Base(pretrain_config(), tokenizer).train()
     image, text = batch(tokenizer, static=True)
     eager = step(model, image, text)
-    compiled = torch.compile(model, fullgraph=True, backend="aot_eager")
+    # The trainer's unit: the model and its objectives in one forward, compiled together.
+    compiled = torch.compile(WithObjectives(model), fullgraph=True, backend="aot_eager")
     got = step(compiled, image, text)
     for key, value in eager[0].items():
         torch.testing.assert_close(got[0][key], value, rtol=1e-5, atol=1e-6, msg=key)

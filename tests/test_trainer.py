@@ -267,6 +267,7 @@ def test_every_script_runs_its_task_through_the_one_trainer(in_repo, monkeypatch
     batch = next(iter(torch.utils.data.DataLoader(task.dataset, batch_size=4, collate_fn=task.collate,
                                                   sampler=spread)))
     assert len(batch) == 4 and batch.reasons == [] and batch.valid.dtype == torch.bool
-    loss, metrics = task.step(task.model, batch)
+    # What the trainer hands step() (before DDP and compile): the model with its objectives, where it has any.
+    loss, metrics = task.step(task.train_module(), batch)
     assert loss.dim() == 0 and torch.isfinite(loss) and all(v.dim() == 0 for v in metrics.values())
     assert not (tmp_path / "out").exists()  # the Trainer creates it, and it never ran

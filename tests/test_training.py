@@ -45,8 +45,9 @@ image_res: 32
 temp: 0.07  # ITC temperature, learnable
 text_encoder: null
 train_file: [a.json, b.json]
-grit:
-  enabled: true   # GRIT sampling on/off
+batching:
+  strategy: grit
+  example_shuffle: true   # GRIT's phase 2 on/off
   queue_size: 64
 optimizer: {opt: adamW, lr: 1e-4, weight_decay: 0.02}
 schedular: {sched: cosine, lr: 1e-4, epochs: 30, min_lr: 1e-5, warmup_lr: 1e-5, warmup_steps: 5}
@@ -92,25 +93,25 @@ def test_local_rank_spellings_and_env(monkeypatch):
 
 def test_overrides_nested_keys_and_yaml_values(config_file):
     cfg = load_config(config_file, [
-        'grit.enabled=false', 'optimizer.lr=1e-4', 'train_file=[x.json, y.json]', 'temp=null',
-        'grit.queue_size=128', 'image_res=64', 'train_file.1=z.json', 'text_encoder=bert-base-uncased'])
+        'batching.example_shuffle=false', 'optimizer.lr=1e-4', 'train_file=[x.json, y.json]', 'temp=null',
+        'batching.queue_size=128', 'image_res=64', 'train_file.1=z.json', 'text_encoder=bert-base-uncased'])
     assert isinstance(cfg, CommentedMap) and isinstance(cfg, dict)
-    assert cfg['grit']['enabled'] is False
+    assert cfg['batching']['example_shuffle'] is False
     assert isinstance(cfg['optimizer']['lr'], float) and cfg['optimizer']['lr'] == pytest.approx(1e-4)
     assert list(cfg['train_file']) == ['x.json', 'z.json']
-    assert cfg['temp'] is None and cfg['grit']['queue_size'] == 128 and cfg['image_res'] == 64
+    assert cfg['temp'] is None and cfg['batching']['queue_size'] == 128 and cfg['image_res'] == 64
     assert cfg['text_encoder'] == 'bert-base-uncased'
     assert isinstance(cfg['schedular']['min_lr'], float)  # 1e-5 in the file: YAML 1.2 float
 
 
 def test_unknown_key_suggests_close_match(config_file):
-    msg = r"unknown config key 'grit\.enable' \(did you mean 'grit\.enabled'\?\)"
+    msg = r"unknown config key 'batching\.example_shufle' \(did you mean 'batching\.example_shuffle'\?\)"
     with pytest.raises(ValueError, match=msg):
-        load_config(config_file, ['grit.enable=false'])
+        load_config(config_file, ['batching.example_shufle=false'])
     with pytest.raises(ValueError, match='cfg.yaml'):
         load_config(config_file, ['no_such_thing=1'])
     with pytest.raises(ValueError, match='key=value'):
-        load_config(config_file, ['grit.enabled'])
+        load_config(config_file, ['batching.example_shuffle'])
 
 
 def test_missing_config_and_required_keys(tmp_path, config_file):
@@ -129,7 +130,7 @@ def test_missing_config_and_required_keys(tmp_path, config_file):
 
 def test_cli_flags_and_max_epoch(config_file):
     sets = ['image_res=48', 'bert_config=configs/tiny/config_bert.json', 'batch_size=8', 'vocab_file=v.txt',
-            'grit.search_space=32']
+            'batching.search_space=32']
     cfg = resolve_config('pretrain', config_file, sets, {'seed': 7, 'text_encoder': 'my/bert'},
                          check_paths=False)
     assert cfg.image_res == 48 and cfg.seed == 7 and cfg.text_encoder == 'my/bert'
@@ -139,21 +140,21 @@ def test_cli_flags_and_max_epoch(config_file):
 
 
 def test_comments_survive_save(tmp_path, config_file):
-    cfg = load_config(config_file, ['grit.enabled=false', 'temp=0.05'])
+    cfg = load_config(config_file, ['batching.example_shuffle=false', 'temp=0.05'])
     out = tmp_path / 'out' / 'config.yaml'
     out.parent.mkdir()
     save_config(cfg, out)
     text = out.read_text()
-    for comment in ('# tiny pre-training config', '# ITC temperature, learnable', '# GRIT sampling on/off'):
+    for comment in ('# tiny pre-training config', '# ITC temperature, learnable', "# GRIT's phase 2 on/off"):
         assert comment in text
-    assert 'enabled: false' in text and 'temp: 0.05' in text and 'text_encoder: null' in text
+    assert 'example_shuffle: false' in text and 'temp: 0.05' in text and 'text_encoder: null' in text
     again = load_config(str(out))
     assert to_plain(again) == to_plain(cfg)
 
 
 def test_to_plain_makes_builtin_types(config_file):
     plain = to_plain(load_config(config_file))
-    assert type(plain) is dict and type(plain['grit']) is dict and type(plain['train_file']) is list
+    assert type(plain) is dict and type(plain['batching']) is dict and type(plain['train_file']) is list
     assert type(plain['temp']) is float and type(plain['optimizer']['lr']) is float
 
 
@@ -295,7 +296,7 @@ def test_checkpoint_save_load_and_latest(tmp_path, config_file):
         resolve_resume(str(tmp_path / 'missing.pth'), str(tmp_path))
 
     raw = torch.load(p1, weights_only=True)  # plain contents: loadable by a bare weights-only load
-    assert type(raw['config']) is dict and raw['config']['grit']['queue_size'] == 64
+    assert type(raw['config']) is dict and raw['config']['batching']['queue_size'] == 64
     loaded = load_checkpoint(p1)
     assert loaded['step'] == 10 and torch.equal(loaded['model']['weight'], state['model']['weight'])
 

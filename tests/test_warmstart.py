@@ -16,7 +16,7 @@ from models.false_negatives import false_negative_mask
 from models.negatives import hardest_negative_similarity
 from tools.warmstart import INDICES_FILE, batch_hardness, group_features, main
 from training.cli import run_main
-from training.config import Grit
+from training.config import Batching
 
 pytestmark = pytest.mark.usefixtures("in_repo")  # tests/conftest.py: repo root, one thread, synthetic data
 
@@ -24,7 +24,8 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CONFIG = "configs/tiny/Pretrain.yaml"
 N = 8  # configs/tiny/Pretrain.yaml batch_size
 # The 722 entries of pretrain.json and small GRIT sizes keep the pass to a few seconds on a CPU.
-SET = ["--set", "train_file=[data/synthetic/pretrain.json]", "grit.queue_size=256", "grit.search_space=128"]
+SET = ["--set", "train_file=[data/synthetic/pretrain.json]", "batching.queue_size=256",
+       "batching.search_space=128"]
 
 
 @pytest.fixture(scope="module")
@@ -136,11 +137,11 @@ def test_cli_writes_the_index_array_the_sampler_starts_from(tmp_path, pretrain_c
     # Deterministic: the same seed gives the same file; GRIT is forced on for the grouping even where
     # the config turns it off (its sizes are what the tool reads).
     again = str(tmp_path / "again")
-    main([*argv[:5], again, *argv[6:], "grit.enabled=false"])
+    main([*argv[:5], again, *argv[6:], "batching.strategy=random"])
     assert torch.equal(torch.load(os.path.join(again, INDICES_FILE), weights_only=True), G)
 
     # Epoch 0 of the sampler is cut from the file: every (rank, step) batch is one chunk of N of G.
-    grit = Grit(queue_size=256, search_space=128, warmstart_indices=path)
+    grit = Batching(strategy="grit", queue_size=256, search_space=128, warmstart_indices=path)
     groups = {tuple(c) for c in G[:D // N * N].view(-1, N).tolist()}
     W = 2
     samplers = [GritSampler(D, num_replicas=W, rank=r, seed=0, batch_size=N, dim=32, **grit.sampler_options())
@@ -170,7 +171,7 @@ def test_cli_missing_checkpoint_is_one_clear_error(tmp_path, capsys):
 def test_cli_grit_sizes_that_cannot_group_are_one_clear_error(tmp_path, pretrain_checkpoint, capsys):
     with pytest.raises(SystemExit) as exit_info:
         run_main(main, ["--config", CONFIG, "--checkpoint", pretrain_checkpoint[0], "--output_dir",
-                        str(tmp_path / "w"), *SET, "grit.search_space=4"])
+                        str(tmp_path / "w"), *SET, "batching.search_space=4"])
     assert exit_info.value.code == 2
     err = capsys.readouterr().err
     assert err.startswith("error: ") and "search_space" in err and err.count("\n") == 1

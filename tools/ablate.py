@@ -85,7 +85,7 @@ PRESETS = {
     "micro": Preset(
         "configs/ablation/tiny", "configs/tiny/Retrieval.yaml",
         pretrain_set=(f"train_file=[{_MICRO_DATA}]", "max_epoch=2", "schedular.epochs=2",
-                      "grit.queue_size=32", "grit.search_space=16", "schedular.warmup_steps=2"),
+                      "batching.queue_size=32", "batching.search_space=16", "schedular.warmup_steps=2"),
         retrieval_set=(f"test_file={_MICRO_DATA}", f"val_file={_MICRO_DATA}"),
         finetune_set=("max_epoch=1", "schedular.epochs=1"), limit=40, finetune_subset=96),
 }
@@ -202,7 +202,7 @@ def run_row(row_dir: str, row: str, seed: int, preset: Preset, table: int, finet
         # The same candidates ranked by the ITC cosine alone (Retrieval.py's itc_*): which objective helped.
         "zs_itc_tr_r1": zs["test_itc_txt_r1"], "zs_itc_ir_r1": zs["test_itc_img_r1"],
         "loss_itm": log[-1]["loss_itm"] if itm else None,
-        "grit_hardness": log[-1]["grit_hardness"],
+        "hardness": log[-1]["hardness"],
         # Table 4's time per epoch: the whole epoch, GRIT's work outside the steps included.
         "epoch_seconds": statistics.fmean(r["epoch_seconds"] for r in log),
     }
@@ -233,7 +233,7 @@ COLUMNS = [("zs_tr_r1", "ZS TR R@1"), ("zs_ir_r1", "ZS IR R@1"), ("zs_itc_tr_r1"
            ("zs_itc_ir_r1", "ZS IR R@1 ITC"), ("zs_r_mean", "ZS r_mean"),
            ("ft_tr_r1", "FT TR R@1"), ("ft_ir_r1", "FT IR R@1"), ("ft_itc_tr_r1", "FT TR R@1 ITC"),
            ("ft_itc_ir_r1", "FT IR R@1 ITC"), ("ft_r_mean", "FT r_mean"),
-           ("probe", "probe"), ("loss_itm", "loss_itm"), ("grit_hardness", "hardness"),
+           ("probe", "probe"), ("loss_itm", "loss_itm"), ("hardness", "hardness"),
            *((f"uov{k}@{p}", f"UoV@{k} (p {p})") for p in ("0.15", "0.5", "0.75") for k in (1, 5)),
            ("epoch_seconds", "s / epoch")]
 

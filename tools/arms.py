@@ -4,9 +4,10 @@ SELECTED_SETTING). tools.compare sweeps and reports them; tools.efficiency, tool
 run them at their selection.
 
 The arms: GRIT-VLP at the paper's ratio of search space to batch, M/N = 120/8 = 15, which is the tiny
-config's; GRIT-VLP at the earlier tiny config's M/N = 768/8 = 96; random batches (grit.enabled=false);
+config's; GRIT-VLP at the earlier tiny config's M/N = 768/8 = 96; random batches (batching.strategy=random);
 ALBEF_Base and ALBEF_Base50 (Tables 2 and 4's baselines); the batch-construction strategies B3, GCBS and
-random walk; HN-NCE on random and on GRIT batches; GRIT with S-ITC; and the remedies for GRIT's stalled
+random walk; HN-NCE on random and on GRIT batches; GRIT with S-ITC; SigLIP's sigmoid loss on GRIT and on
+random batches; and the remedies for GRIT's stalled
 ITM (multinomial hard negatives, later grouping, a rank skip, a longer warm-up). An arm with a
 hyper-parameter gets the same two-setting grid size as every other such arm, each setting swept with every
 learning rate.
@@ -25,11 +26,11 @@ __all__ = ["ARMS", "GRIDS", "SELECTED_LR", "SELECTED_SETTING", "arm_overrides", 
 # The arms: name -> the overrides of the tiny pre-training config that make it.
 ARMS = {'GRIT-VLP': [],  # the tiny config: N = 8, M = 120, L = 1440 (M/N = 15, the paper's 1920/128)
         # the tiny config before issue 26
-        'GRIT-VLP M/N=96': ['grit.search_space=768', 'grit.queue_size=1536'],
-        'random batches': ['grit.enabled=false'],
+        'GRIT-VLP M/N=96': ['batching.search_space=768', 'batching.queue_size=1536'],
+        'random batches': ['batching.strategy=random'],
         # Tables 2 and 4's baselines (configs/ablation/tiny/albef_base*.yaml), for tools.efficiency
-        'ALBEF_Base': ['grit.enabled=false', 'lambda_cons=0.0', 'mlm_probability=0.15'],
-        'ALBEF_Base50': ['grit.enabled=false', 'lambda_cons=0.0'],
+        'ALBEF_Base': ['batching.strategy=random', 'lambda_cons=0.0', 'mlm_probability=0.15'],
+        'ALBEF_Base50': ['batching.strategy=random', 'lambda_cons=0.0'],
         # Batch construction beside GRIT (docs/batch-construction.md; issue 37), each on the tiny config's
         # queue and sub-queues (M/N = 15), and the loss-side switches on random and on GRIT batches.
         'B3': ['batching.strategy=b3'],
@@ -39,6 +40,10 @@ ARMS = {'GRIT-VLP': [],  # the tiny config: N = 8, M = 120, L = 1440 (M/N = 15, 
         'GRIT-VLP + HN-NCE': [],
         # MAFA's code (jaeseokbyun/MAFA, models/model_pretrain_MAFA.py) smooths from the second epoch on
         'GRIT-VLP + S-ITC': ['itc_smoothing_epoch=1'],
+        # SigLIP's sigmoid loss in place of the softmax ITC (issue 50; models/losses/sigmoid.py), on GRIT and
+        # on random batches: the consistency term compares softmaxes, so it goes too (lambda_cons 0).
+        'GRIT-VLP + sigmoid': ['contrastive_loss=sigmoid', 'lambda_cons=0.0'],
+        'random + sigmoid': ['batching.strategy=random', 'contrastive_loss=sigmoid', 'lambda_cons=0.0'],
         # Remedies for the ITM that stays at chance on some seeds (issue 49; docs/batch-construction.md,
         # 'The stalled ITM'), each one switch away from GRIT-VLP: ALBEF's multinomial hard negatives,
         # grouping from a later epoch, a rank skip in the chain, a longer warm-up.
@@ -64,7 +69,7 @@ def grid_overrides(arm: str, setting: str | None) -> list[str]:
     if setting is None:
         return []
     keys = {'p': 'batching.b3.rank_skip', 'm': 'batching.b3.rank_window', 'restart': 'batching.rwr.restart',
-            'beta': 'itc_hn_beta', 's': 'itc_smoothing', 'from': 'grit.group_from_epoch',
+            'beta': 'itc_hn_beta', 's': 'itc_smoothing', 'from': 'batching.group_from_epoch',
             'skip': 'batching.grit.rank_skip', 'warmup': 'schedular.warmup_steps',
             'k': 'batching.gcbs.neighbours' if arm == 'GCBS' else 'batching.rwr.neighbours'}
     return [f'{keys[name]}={value}' for name, value in (part.split('=') for part in setting.split(','))]

@@ -55,8 +55,9 @@ def run_config(pre_dir: str) -> PretrainConfig:
     """The resolved config a pre-training ran with (its output_dir's config.yaml); InputFileError for a
     run in GRIT's naive mode, whose batches come from a pass of the model and are not in the checkpoints."""
     config = resolve_config("pretrain", os.path.join(pre_dir, "config.yaml"), check_paths=False)
-    if config.strategy != "random" and config.grit.mode == "naive":
-        raise InputFileError(f"{pre_dir}: grit.mode naive starts every epoch with a pass of the model, so "
+    if config.strategy != "random" and config.batching.mode == "naive":
+        raise InputFileError(f"{pre_dir}: batching.mode naive starts every epoch with a pass of the model, "
+                             "so "
                              "its batches are not in the checkpoints (the logged batch_same_scene has them)")
     return config
 
@@ -86,9 +87,9 @@ def epoch_orders(pre_dir: str, config: PretrainConfig, dataset_len: int) -> tupl
         path = checkpoint_path(pre_dir, epoch=epoch)
         if os.path.isfile(path):
             states[epoch] = load_checkpoint(path)["sampler"]
-    # The first grouped epoch (grit.group_from_epoch may keep later ones random too); an epoch before it
+    # The first grouped epoch (batching.group_from_epoch may keep later ones random too); an epoch before it
     # comes from the seed like random batches.
-    grit = config.grit
+    grit = config.batching
     first = first_grouped_epoch(grit.group_from_epoch, grit.mode, bool(grit.warmstart_indices))
     grouped = config.strategy != "random"
     orders: dict[int, torch.Tensor] = {}

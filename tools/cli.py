@@ -39,7 +39,8 @@ def add_config_args(parser: Parser, config_help: str, *, required: bool = True) 
     parser.add_argument("--config", required=required, default=None, help=config_help)
     parser.add_argument("--set", dest="set", nargs="*", action="extend", default=[], metavar="KEY=VALUE",
                         help="config overrides, as the task scripts take them; dotted keys reach into "
-                             "blocks, values are YAML (e.g. --set image_root=data/x grit.search_space=128)")
+                             "blocks, values are YAML (e.g. --set image_root=data/x "
+                             "batching.search_space=128)")
 
 
 def add_checkpoint_args(parser: Parser, checkpoint_help: str) -> None:

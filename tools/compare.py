@@ -74,8 +74,8 @@ def summary_row(rows: list[dict], retrieval: dict, probe_result: dict) -> dict:
     # The batch figures of the last epoch (nan where a run has none: an older run, random batches' groups);
     # the same-scene share over the epochs after the first (one epoch's is a few dozen examples).
     same_scene = [r['batch_same_scene'] for r in rows if r.get('epoch', 0) > 0 and 'batch_same_scene' in r]
-    out = {'loss_itm': rows[-1]['loss_itm'], 'grit_hardness': rows[-1]['grit_hardness'],
-           **{k: rows[-1].get(k, math.nan) for k in ('grit_hardness_t2i', 'itm_false_negatives',
+    out = {'loss_itm': rows[-1]['loss_itm'], 'hardness': rows[-1]['hardness'],
+           **{k: rows[-1].get(k, math.nan) for k in ('hardness_t2i', 'itm_false_negatives',
                                                    'batch_groups')},
            'batch_same_scene': statistics.fmean(same_scene) if same_scene else math.nan,
            'itm_epoch': itm_epoch(rows),
@@ -85,9 +85,10 @@ def summary_row(rows: list[dict], retrieval: dict, probe_result: dict) -> dict:
            # its seconds alone do not (the step itself is the same model and batch for every arm). The run's
            # length is its epochs times their median time, so an epoch stretched by a pause (a stopped or
            # swapped-out process) does not shrink the share.
-           'grit_share': (sum(r['grit_seconds'] for r in rows)
-                          / (len(rows) * statistics.median(r['epoch_seconds'] for r in rows))
-                          if all('grit_seconds' in r and 'epoch_seconds' in r for r in rows) else math.nan),
+           'sampler_share': (sum(r['sampler_seconds'] for r in rows)
+                             / (len(rows) * statistics.median(r['epoch_seconds'] for r in rows))
+                             if all('sampler_seconds' in r and 'epoch_seconds' in r for r in rows)
+                             else math.nan),
            'txt_r1': retrieval['test_txt_r1'], 'img_r1': retrieval['test_img_r1'],
            'mean_r1': retrieval['test_mean_r1'], 'r_mean': retrieval['test_r_mean'],
            'itc_txt_r1': retrieval['test_itc_txt_r1'], 'itc_img_r1': retrieval['test_itc_img_r1'],
@@ -105,10 +106,10 @@ def side_by_side(runs: dict[str, tuple[list[dict], dict, dict]]) -> str:
     """Runs side by side: hardness and ITM loss per epoch, zero-shot R@1 (re-ranked, ITC only), probe."""
     names = list(runs)
     head = f'{"":>22}' + ''.join(f'{n:>16}' for n in names)
-    lines = ['grit_hardness = mean ITC similarity of the hardest in-batch ITM negative (epoch 0 is random'
+    lines = ['hardness = mean ITC similarity of the hardest in-batch ITM negative (epoch 0 is random'
              ' in both)', head]
     for e, _ in enumerate(runs[names[0]][0]):
-        for key in ('grit_hardness', 'loss_itm'):
+        for key in ('hardness', 'loss_itm'):
             lines.append(f'{f"epoch {e} {key}":>22}' + ''.join(f'{runs[n][0][e][key]:>16.4f}' for n in names))
     lines += ['', 'zero-shot retrieval, synthetic test split (1,000 images of scenes no training split holds;'
               ' chance R@1 0.1 %)', head]
@@ -130,8 +131,8 @@ def select_lr(val_scores: dict[float, list[float]]) -> float:
     return max(val_scores, key=lambda lr: statistics.fmean(val_scores[lr]))
 
 
-COLUMNS = ('loss_itm', 'itm_epoch', 'grit_hardness', 'grit_hardness_t2i', 'itm_false_negatives',
-           'batch_same_scene', 'batch_groups', 'grit_share', 'mean_r1', 'itc_mean_r1', 'txt_r1', 'img_r1',
+COLUMNS = ('loss_itm', 'itm_epoch', 'hardness', 'hardness_t2i', 'itm_false_negatives',
+           'batch_same_scene', 'batch_groups', 'sampler_share', 'mean_r1', 'itc_mean_r1', 'txt_r1', 'img_r1',
            'probe', 'val_mean_r1')
 
 

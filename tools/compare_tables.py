@@ -32,10 +32,10 @@ def interval_text(stats: dict) -> str:
 TABLE = (('mean_r1', 'test mean R@1, ITM re-ranked', 2), ('itc_mean_r1', 'ITC only', 2),
          ('probe', 'ITM probe', 3), ('loss_itm', 'final loss_itm', 3),
          ('itm_epoch', 'epoch ITM leaves chance (1-based)', 1),
-         ('grit_hardness', 'hardness i2t', 3), ('grit_hardness_t2i', 'hardness t2i', 3),
+         ('hardness', 'hardness i2t', 3), ('hardness_t2i', 'hardness t2i', 3),
          ('itm_false_negatives', 'mined ITM false negatives', 3),
          ('batch_same_scene', 'same-scene share of batches', 4),
-         ('grit_share', 'batching work, share of the run', 4))
+         ('sampler_share', 'batching work, share of the run', 4))
 
 
 def _cell(v: dict, digits: int, n: int) -> str:

@@ -114,10 +114,10 @@ def point(directory: str, e: int, log: list[dict]) -> dict:
     record = read_retrieval(zeroshot_dir(directory, e, log[-1]['epoch']))
     # Seconds depend on how busy the shared machine was that hour (runs of one arm differ by 2x here), so
     # the time is also given in epochs of training steps: the epochs plus the strategy's own work
-    # (grit_seconds) over the run's median step time per epoch, a ratio within one run. The step is the
+    # (sampler_seconds) over the run's median step time per epoch, a ratio within one run. The step is the
     # same model and batch for every arm, so this is each arm's time in ALBEF_Base epochs.
-    step = statistics.median(r['epoch_seconds'] - r.get('grit_seconds', 0.0) for r in log)
-    work = sum(r.get('grit_seconds', 0.0) for r in log[:e + 1])
+    step = statistics.median(r['epoch_seconds'] - r.get('sampler_seconds', 0.0) for r in log)
+    work = sum(r.get('sampler_seconds', 0.0) for r in log[:e + 1])
     return {'epoch': e + 1, 'seconds': sum(r['epoch_seconds'] for r in log[:e + 1]),
             'time_epochs': e + 1 + work / step,
             'mean_r1': record['test_mean_r1'], 'itc_mean_r1': record['test_itc_mean_r1']}
@@ -186,7 +186,7 @@ def epoch_timing(base_log: list[dict], arm_log: list[dict]) -> dict:
 
     arm, base = median(arm_log, 'epoch_seconds'), median(base_log, 'epoch_seconds')
     return {'epoch_seconds': arm, 'albef_base_epoch_seconds': base, 'ratio': arm / base,
-            'grit_seconds': median(arm_log, 'grit_seconds')}
+            'sampler_seconds': median(arm_log, 'sampler_seconds')}
 
 
 def add_timed_seconds(curves: dict[str, dict[int, list[dict]]], timing: dict[str, dict]) -> None:
@@ -243,7 +243,7 @@ def timing_table(timing: dict[str, dict], epochs: int) -> str:
              f'| arm | its epoch | {BASELINE}\'s beside it | ratio | its strategy\'s work per epoch |',
              '|---|---|---|---|---|']
     lines += [f'| {arm} | {t["epoch_seconds"]:.2f} s | {t["albef_base_epoch_seconds"]:.2f} s | '
-              f'{t["ratio"]:.3f} | {t["grit_seconds"]:.3f} s |' for arm, t in timing.items()]
+              f'{t["ratio"]:.3f} | {t["sampler_seconds"]:.3f} s |' for arm, t in timing.items()]
     return '\n'.join(lines) + '\n'
 
 

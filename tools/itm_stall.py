@@ -30,12 +30,13 @@ from tools.cli import add_output_dir, emit_record, tool_parser
 from tools.compare import itm_epoch
 from tools.runs import PRETRAIN_CONFIG, run_dir
 from training.cli import run_main
+from training.logger import current_names
 
 __all__ = ["METRICS", "add_probe", "arm_setting", "build_parser", "load_logs", "main", "markdown", "plot",
            "rank_correlations"]
 
 # The figures the mechanism is sought in, in the order they are shown (older runs lack the accuracies).
-METRICS = ("loss_itm", "itm_accuracy", "itm_match_accuracy", "probe", "grit_hardness", "itm_false_negatives",
+METRICS = ("loss_itm", "itm_accuracy", "itm_match_accuracy", "probe", "hardness", "itm_false_negatives",
            "batch_same_scene")
 
 
@@ -56,7 +57,7 @@ def load_logs(output_dir: str, arms: list[str], seeds: list[int],
             if not os.path.isfile(path):
                 raise InputFileError(f"no run of {arm!r} (lr {lr:g}{', ' + setting if setting else ''}) seed "
                                      f"{seed}: {path} is missing (run python -m tools.compare first)")
-            out[arm][seed] = read_json(path, "run result")["log"]
+            out[arm][seed] = [current_names(r) for r in read_json(path, "run result")["log"]]
     return out
 
 

@@ -9,6 +9,7 @@ import math
 from collections.abc import Hashable, Sequence
 
 from grit_io import InputFileError, read_json
+from training.logger import current_names
 
 __all__ = ["Curves", "merge_note", "merged_curves", "merged_rows"]
 
@@ -48,7 +49,8 @@ def merged_rows(paths: Sequence[str], overrides: Sequence[str], corpus: str = 's
         for arm, by_label in saved['sweep'].items():
             for label, by_seed in by_label.items():
                 for seed, row in by_seed.items():  # compared as written: null, not nan (nan != nan)
-                    _take(rows, source, (arm, label, int(seed)), row, path, f'{arm} {label} seed {seed}')
+                    _take(rows, source, (arm, label, int(seed)), current_names(row), path,
+                          f'{arm} {label} seed {seed}')
     return {key: {k: math.nan if v is None else v for k, v in row.items()} for key, row in rows.items()}
 
 
@@ -77,6 +79,7 @@ def merged_curves(paths: Sequence[str], runs: dict[str, tuple[float, str | None]
                 found = [{k: v for k, v in p.items() if k != 'timed_seconds'} for p in curve]
                 _take(curves, source, (arm, int(seed)), found, path, f'{arm} seed {seed}')
             timed = saved.get('timing', {}).get(arm)
+            timed = current_names(timed) if timed else timed
             if timed and saved.get('timing_epochs') == timing_epochs:
                 _take(timing, source, arm, timed, path, f'{arm}\'s timing')
     return curves, timing

@@ -6,8 +6,9 @@ Each RUN_DIR is the --output_dir of a Pretrain.py, Retrieval.py, NLVR.py or VQA.
 one JSON object per line (training.logger.append_log). The tool writes DIR/report.md (DIR defaults to the
 first RUN_DIR): per run, a table with one row per epoch and a column per numeric key, and a table
 of the `--evaluate` records (which have no 'epoch'). When matplotlib is installed it also writes one
-PNG per metric with the runs overlaid (x = epoch): every loss (a key naming `loss`), grit_hardness,
-samples_per_s, grit_seconds and epoch_seconds, e.g. DIR/loss_itm.png, linked from report.md. Run names are the
+PNG per metric with the runs overlaid (x = epoch): every loss (a key naming `loss`), hardness,
+samples_per_s, sampler_seconds and epoch_seconds (older logs' grit_hardness and grit_seconds read as
+these), e.g. DIR/loss_itm.png, linked from report.md. Run names are the
 directories' basenames, lengthened by parent folders where two would clash (seed1/pretrain,
 seed2/pretrain), unless --names gives them.
 
@@ -26,6 +27,7 @@ from dataclasses import dataclass, field
 
 from grit_io import InputFileError
 from training.cli import Parser, run_main
+from training.logger import current_names
 
 __all__ = ["PLOT_EXTRA", "ReportError", "Run", "build_parser", "load_runs", "main", "markdown_report",
            "plot_metrics", "plot_runs", "run_names", "write_report"]
@@ -33,7 +35,7 @@ __all__ = ["PLOT_EXTRA", "ReportError", "Run", "build_parser", "load_runs", "mai
 LOG_NAME = "log.txt"
 REPORT_NAME = "report.md"
 # Plotted besides the losses, in this order: GRIT's batch hardness and the two costs it trades off.
-PLOT_EXTRA = ("grit_hardness", "samples_per_s", "grit_seconds", "epoch_seconds")
+PLOT_EXTRA = ("hardness", "samples_per_s", "sampler_seconds", "epoch_seconds")
 _LOSS = re.compile(r"(^|_)loss(_|$)")  # loss_itm (Pretrain, Retrieval), train_loss_vqa (VQA), train_loss_itm
 NO_MATPLOTLIB = "plots skipped: matplotlib is not installed (pip install matplotlib to get them)"
 
@@ -77,6 +79,7 @@ def read_log(path: str) -> list[tuple[int, dict]]:
                                   ) from None
             if not isinstance(record, dict):
                 raise ReportError(f"{path}, line {n}: expected a JSON object, got {type(record).__name__}")
+            record = current_names(record)
             epoch = record.get("epoch")
             # The epoch is the plots' x and the rows' order: a float or a string there is a broken log.
             if "epoch" in record and not (type(epoch) is int and epoch >= 0):

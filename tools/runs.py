@@ -21,7 +21,8 @@ from dataclasses import dataclass
 
 from grit_io import InputFileError, read_json
 from tools.launch import run_side_by_side
-from training.config_resolve import known_keys, resolve_config
+from training.config_resolve import known_keys, new_spelling, resolve_config
+from training.logger import current_names
 
 __all__ = ["CORPORA", "PRETRAIN_CONFIG", "RETRIEVAL_CONFIG", "Corpus", "evaluation_commands", "fresh",
            "last_checkpoint",
@@ -66,7 +67,7 @@ def read_log(path: str) -> list[dict]:
         for n, line in enumerate(f, 1):
             if line.strip():
                 try:
-                    rows.append(json.loads(line))
+                    rows.append(current_names(json.loads(line)))
                 except json.JSONDecodeError as e:
                     raise InputFileError(f'{path}, line {n}: not a JSON record ({e.msg})') from None
     return rows
@@ -106,7 +107,8 @@ def overrides_for(task: str, overrides: Sequence[str]) -> list[str]:
     pre-training-only keys (grit.*) would be rejected by the retrieval config.
     """
     known = known_keys(task)
-    kept = [o for o in overrides if o.split('=', 1)[0] in known]
+    kept = [new_spelling(o) for o in overrides]
+    kept = [o for o in kept if o.split('=', 1)[0] in known]
     return ['--set', *kept] if kept else []
 
 
@@ -175,7 +177,8 @@ def run_dir(output_dir: str, arm: str, seed: int, lr: float | None, setting: str
 
 def _placeless(command: Sequence[str]) -> list[str]:
     """A command without its output folder (--output_dir X, --output-dir X or either with =X): where a
-    run's folder is, not what the run was."""
+    run's folder is, not what the run was; --set items in the batching block's spelling (new_spelling), so
+    that a run made with `grit.enabled=false` is the run `batching.strategy=random` asks for."""
     out, skip = [], False
     for arg in command:
         if skip:
@@ -186,7 +189,7 @@ def _placeless(command: Sequence[str]) -> list[str]:
         elif arg.startswith(('--output_dir=', '--output-dir=')):
             out.append('--output_dir')
         else:
-            out.append(arg)
+            out.append(new_spelling(arg))
     return out
 
 
@@ -220,7 +223,7 @@ def run_pairs(runs: dict[Hashable, tuple[str, list[str], list[str]]], reuse: boo
         command = pretrain_command(os.path.join(directory, 'pretrain'), args, corpus.pretrain, clear=False)
         saved = saved_result(directory, command) if reuse else None
         if saved:
-            out[name] = (saved['log'], saved['retrieval'], saved['probe'])
+            out[name] = ([current_names(r) for r in saved['log']], saved['retrieval'], saved['probe'])
         else:
             fresh(os.path.join(directory, 'pretrain'))
             todo.append((name, directory, command, overrides))

@@ -115,6 +115,7 @@ def build_bench_tokenizer(config: PretrainConfig, workdir: str):
 
 def run_variant(args: argparse.Namespace, variant: str) -> dict:
     """Build, warm up, time and count one variant in this process -> its JSON fields."""
+    from models.losses import WithObjectives
     from models.pretrain import ALBEF_Base
     from training.optimizer import build_optimizer
 
@@ -140,7 +141,9 @@ def run_variant(args: argparse.Namespace, variant: str) -> dict:
             bool(getattr(m, a, False)) for m in model.modules()
             for a in ('grad_checkpointing', 'gradient_checkpointing'))
     compiled, graphs = 'compile' in switches, 'cudagraphs' in switches
-    net = torch.compile(model, mode='reduce-overhead' if graphs else None) if compiled else model
+    # Pretrain.py's step: the model and its objectives in one forward, compiled together (as the trainer).
+    net = WithObjectives(model)
+    net = torch.compile(net, mode='reduce-overhead' if graphs else None) if compiled else net
 
     def step() -> dict:
         if graphs:  # the last step's outputs may be overwritten (training.trainer does the same)
@@ -172,7 +175,7 @@ def run_variant(args: argparse.Namespace, variant: str) -> dict:
     fields['peak_memory_bytes'] = peak_memory_bytes(device)
     if device.type != 'cuda':
         fields['baseline_rss_bytes'] = baseline_rss  # Python + torch + the batch, before the model
-    losses = {k: float(out[k].detach()) for k in (*ALBEF_Base.loss_names, 'loss')}
+    losses = {k: float(out[k].detach()) for k in (*model.objectives.loss_names, 'loss')}
 
     flops, by_op = count_flops(model, batch, device, dtype)  # eager, also for compile
     peak = matmul_peak(device, dtype or torch.float32, args.peak_sizes)

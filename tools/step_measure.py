@@ -29,15 +29,16 @@ def synthetic_batch(config: PretrainConfig, tokenizer, batch_size: int, device: 
 
 
 def forward_loss(model, batch, device: torch.device, dtype: torch.dtype | None) -> dict:
-    """Pretrain.py's forward under autocast(dtype) (None: fp32); adds 'loss', the sum of the four."""
-    from models.objectives import total_loss
-    from models.pretrain import ALBEF_Base
+    """Pretrain.py's forward and losses under autocast(dtype) (None: fp32): `model` is ALBEF_Base in
+    models.losses.WithObjectives (possibly compiled; a bare ALBEF_Base is wrapped here) -> its outputs,
+    losses and 'loss', their sum."""
+    from models.losses import WithObjectives
 
+    if hasattr(model, 'objectives'):
+        model = WithObjectives(model)
     image, text, image_key = batch
     with torch.autocast(device.type, dtype=dtype or torch.float32, enabled=dtype is not None):
-        out = model(image, text, image_key=image_key)
-        out['loss'] = total_loss(out, ALBEF_Base.loss_names)
-    return out
+        return model(image, text, image_key=image_key)
 
 
 def count_flops(model, batch, device: torch.device, dtype: torch.dtype | None) -> tuple[int, dict]:

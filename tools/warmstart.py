@@ -6,12 +6,12 @@
 GRIT groups epoch e+1 by the features it collected in epoch e, so epoch 0 is random. With a model
 that is already trained (the paper used ALBEF_Base50 after one epoch), one no-grad pass of its
 uni-modal encoders over the whole pre-training set gives the features to group epoch 0 as well.
-The pass feeds GRIT's own collector (grit.GritCollector: queues of grit.queue_size, example shuffle,
-sub-queues of grit.search_space, greedy_chain) with the data set in a seeded random order, exactly as
+The pass feeds GRIT's own collector (grit.GritCollector: queues of batching.queue_size, example shuffle,
+sub-queues of batching.search_space, greedy_chain) with the data set in a seeded random order, exactly as
 training feeds it, and writes the resulting G to DIR/warmstart_indices.pt: a 1-D int64 tensor holding every
-dataset index once, in grouped order. Point grit.warmstart_indices at the file; GritSampler composes epoch
+dataset index once, in grouped order. Point batching.warmstart_indices at the file; GritSampler composes epoch
 0 from it as it composes any later epoch from the G of the one before (cut into chunks of batch_size,
-shuffled). The config's grit block gives the sizes, as for a run with GRIT on, even where it is off.
+shuffled). The config's batching block gives the sizes, as for a run with GRIT on, even where it is off.
 
 The pass is deterministic for a seed: eval mode, the test transform (resize, no random crop), one
 caption per entry drawn by a seeded `random`. --batch_size only sets the pass's throughput: the
@@ -130,9 +130,9 @@ def batch_hardness(image_feat: Tensor, text_feat: Tensor, order: Tensor, batch_s
 def build_parser() -> Parser:
     """The tool's command line."""
     p = checkpoint_parser("tools.warmstart", __doc__.splitlines()[0],
-                          "the pre-training YAML config (data, model, grit block)",
+                          "the pre-training YAML config (data, model, batching block)",
                           "trained weights (.pth, raw or under 'model')",
-                          f"{INDICES_FILE} (point grit.warmstart_indices at it) and warmstart.json (the "
+                          f"{INDICES_FILE} (point batching.warmstart_indices at it) and warmstart.json (the "
                           "printed record)", output_required=True)
     p.add_argument("--batch_size", type=int, default=256,
                    help="examples per encoder pass, throughput only (default: 256)")
@@ -143,10 +143,10 @@ def build_parser() -> Parser:
 def grit_config(config: PretrainConfig) -> PretrainConfig:
     """The config with GRIT on (the grouping needs its sizes even where the config turns it off);
     ConfigError when its sizes break GRIT's rules."""
-    config = dataclasses.replace(config, grit=dataclasses.replace(config.grit, enabled=True))
-    problems = config.grit.problems(config.batch_size)
+    config = dataclasses.replace(config, batching=dataclasses.replace(config.batching, strategy="grit"))
+    problems = config.batching.problems(config.batch_size)
     if problems:
-        raise ConfigError("the grit block cannot group (tools.warmstart groups as with GRIT on): "
+        raise ConfigError("the batching block cannot group (tools.warmstart groups as with GRIT on): "
                           + "; ".join(problems))
     return config
 
@@ -198,9 +198,10 @@ def main(argv: Sequence[str] | None = None) -> dict:
 
     batches = encode_batches(model, dataset, collate, order.tolist(), args.batch_size, device,
                              num_workers=config.num_workers, seed=seed)
-    grit = config.grit
-    G = group_features(recorded(batches), D, dim, queue_size=grit.queue_size, search_space=grit.search_space,
-                       example_shuffle=grit.example_shuffle, seed=seed, device=device)
+    sizes = config.batching
+    G = group_features(recorded(batches), D, dim, queue_size=sizes.queue_size,
+                       search_space=sizes.search_space,
+                       example_shuffle=sizes.example_shuffle, seed=seed, device=device)
     seconds = time.perf_counter() - t0
 
     os.makedirs(args.output_dir, exist_ok=True)

@@ -95,7 +95,7 @@ def script_parser(script: str, description: str, *, evaluate: str = "", no_evalu
                         "metrics.jsonl)")
     p.add_argument("--set", dest="set", nargs="*", action="extend", default=[], metavar="KEY=VALUE",
                    help="config overrides; dotted keys reach into blocks, values are YAML "
-                        "(e.g. --set grit.enabled=false optimizer.lr=1e-4 \"train_file=[a.json]\")")
+                        "(e.g. --set batching.strategy=random optimizer.lr=1e-4 \"train_file=[a.json]\")")
     p.add_argument("--print_config", action="store_true",
                    help="print the resolved config, every key with its meaning, and exit")
     # torch.distributed.launch passes --local_rank (old) or --local-rank (torch >= 2.0).

@@ -1,9 +1,9 @@
 """The typed config: every key each task script reads, with its type, default, allowed values and meaning.
 
-This file and training.config_blocks (the blocks the configs nest: optimizer, schedular, grit, batching)
+This file and training.config_blocks (the blocks the configs nest: optimizer, schedular, batching)
 are the one place a key is defined. A YAML file (with `base:` overlays) and `--set` overrides
 resolve into one frozen dataclass per script at start-up (training.config_resolve): PretrainConfig,
-RetrievalConfig, NLVRConfig, VQAConfig. Code reads attributes (`config.grit.search_space`), never a
+RetrievalConfig, NLVRConfig, VQAConfig. Code reads attributes (`config.batching.search_space`), never a
 default of its own. A field's type annotation is its type (Literal: the allowed values); key() holds its
 default, its one-line meaning, numeric bounds and whether it names a data file or folder. Rules that
 tie several keys together are each class's problems() method. Keys that only ALBEF's own config files
@@ -23,7 +23,6 @@ from training.config_blocks import (
     REQUIRED,
     RWR,
     Batching,
-    Grit,
     GritChain,
     Optimizer,
     Schedule,
@@ -31,7 +30,7 @@ from training.config_blocks import (
     meaning,
 )
 
-__all__ = ["REQUIRED", "TASK_CONFIGS", "B3", "Batching", "GCBS", "Grit", "GritChain", "RWR", "NLVRConfig",
+__all__ = ["REQUIRED", "TASK_CONFIGS", "B3", "Batching", "GCBS", "GritChain", "RWR", "NLVRConfig",
            "Optimizer", "PretrainConfig", "RetrievalConfig", "Schedule", "TaskConfig", "VQAConfig",
            "config_class", "key", "meaning"]
 
@@ -150,7 +149,7 @@ class TaskConfig:
 
     def unread(self) -> set[str]:
         """Path keys this run never opens, so a stale path there is no error."""
-        return set() if self.grit_on else {"grit.warmstart_indices"}
+        return set() if self.grouped else {"batching.warmstart_indices"}
 
     @property
     def static_text_on(self) -> bool:
@@ -165,13 +164,10 @@ class TaskConfig:
         return "default" if self.compile is True else self.compile
 
     @property
-    def grit_on(self) -> bool:
+    def grouped(self) -> bool:
         """True when this run deals grouped batches (GRIT's or another strategy's: batching.strategy)."""
-        grit = getattr(self, "grit", None)
         batching = getattr(self, "batching", None)
-        if grit is None or batching is None:
-            return bool(grit is not None and grit.enabled)
-        return batching.name(grit) != "random"
+        return batching is not None and batching.grouped
 
     @property
     def train_files(self) -> list[str]:
@@ -217,6 +213,10 @@ class PretrainConfig(_Objectives, TaskConfig):
     guard_false_negatives: bool = key(False, "pairs of one image or with identical captions in a batch are "
                                              "ITC positives, never ITM negatives (not in the paper)")
     mlm_probability: float = key(0.15, "MLM masking rate (ALBEF: 0.15; GRIT-VLP: 0.5)", above=0, high=1)
+    contrastive_loss: Literal["softmax", "sigmoid"] = key(
+        "softmax", "ITC's form (models.losses): softmax, the paper's Eq. 1-2 (with lambda_cons, "
+                   "itc_hn_beta, itc_smoothing); sigmoid, SigLIP's pairwise loss with its own temperature "
+                   "and bias (not in the paper)")
     itc_hn_beta: float = key(0.0, "HN-NCE (Radenovic et al. 2023): ITC's negatives weighted by exp(beta x "
                                   "logit), normalised; 0: the paper's ITC", low=0)
     itc_smoothing: float = key(0.0, "MAFA's S-ITC: ITC targets smoothed towards uniform by this much; 0: the "
@@ -227,8 +227,8 @@ class PretrainConfig(_Objectives, TaskConfig):
     batch_pictures: bool = key(True, "each epoch's first batch drawn into batches/ with its captions and "
                                      "hardest negatives (training.pictures, matplotlib; rank 0); false: none")
     batch_size: int = key(REQUIRED, "per-rank batch N: one GRIT group per local batch", low=1)
-    grit: Grit = key(Grit(enabled=False), "the GRIT sampler block; null: GRIT off")
-    batching: Batching = key(Batching(), "how batches are formed: GRIT, random or a later strategy")
+    batching: Batching = key(Batching(), "how batches are formed: GRIT, random or a later strategy, and the "
+                                         "sampler's queues (the old spelling `grit:` is read as it)")
 
     # --- web-scale data (dataset.shards, dataset.corpus) ------------------------------------------------
     train_file: str | list[str] | None = key(None, "json list(s) of training entries (ALBEF's format); "
@@ -251,30 +251,33 @@ class PretrainConfig(_Objectives, TaskConfig):
         out = [f"{k} is {getattr(self, k)} but itc is false: {what} acts on ITC only; drop it"
                for k, what in (("itc_hn_beta", "HN-NCE"), ("itc_smoothing", "S-ITC"))
                if not self.itc and getattr(self, k)]
+        if self.itc and self.contrastive_loss == "sigmoid":
+            out += [f"{k} is {getattr(self, k)} but contrastive_loss is sigmoid: {what} acts on the softmax "
+                    f"ITC only; drop it" for k, what in (("lambda_cons", "the consistency loss"),
+                                                        ("itc_hn_beta", "HN-NCE"), ("itc_smoothing", "S-ITC"))
+                    if getattr(self, k)]
         if self.itc_smoothing and self.itc_smoothing_epoch >= self.max_epoch:
             out.append(f"itc_smoothing_epoch ({self.itc_smoothing_epoch}) is not before the run's end "
                        f"(max_epoch {self.max_epoch}): S-ITC would never smooth")
-        if self.grit_on and self.grit.group_from_epoch >= self.max_epoch:
-            out.append(f"grit.group_from_epoch ({self.grit.group_from_epoch}) is not before the run's end "
+        if self.grouped and self.batching.group_from_epoch >= self.max_epoch:
+            out.append(f"batching.group_from_epoch ({self.batching.group_from_epoch}) is not before the "
+                       "run's end "
                        f"(max_epoch {self.max_epoch}): no epoch would be grouped")
         return out
 
     @property
     def strategy(self) -> str:
-        """The batch-construction strategy this run uses (batching.strategy, or from grit.enabled)."""
-        return self.batching.name(self.grit)
+        """The batch-construction strategy this run uses (batching.strategy)."""
+        return self.batching.strategy
 
     def sampler_options(self) -> dict[str, Any]:
-        """grit.GritSampler's keyword arguments: the grit block with the strategy and its options."""
-        name = self.strategy
-        return {**self.grit.sampler_options(), "enabled": name != "random", "strategy": name,
-                "strategy_options": self.batching.options(name)}
+        """grit.GritSampler's keyword arguments: the batching block's sizes, the strategy and its options."""
+        return self.batching.sampler_options()
 
     def problems(self) -> list[str]:
         """Settings that cannot act (first: they name the key to drop), TaskConfig's rules, the objectives'
         and the batching's."""
-        out = self.inactive_settings() + super().problems() + self.batching.problems(self.grit)
-        out += self.grit.problems(self.batch_size, enabled=self.grit_on)
+        out = self.inactive_settings() + super().problems() + self.batching.problems(self.batch_size)
         if not (self.train_file or self.train_shards):
             out.append("no training data: set train_file (json lists) or train_shards (tar shards), or both")
         sources = self.train_files + self.train_shard_specs

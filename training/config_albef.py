@@ -45,7 +45,7 @@ ALBEF_KEYS: dict[str, tuple[tuple[str, ...], Any]] = {
                                                               "delete it"),
     "queue_size": (("pretrain",), lambda v: "GRIT-VLP pre-trains without ALBEF's momentum model and "
                                             "feature queue (paper Sec. 3); delete queue_size (GRIT's own "
-                                            "queue is grit.queue_size)"),
+                                            "queue is batching.queue_size)"),
     "momentum": (("pretrain",), lambda v: "GRIT-VLP pre-trains without ALBEF's momentum model (paper "
                                           "Sec. 3); delete momentum"),
     "vqa_root": (("vqa",), lambda v: f"vqa_root {_ONE_IMAGE_ROOT}"),

@@ -1,5 +1,5 @@
-"""The typed config's blocks and its key(): `optimizer`, `schedular`, `grit` and `batching` (with its
-strategies' blocks), each a frozen dataclass whose fields are the block's keys with their types, defaults,
+"""The typed config's blocks and its key(): `optimizer`, `schedular` and `batching` (with its strategies'
+blocks), each a frozen dataclass whose fields are the block's keys with their types, defaults,
 bounds and meanings (training.config holds the four scripts' configs, which nest these blocks)."""
 
 from __future__ import annotations
@@ -11,8 +11,8 @@ from typing import Any, Literal
 from grit.config import DEFAULTS as GRIT_DEFAULTS  # the sampler's defaults (the paper's), one place
 from grit.config import option_problems  # the sampler's own rules, asked at start-up
 
-__all__ = ["REQUIRED", "B3", "Batching", "GCBS", "Grit", "GritChain", "RWR", "Optimizer", "Schedule", "key",
-           "meaning"]
+__all__ = ["REQUIRED", "B3", "SAMPLER_KEYS", "Batching", "GCBS", "GritChain", "RWR", "Optimizer", "Schedule",
+           "key", "meaning"]
 
 REQUIRED = dataclasses.MISSING
 
@@ -71,49 +71,6 @@ class Schedule:
 
 
 @dataclass(frozen=True, kw_only=True)
-class Grit:
-    """The `grit` block (grit.GritSampler; paper Sec. 4.1, S.M. Algorithms 1-2). `grit: null` = GRIT off."""
-
-    # Defaults: the paper's, from grit.config.DEFAULTS (GritSampler's signature takes them from there too).
-    enabled: bool = key(GRIT_DEFAULTS["enabled"], "false: random batches (DistributedSampler's permutation), "
-                                                  "the ALBEF baseline")
-    queue_size: int | None = key(None, "L: examples collected before a grouping; null only while GRIT is off",
-                                 low=1)
-    search_space: int | None = key(None, "M: sub-queue size a group is searched in (>= batch_size); null "
-                                         "only while GRIT is off", low=1)
-    example_shuffle: bool = key(GRIT_DEFAULTS["example_shuffle"], "phase 2: shuffle a full queue before "
-                                                                  "splitting it into sub-queues")
-    batch_shuffle: bool = key(GRIT_DEFAULTS["batch_shuffle"], "phase 4: shuffle the order of the next "
-                                                              "epoch's groups")
-    mode: Literal["concurrent", "naive"] = key(
-        GRIT_DEFAULTS["mode"], "concurrent: group from the features collected while training; naive: an "
-                               "extra no-grad pass per epoch (Remark 2)")
-    warmstart_indices: str | None = key(
-        GRIT_DEFAULTS["warmstart_indices"], "index array G for the first epoch (tools.warmstart); null: a "
-                                            "random first epoch", path="file")
-    group_from_epoch: int = key(GRIT_DEFAULTS["group_from_epoch"],
-                                "the first epoch of grouped batches, those before it random ones (collection "
-                                "starts an epoch earlier; not in the paper); 0: the paper's, from the first "
-                                "epoch with features (1; 0 in naive mode or with warmstart_indices)", low=0)
-    shard_grouping: bool = key(GRIT_DEFAULTS["shard_grouping"], "with W ranks, rank r chains every W-th "
-                                                                "sub-queue and the chains are all-gathered "
-                                                                "(the same G everywhere, W times less work "
-                                                                "each)")
-
-    def problems(self, batch_size: int, enabled: bool | None = None) -> list[str]:
-        """GRIT's size rules (grit.config.option_problems), when grouping is on (`enabled`, default this
-        block's): batch_size <= search_space <= queue_size."""
-        enabled = self.enabled if enabled is None else enabled
-        return option_problems(batch_size=batch_size, enabled=enabled, queue_size=self.queue_size,
-                               search_space=self.search_space, mode=self.mode,
-                               group_from_epoch=self.group_from_epoch, warmstart=bool(self.warmstart_indices))
-
-    def sampler_options(self) -> dict[str, Any]:
-        """The block as grit.GritSampler's keyword arguments."""
-        return {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
-
-
-@dataclass(frozen=True, kw_only=True)
 class GritChain:
     """The `batching.grit` block (grit.strategies.grit): options of GRIT's chain beyond the paper."""
 
@@ -149,54 +106,93 @@ class RWR:
 
 @dataclass(frozen=True, kw_only=True)
 class Batching:
-    """The `batching` block: how the next epoch's batches are formed (grit.strategies). Every strategy but
-    `random` collects into the `grit` block's queues (L = grit.queue_size) and orders each sub-queue of
-    M = grit.search_space; the sampler's guarantees are the same for all (docs/batch-construction.md)."""
+    """The `batching` block: how the next epoch's batches are formed (grit.GritSampler, grit.strategies;
+    paper Sec. 4.1, S.M. Algorithms 1-2 for GRIT's). Every strategy but `random` collects into queues of
+    L = queue_size and orders each sub-queue of M = search_space; the sampler's guarantees are the same for
+    all (docs/batch-construction.md). The old spelling, a `grit:` block with `enabled`, is read as this one
+    (training.config_resolve)."""
 
-    strategy: Literal["grit", "random", "b3", "gcbs", "rwr"] | None = key(
-        None, "grit (the paper), random (ALBEF), b3, gcbs or rwr (random walks); null: grit when "
-              "grit.enabled, else random (when set, grit.enabled is not read)")
+    strategy: Literal["grit", "random", "b3", "gcbs", "rwr"] = key(
+        "random", "grit (the paper), random (ALBEF's: DistributedSampler's permutation every epoch), b3, "
+                  "gcbs or rwr (random walks)")
+    # Defaults: the paper's, from grit.config.DEFAULTS (GritSampler's signature takes them from there too).
+    queue_size: int | None = key(None, "L: examples collected before a grouping; null only with strategy "
+                                       "random", low=1)
+    search_space: int | None = key(None, "M: sub-queue size a group is searched in (>= batch_size); null "
+                                         "only with strategy random", low=1)
+    example_shuffle: bool = key(GRIT_DEFAULTS["example_shuffle"], "phase 2: shuffle a full queue before "
+                                                                  "splitting it into sub-queues")
+    batch_shuffle: bool = key(GRIT_DEFAULTS["batch_shuffle"], "phase 4: shuffle the order of the next "
+                                                              "epoch's groups")
+    mode: Literal["concurrent", "naive"] = key(
+        GRIT_DEFAULTS["mode"], "concurrent: group from the features collected while training; naive: an "
+                               "extra no-grad pass per epoch (Remark 2)")
+    warmstart_indices: str | None = key(
+        GRIT_DEFAULTS["warmstart_indices"], "index array G for the first epoch (tools.warmstart); null: a "
+                                            "random first epoch", path="file")
+    group_from_epoch: int = key(GRIT_DEFAULTS["group_from_epoch"],
+                                "the first epoch of grouped batches, those before it random ones (collection "
+                                "starts an epoch earlier; not in the paper); 0: the paper's, from the first "
+                                "epoch with features (1; 0 in naive mode or with warmstart_indices)", low=0)
+    shard_grouping: bool = key(GRIT_DEFAULTS["shard_grouping"], "with W ranks, rank r orders every W-th "
+                                                                "sub-queue and the orders are all-gathered "
+                                                                "(the same G everywhere, W times less work "
+                                                                "each)")
     grit: GritChain = key(GritChain(), "options of strategy grit")
     b3: B3 = key(B3(), "options of strategy b3")
     gcbs: GCBS = key(GCBS(), "options of strategy gcbs")
     rwr: RWR = key(RWR(), "options of strategy rwr")
 
-    def name(self, grit: Grit) -> str:
-        """The strategy this run uses, given the `grit` block."""
-        if self.strategy is not None:
-            return self.strategy
-        return "grit" if grit.enabled else "random"
+    @property
+    def grouped(self) -> bool:
+        """True when the strategy groups batches (any but random)."""
+        return self.strategy != "random"
 
-    def problems(self, grit: Grit) -> list[str]:
+    def problems(self, batch_size: int) -> list[str]:
         """Settings that cannot act, one message each: an option of a strategy this run does not use (set
-        away from its default), a grouping strategy with grit.enabled false, and a rank skip that passes
-        over all M - 1 others each entry of a sub-queue ranks (B3's window or GRIT's chain would hold
-        nothing to rank). A window or neighbourhood only partly inside the sub-queue is cut to it."""
-        name = self.name(grit)
+        away from its default), and a rank skip that passes over all M - 1 others each entry of a sub-queue
+        ranks (B3's window or GRIT's chain would hold nothing to rank); then the sampler's size rules
+        (grit.config.option_problems): batch_size <= search_space <= queue_size. A window or neighbourhood
+        only partly inside the sub-queue is cut to it."""
+        name = self.strategy
         out = []
-        for f in dataclasses.fields(self):
-            if f.name == "strategy" or f.name == name:
+        for block in STRATEGY_BLOCKS:
+            if block == name:
                 continue
-            block, default = getattr(self, f.name), f.default
-            out += [f"batching.{f.name}.{g.name} is set ({getattr(block, g.name)!r}) but this run's strategy "
-                    f"is {name!r}: it acts only with batching.strategy: {f.name}"
-                    for g in dataclasses.fields(block) if getattr(block, g.name) != getattr(default, g.name)]
-        if self.strategy not in (None, "random") and not grit.enabled:
-            out.append(f"batching.strategy {self.strategy!r} groups batches, but grit.enabled is false: drop "
-                       "grit.enabled (batching.strategy decides alone) or set batching.strategy: random")
-        others = (grit.search_space or 0) - 1
-        if name == "random" or others < 1:
-            return out
-        where = f"the {others} others each entry ranks in its sub-queue (grit.search_space {others + 1})"
-        if name == "b3" and self.b3.rank_skip >= others:
-            out.append(f"batching.b3.rank_skip ({self.b3.rank_skip}) passes over all {where}: B3's window "
-                       "would be empty, its graph without edges")
-        if name == "grit" and self.grit.rank_skip >= others:
-            out.append(f"batching.grit.rank_skip ({self.grit.rank_skip}) must be below {where}: the chain "
-                       "would always take the least similar")
-        return out
+            options, default = getattr(self, block), _DEFAULT_BLOCKS[block]
+            out += [f"batching.{block}.{g.name} is set ({getattr(options, g.name)!r}) but this run's "
+                    f"strategy is {name!r}: it acts only with batching.strategy: {block}"
+                    for g in dataclasses.fields(options)
+                    if getattr(options, g.name) != getattr(default, g.name)]
+        others = (self.search_space or 0) - 1
+        if name != "random" and others >= 1:
+            where = (f"the {others} others each entry ranks in its sub-queue (batching.search_space "
+                     f"{others + 1})")
+            if name == "b3" and self.b3.rank_skip >= others:
+                out.append(f"batching.b3.rank_skip ({self.b3.rank_skip}) passes over all {where}: B3's "
+                           "window would be empty, its graph without edges")
+            if name == "grit" and self.grit.rank_skip >= others:
+                out.append(f"batching.grit.rank_skip ({self.grit.rank_skip}) must be below {where}: the "
+                           "chain would always take the least similar")
+        return out + option_problems(batch_size=batch_size, enabled=self.grouped, queue_size=self.queue_size,
+                                     search_space=self.search_space, mode=self.mode,
+                                     group_from_epoch=self.group_from_epoch,
+                                     warmstart=bool(self.warmstart_indices), prefix="batching.")
 
     def options(self, name: str) -> dict[str, Any]:
         """Strategy `name`'s block as keyword arguments ({} for random)."""
-        block = getattr(self, name, None)
+        block = getattr(self, name, None) if name in STRATEGY_BLOCKS else None
         return {} if block is None else {f.name: getattr(block, f.name) for f in dataclasses.fields(block)}
+
+    def sampler_options(self) -> dict[str, Any]:
+        """grit.GritSampler's keyword arguments: the sizes and switches, the strategy and its options."""
+        sampler = {k: getattr(self, k) for k in SAMPLER_KEYS}
+        # No `enabled`: the sampler groups nothing with strategy random, so the strategy decides alone.
+        return {**sampler, "strategy": self.strategy, "strategy_options": self.options(self.strategy)}
+
+
+# The batching keys the sampler takes (all but the strategy and its blocks), and the strategies' blocks.
+SAMPLER_KEYS = ("queue_size", "search_space", "example_shuffle", "batch_shuffle", "mode", "warmstart_indices",
+                "group_from_epoch", "shard_grouping")
+STRATEGY_BLOCKS = ("grit", "b3", "gcbs", "rwr")
+_DEFAULT_BLOCKS = {"grit": GritChain(), "b3": B3(), "gcbs": GCBS(), "rwr": RWR()}

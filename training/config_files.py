@@ -165,7 +165,7 @@ def split_override(item: str) -> tuple[str, str]:
     key, sep, text = item.partition('=')
     key = key.strip()
     if not sep or not key:
-        raise ConfigError(f"override {item!r} must look like key=value (e.g. grit.enabled=false)")
+        raise ConfigError(f"override {item!r} must look like key=value (e.g. batching.strategy=random)")
     return key, text
 
 

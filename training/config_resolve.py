@@ -14,6 +14,7 @@ from __future__ import annotations
 import dataclasses
 import io
 import os
+import sys
 import typing
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
@@ -22,6 +23,7 @@ from ruamel.yaml.comments import CommentedMap, CommentedSeq
 
 from training.config import TaskConfig, config_class
 from training.config_albef import ALBEF_KEYS, Alias
+from training.config_blocks import SAMPLER_KEYS
 from training.config_files import (
     ConfigError,
     apply_overrides,
@@ -34,8 +36,8 @@ from training.config_files import (
 )
 from training.config_types import REFUSED, bounds_problem, convert, show, type_name
 
-__all__ = ["config_from_mapping", "config_to_dict", "known_keys", "render_config", "resolve_config",
-           "save_resolved", "tasks_with"]
+__all__ = ["config_from_mapping", "config_to_dict", "known_keys", "new_spelling", "render_config",
+           "resolve_config", "save_resolved", "tasks_with"]
 
 
 # ------------------------------------------------------------------------------------------ the keys
@@ -158,6 +160,75 @@ def _albef_keys(plain: dict, task: str, sources: _Sources) -> None:
     _fail(errors, "ALBEF config keys this code does not take")
 
 
+# The `grit:` block of configs written before batching.strategy was the one axis: its keys are batching's,
+# and its `enabled` was the strategy (true: grit, false: random; `grit: null`: random).
+OLD_GRIT_KEYS = ("enabled", *SAMPLER_KEYS)
+_noticed: set[str] = set()
+
+
+def new_spelling(override: str) -> str:
+    """A --set item in the `batching` block's spelling: 'grit.enabled=false' -> 'batching.strategy=random',
+    'grit.enabled=true' -> 'batching.strategy=grit', 'grit=null' -> 'batching.strategy=random',
+    'grit.<key>=v' -> 'batching.<key>=v'; any other item unchanged (what tools compare commands by)."""
+    key, sep, value = override.partition("=")
+    if not sep or not (key == "grit" or key.startswith("grit.")):
+        return override
+    if key == "grit" and value.strip() in ("null", "~", ""):
+        return "batching.strategy=random"
+    if key == "grit.enabled" and value.strip().lower() in ("true", "false"):
+        return f"batching.strategy={'grit' if value.strip().lower() == 'true' else 'random'}"
+    return f"batching.{key[len('grit.'):]}={value}" if key.startswith("grit.") else override
+
+
+def _old_batching_spelling(plain: dict, sources: _Sources) -> None:
+    """Read a `grit:` block as `batching:` (in place), with a one-line notice per config file; ConfigError
+    when a key is set in both spellings."""
+    if "grit" not in plain:
+        return
+    old = plain.pop("grit") or {}
+    if not isinstance(old, Mapping):
+        raise ConfigError(f"config key 'grit' (the old spelling of 'batching') must be a mapping or null, "
+                          f"got {show(old)} from {sources('grit')}")
+    batching = plain.setdefault("batching", {})
+    if not isinstance(batching, dict):
+        return  # _build names the wrong type of 'batching'
+    errors = []
+    for name, value in old.items():
+        if name == "enabled":
+            if not isinstance(value, bool):
+                errors.append(f"config key 'grit.enabled' (the old spelling of batching.strategy) must be "
+                              f"bool, got {show(value)} from {sources('grit.enabled')}")
+                continue
+            strategy = batching.get("strategy")
+            if strategy is None or (sources("grit.enabled") == "--set" != sources("batching.strategy")
+                                    and (strategy == "random") == bool(value)):
+                # Unset, or a command line that turns the file's grouping on or off: the old key decides.
+                batching["strategy"] = "grit" if value else "random"
+            elif strategy != "random" and value is False:
+                errors.append(f"batching.strategy {strategy!r} groups batches, but grit.enabled is false "
+                              f"(from {sources('grit.enabled')}): drop grit.enabled (batching.strategy "
+                              "decides alone) or set batching.strategy: random")
+        elif name in batching and sources("grit." + name) == sources("batching." + name):
+            errors.append(f"config has both 'grit.{name}' and 'batching.{name}' (from "
+                          f"{sources('grit.' + name)}); keep 'batching.{name}'")
+        elif name not in batching or sources("grit." + name) == "--set":
+            # A command line's old key wins over the file's new one; an unknown name is reported as
+            # batching.<name>.
+            batching[name] = value
+    if not old:  # `grit: null` or `grit: {}`: GRIT off
+        strategy = batching.setdefault("strategy", "random")
+        if strategy != "random" and sources("grit") == sources("batching.strategy"):
+            errors.append(f"batching.strategy {strategy!r} groups batches, but grit is null (from "
+                          f"{sources('grit')}): drop grit (batching.strategy decides alone)")
+    _fail(errors, "config keys in two spellings")
+    where = sources("grit")
+    if where not in _noticed and os.environ.get("RANK", "0") == "0":
+        _noticed.add(where)
+        print(f"notice: {where}: the `grit:` block is read as `batching:` (grit.enabled true/false -> "
+              "batching.strategy grit/random, grit.<key> -> batching.<key>); write it so to silence this",
+              file=sys.stderr)
+
+
 # ------------------------------------------------------------------------------------------ resolution
 
 
@@ -193,9 +264,7 @@ def _build(cls: type, plain: Mapping, sources: _Sources, prefix: str, errors: li
         value = plain[name]
         block = _block_class(tp)
         if block is not None:
-            if value is None and name == "grit":  # `grit: null`: GRIT off
-                values[name] = block(enabled=False)
-            elif isinstance(value, Mapping):
+            if isinstance(value, Mapping):
                 values[name] = _build(block, value, sources, key + ".", errors)
             else:
                 errors.append(f"config key '{key}' must be a mapping, got {show(value)} from {sources(key)}")
@@ -277,6 +346,8 @@ def config_from_mapping(task: str, mapping: Mapping, source: str = "config", ove
             raise ConfigError(f"config has both 'schedular' and 'scheduler' in {source}; keep one")
         plain["schedular"] = plain.pop("scheduler")
     _albef_keys(plain, task, sources)
+    if task == "pretrain":
+        _old_batching_spelling(plain, sources)
     _fail(_unknown_keys(plain, cls, task, sources) + list(unknown), "unknown config keys")
     errors: list[str] = []
     config = _build(cls, plain, sources, "", errors)
@@ -303,6 +374,8 @@ def resolve_config(task: str, path: str, overrides: Sequence[str] = (),
     raw = load_config(path)
     known = known_keys(task)
     albef = {k for k, (tasks, _) in ALBEF_KEYS.items() if task in tasks}
+    if task == "pretrain":  # the old spelling of the batching block (_old_batching_spelling)
+        albef |= {"grit", *(f"grit.{k}" for k in OLD_GRIT_KEYS)}
     blocks = {k for k, tp in known.items() if _block_class(tp)}
 
     def known_override(key: str) -> bool:  # a key, or an item of a known list ('train_file.1')

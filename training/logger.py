@@ -161,6 +161,17 @@ def _json_default(obj: Any) -> Any:
     return str(obj)
 
 
+# Log names that said GRIT whatever the batching strategy, before they were made neutral: readers of old
+# records (tools.runs.read_log, tools.report, the --merge readers) take them as the new ones.
+RENAMED_METRICS = {"grit_hardness": "hardness", "grit_hardness_t2i": "hardness_t2i",
+                   "grit_seconds": "sampler_seconds", "grit_share": "sampler_share"}
+
+
+def current_names(record: Mapping) -> dict:
+    """A log record or summary row with the names of RENAMED_METRICS replaced by the new ones."""
+    return {RENAMED_METRICS.get(k, k): v for k, v in record.items()}
+
+
 def append_log(output_dir: str | os.PathLike, record: Mapping) -> None:
     """Append `record` as one JSON line to output_dir/log.txt (main process only)."""
     if not is_main_process():

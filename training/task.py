@@ -10,6 +10,8 @@ import torch
 from torch import Tensor, nn
 from torch.utils.data import Dataset, Sampler
 
+from models.losses import WithObjectives
+
 __all__ = ["Task"]
 
 
@@ -39,8 +41,13 @@ class Task:
         # The DataLoader's generator: its workers' base seeds, independent of the model's random stream.
         self.generator = generator
 
+    def train_module(self) -> nn.Module:
+        """What the trainer wraps in DDP and torch.compile and step() gets: a model with objectives
+        (models.losses) runs them in the same forward (WithObjectives); any other model is itself."""
+        return WithObjectives(self.model) if hasattr(self.model, "objectives") else self.model
+
     def step(self, model: nn.Module, batch: Any) -> tuple[Tensor, dict[str, Tensor]]:
-        """Forward one batch through `model` (the DDP/compile-wrapped self.model) -> (loss, {name: 0-dim
+        """Forward one batch through `model` (the DDP/compile-wrapped train_module()) -> (loss, {name: 0-dim
         detached tensor}); runs under autocast when the config asks for it."""
         raise NotImplementedError
 

@@ -11,7 +11,7 @@ One log record per epoch, the same keys in every script: epoch, step, lr, the ta
 (epoch means over all ranks), train_seconds (the optimiser steps), epoch_seconds (the epoch as a user
 waits for it: steps plus the task's work around them, e.g. GRIT's grouping; evaluation and checkpoint
 writing excluded), samples_per_s, bad_samples, skipped_steps, then what the task's end_epoch and
-evaluate add (grit_seconds, val_*, test_*, eval_seconds) and best_epoch when a best metric is kept.
+evaluate add (sampler_seconds, val_*, test_*, eval_seconds) and best_epoch when a best metric is kept.
 """
 
 from __future__ import annotations
@@ -87,7 +87,7 @@ class Trainer:
         steps_per_epoch = sampler.batches_per_epoch
         loader = create_loader(task.dataset, sampler, task.batch_size, config.num_workers,
                                collate_fn=task.collate, drop_last=True, generator=task.generator)
-        model = wrap_ddp(task.model, info, broadcast_buffers=task.broadcast_buffers,
+        model = wrap_ddp(task.train_module(), info, broadcast_buffers=task.broadcast_buffers,
                          find_unused_parameters=not getattr(task.model, "uses_every_parameter", True),
                          compile=config.compile_mode)
         optimizer = build_optimizer(task.model, config.optimizer, zero=config.zero, fused=config.fused_adamw)
