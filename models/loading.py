@@ -39,8 +39,10 @@ IGNORE_REASONS: dict[str, str] = {
     "cls_head.": "NLVR2 classifier head (stage 2 only)",
 }
 # Ignored by every load when the model has no such key (a model that has them loads them).
+# objectives.: parameters a pre-training objective learnt (SigLIP's temperature and bias), of no use to a
+# model that does not train that objective.
 ALWAYS_IGNORED = ("*_m.", "image_queue", "text_queue", "idx_queue", "valid_queue", "queue_ptr",
-                  "*position_ids")
+                  "*position_ids", "objectives.")
 _FALLBACK_REASON = "not used by this model"
 _MOMENTUM = re.compile(r"^[^.]*_m\.")
 

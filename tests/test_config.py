@@ -280,6 +280,13 @@ def test_old_batching_spelling_resolves_to_the_new(tmp_path, monkeypatch, capsys
     assert "config has both 'grit.search_space' and 'batching.search_space' (from --set)" in msg
     assert "batching.strategy 'b3' groups batches, but grit.enabled is false" in message(
         "pretrain", TINY["pretrain"], "batching.strategy=b3", "grit.enabled=false")
+    # a grit block without `enabled` meant GRIT on (the block's default), and `--set grit=null` off
+    no_switch = variant(tmp_path, "pretrain", block("grit", dict(sizes)), "no_switch.yaml")
+    assert resolve_config("pretrain", no_switch) == resolve_config("pretrain", new)
+    assert resolve_config("pretrain", TINY["pretrain"], ["grit=null"]) == resolve_config(
+        "pretrain", TINY["pretrain"], ["batching.strategy=random"])
+    assert "config key 'grit.enabled' (the old spelling of batching.strategy) must be bool" in message(
+        "pretrain", TINY["pretrain"], "grit.enabled=maybe")
 
 
 def test_scheduler_is_read_as_schedular_and_both_together_are_refused(tmp_path):

@@ -52,6 +52,16 @@ def test_the_loss_equals_the_papers_sum(scale, bias):
     assert got.item() == pytest.approx(_reference(image, text, scale, bias), rel=1e-6)
 
 
+def test_the_logits_stay_fp32_under_autocast():
+    image, text = (x.float() for x in _feats(6, seed=2))
+    scale, bias = torch.tensor(math.log(100.0)), torch.tensor(-10.0)  # a learnt scale: bf16 would round
+    plain = sigmoid_loss(image, text, scale, bias)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        mixed = sigmoid_loss(image, text, scale, bias)
+    assert mixed.dtype == torch.float32
+    torch.testing.assert_close(mixed, plain, rtol=0, atol=0)
+
+
 def test_positives_are_matches_and_bad_samples_leave_rows_and_columns():
     image, text = _feats(6, seed=1)
     positive = torch.eye(6, dtype=torch.bool)

@@ -36,7 +36,7 @@ from torch.utils.data import DataLoader
 
 from dataset import ImageTextCollate, PretrainDataset, create_dataset, prepare_data
 from dataset.transforms import test_transform
-from grit import GritCollector
+from grit import GritCollector, option_problems
 from grit_io import set_trust_checkpoint
 from models.false_negatives import caption_keys, false_negative_mask
 from models.negatives import hardest_negative_similarity
@@ -144,7 +144,9 @@ def grit_config(config: PretrainConfig) -> PretrainConfig:
     """The config with GRIT on (the grouping needs its sizes even where the config turns it off);
     ConfigError when its sizes break GRIT's rules."""
     config = dataclasses.replace(config, batching=dataclasses.replace(config.batching, strategy="grit"))
-    problems = config.batching.problems(config.batch_size)
+    sizes = config.batching  # the size rules only: the strategy's own options do not matter here
+    problems = option_problems(batch_size=config.batch_size, enabled=True, queue_size=sizes.queue_size,
+                               search_space=sizes.search_space, mode=sizes.mode, prefix="batching.")
     if problems:
         raise ConfigError("the batching block cannot group (tools.warmstart groups as with GRIT on): "
                           + "; ".join(problems))

@@ -215,11 +215,15 @@ def _old_batching_spelling(plain: dict, sources: _Sources) -> None:
             # A command line's old key wins over the file's new one; an unknown name is reported as
             # batching.<name>.
             batching[name] = value
+    strategy = batching.get("strategy")
     if not old:  # `grit: null` or `grit: {}`: GRIT off
-        strategy = batching.setdefault("strategy", "random")
-        if strategy != "random" and sources("grit") == sources("batching.strategy"):
+        if strategy is None or (sources("grit") == "--set" != sources("batching.strategy")):
+            batching["strategy"] = "random"  # unset, or a command line turning the file's grouping off
+        elif strategy != "random":
             errors.append(f"batching.strategy {strategy!r} groups batches, but grit is null (from "
                           f"{sources('grit')}): drop grit (batching.strategy decides alone)")
+    elif "enabled" not in old and strategy is None:
+        batching["strategy"] = "grit"  # a grit block meant GRIT on unless it said enabled: false
     _fail(errors, "config keys in two spellings")
     where = sources("grit")
     if where not in _noticed and os.environ.get("RANK", "0") == "0":

@@ -48,7 +48,7 @@ class _GatherWithGrad(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad: Tensor) -> Tensor:
         """(W*B, d) -> (B, d): every rank's gradient on this rank's rows, summed."""
-        grad = grad.contiguous()
+        grad = grad.contiguous().clone()  # all_reduce works in place; the incoming gradient is autograd's
         dist.all_reduce(grad)  # gloo has no reduce_scatter; the rows are few next to the encoders' work
         return grad[ctx.rank * ctx.rows:(ctx.rank + 1) * ctx.rows]
 
@@ -72,8 +72,9 @@ def sigmoid_loss(image_feat: Tensor, text_feat: Tensor, log_scale: Tensor, bias:
     b = image_feat.shape[0]
     texts, offset = _gather_with_grad(text_feat) if gather else (text_feat, 0)
     n = texts.shape[0]
-    # fp32 at least: under autocast the products may be bf16, and log-sigmoid of large logits loses bits.
-    logits = upcast(image_feat) @ upcast(texts).t() * upcast(log_scale).exp() + upcast(bias)
+    # fp32 at least, autocast off: in bf16 a learnt scale near 100 would round the logits to steps of 0.5.
+    with torch.autocast(image_feat.device.type, enabled=False):
+        logits = upcast(image_feat) @ upcast(texts).t() * upcast(log_scale).exp() + upcast(bias)
     if positive is None:
         positive = torch.zeros(b, n, dtype=torch.bool, device=logits.device)
         rows = torch.arange(b, device=logits.device)
