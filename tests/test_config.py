@@ -18,8 +18,15 @@ import Retrieval
 import training.cli
 from training.config import TASK_CONFIGS, Batching, Optimizer, Schedule, config_class
 from training.config_albef import ALBEF_KEYS
-from training.config_files import ConfigError, load_config, save_config
-from training.config_resolve import config_to_dict, known_keys, render_config, resolve_config, save_resolved
+from training.config_files import (
+    ConfigError,
+    config_to_dict,
+    load_config,
+    render_config,
+    save_config,
+    save_resolved,
+)
+from training.config_resolve import known_keys, resolve_config
 from training.loaders import check_global_batch
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

@@ -409,8 +409,8 @@ def test_converter_command_line(data_dir, tmp_path):
 def test_config_keys_for_shards():
     from conftest import tiny_config
 
-    from training.config_files import round_trip_yaml
-    from training.config_resolve import config_from_mapping, config_to_dict, render_config
+    from training.config_files import config_to_dict, render_config, round_trip_yaml
+    from training.config_resolve import config_from_mapping
 
     config = tiny_config("pretrain", train_file=None, train_shards=["a.json", "b/{0..3}.tar"],
                          train_repeat={"a.json": 3})

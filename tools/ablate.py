@@ -43,8 +43,8 @@ from tools.report import load_runs, write_report
 from tools.runs import fresh, read_log
 from tools.stats import mean_std
 from training.cli import Parser, run_main
-from training.config_files import ConfigError
-from training.config_resolve import config_to_dict, resolve_config
+from training.config_files import ConfigError, config_to_dict
+from training.config_resolve import resolve_config
 
 # The rows of each table, in the paper's order: (config name, the paper's label).
 TABLES: dict[int, list[tuple[str, str]]] = {

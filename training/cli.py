@@ -21,8 +21,8 @@ from typing import Any, NoReturn
 from grit_io import TRUST_FLAG, InputFileError, set_trust_checkpoint
 from training.bad_samples import TooManyBadSamples
 from training.config import TaskConfig
-from training.config_files import ConfigError
-from training.config_resolve import render_config, resolve_config
+from training.config_files import ConfigError, render_config
+from training.config_resolve import resolve_config
 from training.distributed import DistInfo, init_distributed
 from training.reporting import check_backends
 from training.reproducibility import seed_everything, use_deterministic_kernels

@@ -8,6 +8,7 @@ training.cli turns it into a one-line message.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import difflib
 import io
 import os
@@ -238,3 +239,45 @@ def atomic_write_text(path: str, text: str) -> None:
     with open(tmp, 'w', encoding='utf-8') as f:
         f.write(text)
     os.replace(tmp, path)
+
+
+# --------------------------------------------------------------------------- a resolved config, written out
+
+
+def config_to_dict(config: Any) -> dict:
+    """Every key of a resolved config as plain nested dicts (blocks as mappings)."""
+    return dataclasses.asdict(config)
+
+
+def _commented(obj: Any) -> CommentedMap:
+    out = CommentedMap()
+    for f in dataclasses.fields(obj):
+        value = getattr(obj, f.name)
+        if dataclasses.is_dataclass(value):
+            out[f.name] = _commented(value)
+        elif isinstance(value, list):
+            seq = CommentedSeq(value)
+            seq.fa.set_flow_style()
+            out[f.name] = seq
+        elif isinstance(value, dict):
+            mapping = CommentedMap(value)
+            mapping.fa.set_flow_style()
+            out[f.name] = mapping
+        else:
+            out[f.name] = value
+        out.yaml_add_eol_comment(f.metadata.get("meaning", ""), f.name, column=40)
+    return out
+
+
+def render_config(config: Any) -> str:
+    """The resolved config as YAML, each key with its meaning as a comment."""
+    buf = io.StringIO()
+    buf.write(f"# {type(config).__name__}: the resolved config (every key, defaults included) with the "
+              "meaning of each\n")
+    round_trip_yaml().dump(_commented(config), buf)
+    return buf.getvalue()
+
+
+def save_resolved(config: Any, path: str) -> None:
+    """Write render_config(config) to `path` atomically."""
+    atomic_write_text(path, render_config(config))

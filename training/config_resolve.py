@@ -12,14 +12,11 @@ equal config.
 from __future__ import annotations
 
 import dataclasses
-import io
 import os
 import sys
 import typing
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
-
-from ruamel.yaml.comments import CommentedMap, CommentedSeq
 
 from training.config import TaskConfig, config_class
 from training.config_albef import ALBEF_KEYS, Alias
@@ -27,17 +24,14 @@ from training.config_blocks import SAMPLER_KEYS
 from training.config_files import (
     ConfigError,
     apply_overrides,
-    atomic_write_text,
     load_config,
-    round_trip_yaml,
     split_override,
     to_plain,
     unknown_key_message,
 )
 from training.config_types import REFUSED, bounds_problem, convert, show, type_name
 
-__all__ = ["config_from_mapping", "config_to_dict", "known_keys", "new_spelling", "render_config",
-           "resolve_config", "save_resolved", "tasks_with"]
+__all__ = ["config_from_mapping", "known_keys", "new_spelling", "resolve_config", "tasks_with"]
 
 
 # ------------------------------------------------------------------------------------------ the keys
@@ -397,45 +391,3 @@ def resolve_config(task: str, path: str, overrides: Sequence[str] = (),
             raw[name] = value
             flag_sources[name] = f"--{name}"
     return config_from_mapping(task, raw, path, overrides, flag_sources, check_paths, unknown)
-
-
-# ------------------------------------------------------------------------------------------ writing out
-
-
-def config_to_dict(config: Any) -> dict:
-    """Every key of a resolved config as plain nested dicts (blocks as mappings)."""
-    return dataclasses.asdict(config)
-
-
-def _commented(obj: Any) -> CommentedMap:
-    out = CommentedMap()
-    for f in dataclasses.fields(obj):
-        value = getattr(obj, f.name)
-        if dataclasses.is_dataclass(value):
-            out[f.name] = _commented(value)
-        elif isinstance(value, list):
-            seq = CommentedSeq(value)
-            seq.fa.set_flow_style()
-            out[f.name] = seq
-        elif isinstance(value, dict):
-            mapping = CommentedMap(value)
-            mapping.fa.set_flow_style()
-            out[f.name] = mapping
-        else:
-            out[f.name] = value
-        out.yaml_add_eol_comment(f.metadata.get("meaning", ""), f.name, column=40)
-    return out
-
-
-def render_config(config: TaskConfig) -> str:
-    """The resolved config as YAML, each key with its meaning as a comment."""
-    buf = io.StringIO()
-    buf.write(f"# {type(config).__name__}: the resolved config (every key, defaults included) with the "
-              "meaning of each\n")
-    round_trip_yaml().dump(_commented(config), buf)
-    return buf.getvalue()
-
-
-def save_resolved(config: TaskConfig, path: str) -> None:
-    """Write render_config(config) to `path` atomically."""
-    atomic_write_text(path, render_config(config))

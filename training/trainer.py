@@ -37,7 +37,7 @@ from training.checkpoints import (
     training_state,
 )
 from training.cli import Run
-from training.config_resolve import config_to_dict, save_resolved
+from training.config_files import config_to_dict, save_resolved
 from training.distributed import barrier, cleanup, get_world_size, is_main_process, print_main, wrap_ddp
 from training.faults import Fault
 from training.loaders import create_loader
