@@ -156,10 +156,10 @@ class Batching:
         only partly inside the sub-queue is cut to it."""
         name = self.strategy
         out = []
-        for block in STRATEGY_BLOCKS:
+        for block, default in _strategy_blocks().items():
             if block == name:
                 continue
-            options, default = getattr(self, block), _DEFAULT_BLOCKS[block]
+            options = getattr(self, block)
             out += [f"batching.{block}.{g.name} is set ({getattr(options, g.name)!r}) but this run's "
                     f"strategy is {name!r}: it acts only with batching.strategy: {block}"
                     for g in dataclasses.fields(options)
@@ -181,7 +181,7 @@ class Batching:
 
     def options(self, name: str) -> dict[str, Any]:
         """Strategy `name`'s block as keyword arguments ({} for random)."""
-        block = getattr(self, name, None) if name in STRATEGY_BLOCKS else None
+        block = getattr(self, name) if name in _strategy_blocks() else None
         return {} if block is None else {f.name: getattr(block, f.name) for f in dataclasses.fields(block)}
 
     def sampler_options(self) -> dict[str, Any]:
@@ -191,8 +191,11 @@ class Batching:
         return {**sampler, "strategy": self.strategy, "strategy_options": self.options(self.strategy)}
 
 
-# The batching keys the sampler takes (all but the strategy and its blocks), and the strategies' blocks.
+def _strategy_blocks() -> dict[str, Any]:
+    """The strategies' option blocks of Batching (its fields that are blocks) -> their defaults."""
+    return {f.name: f.default for f in dataclasses.fields(Batching) if dataclasses.is_dataclass(f.default)}
+
+
+# The batching keys the sampler takes (all but the strategy and its blocks).
 SAMPLER_KEYS = ("queue_size", "search_space", "example_shuffle", "batch_shuffle", "mode", "warmstart_indices",
                 "group_from_epoch", "shard_grouping")
-STRATEGY_BLOCKS = ("grit", "b3", "gcbs", "rwr")
-_DEFAULT_BLOCKS = {"grit": GritChain(), "b3": B3(), "gcbs": GCBS(), "rwr": RWR()}
