@@ -146,7 +146,10 @@ class RetrievalTask(FinetuneTask):
         """The three losses of one batch (ids: image ids, so captions of one image are positives)."""
         out = model(batch.image.to(self.device, non_blocking=True), batch.text.to(self.device),
                     batch.ids.to(self.device, non_blocking=True), valid=batch.valid_on(self.device))
-        return out["loss"], {k: out[k].detach() for k in self.model.objectives.loss_names}
+        objectives = self.model.objectives
+        # The objectives' own metrics too (ITM: itm_accuracy, itm_match_accuracy), as Pretrain logs them.
+        return out["loss"], ({k: out[k].detach() for k in objectives.loss_names}
+                             | {k: out[k] for k in objectives.metric_names})
 
     def evaluate(self, epoch: int | None, output_dir: str) -> dict:
         """Recall metrics of the val and test splits (rankings_{split}.json written when configured)."""

@@ -266,6 +266,10 @@ def test_finetuning_writes_outputs_and_keeps_the_best_epoch(finetuned):
     for key in ("test_txt_r1", "test_txt_r5", "test_txt_r10", "test_img_r1", "test_img_r_mean", "val_r_mean",
                 "test_itc_txt_r1", "test_itc_img_r1", "val_itc_r_mean"):
         assert key in zero and key in epochs[-1]
+    # The step's losses and the ITM objective's own metrics, as Pretrain logs them.
+    for key in ("loss_itc", "loss_itm", "itm_accuracy", "itm_match_accuracy"):
+        assert 0 <= epochs[-1][key], key
+    assert epochs[-1]["itm_accuracy"] <= 1 and epochs[-1]["itm_match_accuracy"] <= 1
     best = max(epochs, key=lambda r: r["val_r_mean"])
     assert epochs[-1]["best_epoch"] == best["epoch"]
     state = torch.load(os.path.join(out, "checkpoint_best.pth"), weights_only=True)
