@@ -119,7 +119,7 @@ class PretrainTask(Task):
         self.sampler_seconds = 0.0
         naive = self.naive_pass if self.config.batching.mode == "naive" else None
         self.sampler.set_epoch(epoch, naive_pass=naive)
-        self.model.objectives.start_epoch(epoch)  # the losses' per-epoch settings (S-ITC's start)
+        self.model.start_epoch(epoch)  # S-ITC's start, the image-token dropout's unmasked phase
         self.sampler_seconds += time.perf_counter() - start
 
     def end_epoch(self, epoch: int) -> dict[str, float]:

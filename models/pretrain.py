@@ -6,6 +6,7 @@ from __future__ import annotations
 from typing import Any
 
 import torch
+from timm.layers import PatchDropout
 from torch import Tensor
 
 from models.dual_encoder import ImageTextModel
@@ -29,9 +30,9 @@ class ALBEF_Base(ImageTextModel):  # noqa: N801 (the paper's name)
 
         config: the resolved pre-training config (training.config.PretrainConfig); reads itc, itm, mlm,
         itm_negatives, hard_sampling, itc_gather, guard_false_negatives, mlm_probability, mlm_masked_only,
-        share_image_kv, embed_dim, temp, the encoders' keys and what the objectives read (lambda_cons,
-        contrastive_loss, itc_hn_beta, itc_smoothing(_epoch)). tokenizer: vocabulary size and MLM special
-        tokens.
+        share_image_kv, image_token_drop, unmasked_epochs, max_epoch, embed_dim, temp, the encoders' keys and
+        what the objectives read (lambda_cons, contrastive_loss, itc_hn_beta, itc_smoothing(_epoch)).
+        tokenizer: vocabulary size and MLM special tokens.
         """
         super().__init__(config, tokenizer, mlm_head=True)
         self.use_itc = config.itc
@@ -56,8 +57,27 @@ class ALBEF_Base(ImageTextModel):  # noqa: N801 (the paper's name)
         self.mask_token_id = tokenizer.mask_token_id
         # ALBEF never masks [PAD] or [CLS]; [SEP] stays maskable.
         self.special_ids = [tokenizer.pad_token_id, tokenizer.cls_token_id]
+        # FLIP's image-token dropout (Li et al. 2023; not in the paper): timm's PatchDropout, right after
+        # the positional embeddings, keeps [CLS] and a fresh random subset of a fixed size of each image's
+        # patches (static shapes for compile and CUDA graphs). The step encodes the image once, so ITC, ITM
+        # and MLM see the same kept tokens, and GRIT collects the CLS projections of this masked forward.
+        # It acts in training mode only: evaluation and the eval-mode feature passes see every token. Its
+        # draws come from the global generator, which checkpoints save or reseed, so resuming is exact. 0:
+        # timm's nn.Identity, the paper's step.
+        self.image_token_drop = config.image_token_drop
+        self.masked_epochs = config.max_epoch - config.unmasked_epochs  # then FLIP's unmasked tuning
+        if self.image_token_drop:
+            self.visual_encoder.patch_drop = PatchDropout(
+                self.image_token_drop, num_prefix_tokens=self.visual_encoder.num_prefix_tokens)
         # Last: parameters an objective learns (SigLIP's) come after the encoders' in the model's order.
         self.objectives = build_objectives(config, self.paper_losses)
+
+    def start_epoch(self, epoch: int) -> None:
+        """The epoch's settings: the objectives' (S-ITC's start) and, in the last unmasked_epochs, every
+        image token (image_token_drop off)."""
+        self.objectives.start_epoch(epoch)
+        if self.image_token_drop:
+            self.visual_encoder.patch_drop.prob = self.image_token_drop if epoch < self.masked_epochs else 0.0
 
     @property
     def uses_every_parameter(self) -> bool:

@@ -21,7 +21,7 @@ def test_grit_reaches_albef_bases_final_recall_at_the_first_epoch_at_or_above_it
     text, reach = efficiency.curves_table(curves, [1, 2])
     grit = reach["mean_r1"]["GRIT-VLP"]
     assert grit[1] == {"target": 30, "target_epoch": 3, "target_seconds": 30.0, "epoch": 2, "seconds": 16.0,
-                       "time_epochs": 2.5}
+                       "time_epochs": 2.5, "seconds_ratio": 16.0 / 30.0}
     assert "| 1 | mean_r1 | 30.00 (epoch 3) | 30 | 2 (2.50) | 16 |" in text
     assert grit[2]["epoch"] is None  # 39 < 40: never reached, said so
     assert reach["itc_mean_r1"]["GRIT-VLP"][1]["epoch"] == 2  # against ALBEF_Base's ITC-only final
@@ -68,6 +68,48 @@ def test_time_in_epochs_adds_the_strategys_work_over_the_runs_median_step_time(t
     assert p["epoch"] == 2 and p["seconds"] == pytest.approx(110.0)
     assert p["time_epochs"] == pytest.approx(2 + 1.5 / 10.0)  # median of 9.5, 99, 10
     assert p["mean_r1"] == p["itc_mean_r1"] == 50.0
+
+
+def test_a_points_flops_are_each_epochs_steps_times_its_steps_count(tmp_path):
+    zero = tmp_path / "zeroshot"
+    zero.mkdir()
+    scores = {f"{split}_{scoring}{d}_r1": 50.0 for split in ("val", "test") for scoring in ("", "itc_")
+              for d in ("txt", "img")}
+    (zero / "log.txt").write_text(json.dumps(scores) + "\n")
+    log = [{"epoch": e, "step": step, "epoch_seconds": 10.0} for e, step in enumerate((90, 181, 270))]
+    p = efficiency.point(str(tmp_path), 2, log, [2.0, 2.0, 5.0], batch_size=8)
+    assert p["flops"] == (90 * 2.0 + 91 * 2.0 + 89 * 5.0) * 8
+    assert "flops" not in efficiency.point(str(tmp_path), 2, log)  # as an older record's points
+
+
+def test_each_epoch_is_counted_at_its_own_step(in_repo):
+    """image_token_drop with one unmasked epoch: the masked step's count until the last epoch, then the full
+    step's, which is the count of the same config without the switch."""
+    from conftest import tiny_config
+
+    from tools.step_measure import step_flops_per_sample
+
+    config = tiny_config("pretrain", image_token_drop=0.5, unmasked_epochs=1, max_epoch=3)
+    flops = efficiency.epoch_flops(config)
+    full = step_flops_per_sample(tiny_config("pretrain", max_epoch=3))
+    assert flops[2] == full and flops[0] == flops[1] < full
+    assert efficiency.epoch_flops(tiny_config("pretrain", max_epoch=3)) == [full] * 3
+
+
+def test_compute_to_target_is_a_ratio_to_albef_bases_whole_run():
+    from tools.efficiency_tables import compute_table, reach_entry
+
+    base = {"epoch": 12, "seconds": 100.0, "flops": 400.0, "mean_r1": 40.0}
+    hit = {"epoch": 3, "seconds": 30.0, "flops": 100.0, "mean_r1": 41.0}
+    entry = reach_entry(hit, base, "mean_r1", "seconds")
+    assert entry["flops_ratio"] == 0.25 and entry["seconds_ratio"] == 0.3 and entry["target_flops"] == 400.0
+    missed = reach_entry(None, base, "mean_r1", "seconds")
+    assert missed["flops_ratio"] is None and missed["seconds_ratio"] is None and missed["epoch"] is None
+    older = reach_entry({k: v for k, v in hit.items() if k != "flops"}, base, "mean_r1", "seconds")
+    assert "flops_ratio" not in older  # a merged older record's point has no FLOPs
+    second = reach_entry({**hit, "flops": 200.0, "seconds": 50.0}, base, "mean_r1", "seconds")
+    text = compute_table({"mean_r1": {"GRIT-VLP": {1: entry, 2: second, 3: missed}}}, "seconds")
+    assert "| mean_r1 | GRIT-VLP | 0.375 ± 0.177 | 0.400 ± 0.141 | 2 of 3 |" in text
 
 
 def test_each_arm_is_timed_beside_albef_base_on_one_thread_each(monkeypatch, tmp_path):
@@ -162,6 +204,11 @@ def test_efficiency_micro_writes_table_figure_and_json(in_repo, tmp_path, monkey
         assert f.read(8) == b"\x89PNG\r\n\x1a\n"
     assert "against ALBEF_Base's final R@1" in open(os.path.join(out, "efficiency.md")).read()
     assert set(record["reach_albef_base_final"]) == {"mean_r1", "itc_mean_r1"}
+    # Compute: each point's FLOPs grow with its epochs; the record keeps each arm's per-epoch counts.
+    for arm, per_seed in record["curves"].items():
+        assert 0 < per_seed["1"][0]["flops"] < per_seed["1"][1]["flops"], arm
+        assert len(record["flops_per_sample"][arm]) == 2
+    assert "as a share of ALBEF_Base's whole run" in open(os.path.join(out, "efficiency.md")).read()
 
 
 def test_merged_curves_and_timings_are_read_not_run_and_a_foreign_record_is_named(tmp_path, monkeypatch):

@@ -116,8 +116,11 @@ def test_two_processes(data_dir, tmp_path, launcher):
 
 
 def test_resume_equals_uninterrupted(data_dir, tmp_path):
+    """Killed mid-epoch and resumed: the same weights as the unbroken run. With image-token dropout on, so
+    that the kept tokens after the resume must be the unbroken run's too (the paper's step resumes in
+    tests/test_robustness.py)."""
     common = ['--config', 'configs/tiny/Pretrain.yaml', '--device', 'cpu',
-              *overrides(data_dir, checkpoint_every_steps=3)]
+              *overrides(data_dir, checkpoint_every_steps=3, image_token_drop=0.5)]
     full = str(tmp_path / 'full')
     run_script([sys.executable, 'Pretrain.py', '--output_dir', full, *common])
 

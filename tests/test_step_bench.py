@@ -155,6 +155,29 @@ def test_baseline_alternates_and_keeps_the_best_run(monkeypatch):
     assert baseline["checkout"] == ROOT and len(baseline["commit"]) == 40  # the commit it measured
 
 
+def test_the_baseline_runs_its_own_variant_opposite_each_one_here(monkeypatch):
+    """--baseline_variant default: the baseline's step opposite drop50 and drop75, switches it lacks."""
+    from tools import step_bench, step_bench_runs
+
+    calls = []
+
+    def fake(argv, variant, checkout=None):
+        calls.append((variant, checkout))
+        return {"step_seconds": 1.0}
+
+    monkeypatch.setattr(step_bench_runs, "spawn_variant", fake)
+    _, baseline = step_bench_runs.alternate([], ["drop50", "drop75"], ROOT, rounds=1, opposite="default")
+    assert calls == [("default", ROOT), ("drop50", None), ("default", ROOT), ("drop75", None)]
+    assert baseline["opposite"] == {"drop50": "default", "drop75": "default"}
+    assert step_bench.variant_switches("drop50") == {"drop50"}
+    config = step_bench.load_bench_config(step_bench.parse_args(["--config", CONFIG])[0], "drop75")
+    assert config.image_token_drop == 0.75
+    with pytest.raises(ValueError, match="one image-token dropout rate"):
+        step_bench.load_bench_config(step_bench.parse_args(["--config", CONFIG])[0], "drop50+drop75")
+    with pytest.raises(SystemExit):  # the opposite variant belongs to a baseline
+        step_bench.parse_args(["--config", CONFIG, "--baseline_variant", "default"])
+
+
 def test_unknown_variant_is_refused():
     proc = subprocess.run([sys.executable, "-m", "tools.step_bench", "--config", CONFIG,
                            "--variants", "default,fp8"], cwd=ROOT, capture_output=True, text=True)

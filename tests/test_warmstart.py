@@ -157,6 +157,28 @@ def test_cli_writes_the_index_array_the_sampler_starts_from(tmp_path, pretrain_c
     assert not {tuple(c) for c in plain.epoch_indices().view(-1, N).tolist()} <= groups
 
 
+def test_cli_measures_grouping_by_masked_image_features(tmp_path, pretrain_checkpoint):
+    """--image_token_drop: the data set grouped by the unmasked and by the masked image features; the index
+    file is the unmasked grouping's, as without the flag."""
+    out = str(tmp_path / "masked")
+    argv = ["--config", CONFIG, "--checkpoint", pretrain_checkpoint[0], "--output_dir", out,
+            "--device", "cpu", "--batch_size", "100", "--seed", "3", *SET]
+    record = main([*argv, "--image_token_drop", "0.75"])
+    masked = record["image_token_drop"]
+    assert masked["rate"] == 0.75
+    for key in ("hardness_grouped_by_unmasked", "hardness_grouped_by_masked",
+                "hardness_grouped_by_masked_on_masked"):
+        assert -1 <= masked[key] <= 1, key
+    # Regrouped from the float16 copies: within their rounding of the grouping written to the file.
+    assert masked["hardness_grouped_by_unmasked"] == pytest.approx(record["hardness_grouped"], abs=0.02)
+    assert masked["hardness_grouped_by_masked"] != masked["hardness_grouped_by_unmasked"]
+    assert 0 < masked["cosine_masked_to_unmasked"] < 1  # a quarter of the patches: another feature
+    plain = main([*argv[:5], str(tmp_path / "plain"), *argv[6:]])
+    assert "image_token_drop" not in plain
+    assert torch.equal(torch.load(os.path.join(out, INDICES_FILE), weights_only=True),
+                       torch.load(os.path.join(str(tmp_path / "plain"), INDICES_FILE), weights_only=True))
+
+
 def test_cli_missing_checkpoint_is_one_clear_error(tmp_path, capsys):
     missing = str(tmp_path / "nope.pth")
     with pytest.raises(SystemExit) as exit_info:

@@ -7,7 +7,7 @@ The arms: GRIT-VLP at the paper's ratio of search space to batch, M/N = 120/8 = 
 config's; GRIT-VLP at the earlier tiny config's M/N = 768/8 = 96; random batches (batching.strategy=random);
 ALBEF_Base and ALBEF_Base50 (Tables 2 and 4's baselines); the batch-construction strategies B3, GCBS and
 random walk; HN-NCE on random and on GRIT batches; GRIT with S-ITC; SigLIP's sigmoid loss on GRIT and on
-random batches; and the remedies for GRIT's stalled
+random batches; FLIP's image-token dropout on GRIT and on random batches; and the remedies for GRIT's stalled
 ITM (multinomial hard negatives, later grouping, a rank skip, a longer warm-up). An arm with a
 hyper-parameter gets the same two-setting grid size as every other such arm, each setting swept with every
 learning rate.
@@ -43,6 +43,12 @@ ARMS = {'GRIT-VLP': [],  # the tiny config: N = 8, M = 120, L = 1440 (M/N = 15, 
         # SigLIP's sigmoid loss in place of the softmax ITC (issue 50; models/losses/sigmoid.py), on GRIT and
         # on random batches: the consistency term compares softmaxes, so it goes too (lambda_cons 0).
         'GRIT-VLP + sigmoid': ['contrastive_loss=sigmoid', 'lambda_cons=0.0'],
+        # FLIP's image-token dropout (issue 51; models.pretrain), with FLIP's short unmasked tuning as the
+        # last of the 12 epochs, on GRIT and on random batches: compute to ALBEF_Base's recall
+        # (tools.efficiency counts each epoch's FLOPs at its own step).
+        'GRIT-VLP drop 0.5': ['image_token_drop=0.5', 'unmasked_epochs=1'],
+        'GRIT-VLP drop 0.75': ['image_token_drop=0.75', 'unmasked_epochs=1'],
+        'random drop 0.5': ['batching.strategy=random', 'image_token_drop=0.5', 'unmasked_epochs=1'],
         'random + sigmoid': ['batching.strategy=random', 'contrastive_loss=sigmoid', 'lambda_cons=0.0'],
         # Remedies for the ITM that stays at chance on some seeds (issue 49; docs/batch-construction.md,
         # 'The stalled ITM'), each one switch away from GRIT-VLP: ALBEF's multinomial hard negatives,

@@ -23,9 +23,18 @@ commands is read from its result.json); the tables' and the figure's seconds are
 at its arm's measured per-epoch time (ALBEF_Base's times the arm's ratio to it), which compare across arms
 as the logged seconds do not.
 
+Compute to the target (issue 51): every point also carries the executed FLOPs of the run so far: each
+epoch's logged steps times the global batch times the FLOPs per sample of that epoch's step, counted once
+per arm as tools.step_bench counts them (tools.step_measure.step_flops_per_sample: forward + backward of
+the arm's model at random weights on a synthetic batch at max_tokens; with image_token_drop the masked step
+until the unmasked epochs). GRIT's and the other strategies' own work is not in the FLOPs (it is in the
+seconds). The reach then gives each arm's FLOPs and seconds to ALBEF_Base's final recall as ratios to
+ALBEF_Base's whole run of the same seed, and efficiency.md a table of those ratios (mean ± sample std over
+the seeds that reached it).
+
 Written into --output_dir: efficiency.json (every point), efficiency.md (mean ± sample std per epoch,
-and the epochs and seconds to reach ALBEF_Base's final R@1 per seed), efficiency.png (2 x 2: re-ranked
-and ITC-only R@1 against epochs and against seconds; mean over seeds with a band of ± one std).
+and the epochs, seconds and compute to reach ALBEF_Base's final R@1 per seed), efficiency.png (2 x 2:
+re-ranked and ITC-only R@1 against epochs and against seconds; mean over seeds with a band of ± one std).
 --micro runs the pipeline in about two minutes (tools.ablate's micro preset: 100 images, 2 epochs).
 --merge reads curves and timed pairs from earlier efficiency.json records instead of running them (arms
 measured in parts, or kept after their run folders are gone): an asked arm's curve of a seed, and its timing
@@ -35,6 +44,7 @@ setting, the same --epochs and --micro; the record names what came from where (m
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import statistics
@@ -43,6 +53,14 @@ from collections.abc import Sequence
 from tools.ablate import PRESETS, ensure_micro_data
 from tools.arms import ARMS, SELECTED_LR, arm_overrides, selection
 from tools.cli import emit_record, tool_parser
+from tools.efficiency_tables import (
+    BASELINE,
+    compute_table,
+    curves_table,
+    epochs_to_reach,
+    plot,
+    timing_table,
+)
 from tools.launch import in_root, run_side_by_side
 from tools.records import merge_note, merged_curves
 from tools.runs import (
@@ -58,34 +76,24 @@ from tools.runs import (
     saved_result,
     slug,
 )
-from tools.stats import mean_std
+from tools.step_measure import step_flops_per_sample
 from training.cli import Parser, run_main
+from training.config import PretrainConfig
 from training.config_resolve import resolve_config
 
 __all__ = ["ARM_LR", "EFFICIENCY_ARMS", "add_timed_seconds", "arm_run", "build_parser", "curves_table",
-           "epoch_timing", "epochs_to_reach", "evaluate_epochs", "main", "plot", "point",
+           "epoch_flops", "epoch_timing", "epochs_to_reach", "evaluate_epochs", "main", "plot", "point",
            "time_beside_baseline", "timing_table", "zeroshot_dir"]
 
 EFFICIENCY_ARMS = ('ALBEF_Base', 'ALBEF_Base50', 'GRIT-VLP')
-ALBEF_ARMS = ('ALBEF_Base', 'ALBEF_Base50')  # the baselines; every other arm is measured against ALBEF_Base
 # Each arm's learning rate: GRIT-VLP's own selection, the random-batch arms' for ALBEF_Base(50).
 ARM_LR = {'ALBEF_Base': SELECTED_LR['random batches'], 'ALBEF_Base50': SELECTED_LR['random batches'],
           'GRIT-VLP': SELECTED_LR['GRIT-VLP']}
-BASELINE = 'ALBEF_Base'  # the arm whose final recall the others must reach
 
 
 def arm_run(arm: str) -> tuple[float, str | None]:
     """An arm's learning rate and grid setting: the ALBEF arms' (ARM_LR), else its selection on val."""
     return (ARM_LR[arm], None) if arm in ARM_LR else selection(arm)
-
-
-SCORES = {'mean_r1': 'zero-shot mean R@1, ITM re-ranked', 'itc_mean_r1': 'zero-shot mean R@1, ITC only'}
-# The seconds a point can be shown at: as logged, or its epochs at the per-epoch time measured side by side.
-CLOCKS = {'seconds': 'cumulative epoch_seconds as logged',
-          'timed_seconds': 'epochs × ALBEF_Base\'s per-epoch seconds × the arm\'s ratio to it, measured side '
-                           'by side (--timing)'}
-CLOCK_LABELS = {'seconds': 'wall-clock seconds (sum of epoch_seconds)',
-                'timed_seconds': 'seconds at the per-epoch time measured side by side'}
 
 
 def zeroshot_dir(directory: str, e: int, last: int) -> str:
@@ -108,9 +116,20 @@ def evaluate_epochs(directory: str, epochs: Sequence[int], last: int, sets: Sequ
     return commands
 
 
-def point(directory: str, e: int, log: list[dict]) -> dict:
+def epoch_flops(config: PretrainConfig) -> list[float]:
+    """Executed FLOPs per sample of each epoch's step of a pre-training (step_flops_per_sample): with
+    image_token_drop, the masked step until the unmasked epochs, then the full one."""
+    full = step_flops_per_sample(dataclasses.replace(config, image_token_drop=0.0, unmasked_epochs=0))
+    masked = step_flops_per_sample(config) if config.image_token_drop else full
+    masked_epochs = config.max_epoch - config.unmasked_epochs
+    return [masked if e < masked_epochs else full for e in range(config.max_epoch)]
+
+
+def point(directory: str, e: int, log: list[dict], flops: Sequence[float] | None = None,
+          batch_size: int | None = None) -> dict:
     """One curve point: epoch (1-based), cumulative seconds and epochs of time, test R@1 re-ranked and ITC
-    only."""
+    only; with each epoch's FLOPs per sample (epoch_flops) and the global batch, the executed FLOPs so far
+    (each epoch's logged steps times its step's count)."""
     record = read_retrieval(zeroshot_dir(directory, e, log[-1]['epoch']))
     # Seconds depend on how busy the shared machine was that hour (runs of one arm differ by 2x here), so
     # the time is also given in epochs of training steps: the epochs plus the strategy's own work
@@ -118,64 +137,13 @@ def point(directory: str, e: int, log: list[dict]) -> dict:
     # same model and batch for every arm, so this is each arm's time in ALBEF_Base epochs.
     step = statistics.median(r['epoch_seconds'] - r.get('sampler_seconds', 0.0) for r in log)
     work = sum(r.get('sampler_seconds', 0.0) for r in log[:e + 1])
-    return {'epoch': e + 1, 'seconds': sum(r['epoch_seconds'] for r in log[:e + 1]),
-            'time_epochs': e + 1 + work / step,
-            'mean_r1': record['test_mean_r1'], 'itc_mean_r1': record['test_itc_mean_r1']}
-
-
-def epochs_to_reach(curve: list[dict], target: float, score: str = 'mean_r1') -> dict | None:
-    """The first point of a curve whose score is at least target (None: never)."""
-    return next((p for p in curve if p[score] >= target), None)
-
-
-def curves_table(curves: dict[str, dict[int, list[dict]]], seeds: Sequence[int],
-                 clock: str = 'seconds') -> tuple[str, dict]:
-    """Markdown: mean ± std per arm and epoch for both scorings; each arm's (not the ALBEF baselines') epochs
-    and seconds to reach ALBEF_Base's final R@1 per seed (the same seed's ALBEF_Base run). clock: the points'
-    seconds shown ('seconds' as logged, or 'timed_seconds', add_timed_seconds). Returns (text, the reach
-    record {scoring: {arm: {seed: ...}}})."""
-    arms = list(curves)
-    lines = [f'Zero-shot test mean R@1 per epoch (seeds {", ".join(map(str, seeds))}; mean ± sample std; '
-             f'seconds: {CLOCKS[clock]})', '']
-    for score, label in SCORES.items():
-        lines += [f'{label}:', '', '| epoch | ' + ' | '.join(f'{a} | {a} s' for a in arms) + ' |',
-                  '|---|' + '---|---|' * len(arms)]
-        for i, p in enumerate(curves[arms[0]][seeds[0]]):
-            cells = []
-            for a in arms:
-                m, sd = mean_std([curves[a][s][i][score] for s in seeds])
-                t = statistics.fmean(curves[a][s][i][clock] for s in seeds)
-                cells.append((f'{m:.2f} ± {sd:.2f}' if len(seeds) > 1 else f'{m:.2f}') + f' | {t:.0f}')
-            lines.append(f'| {p["epoch"]} | ' + ' | '.join(cells) + ' |')
-        lines.append('')
-    reach: dict = {}
-    others = [a for a in arms if a not in ALBEF_ARMS]
-    if BASELINE in curves and others:
-        lines += [f'Each arm against {BASELINE}\'s final R@1 (same seed): the first evaluated epoch at or '
-                  'above it', '',
-                  f'| seed | scoring | {BASELINE} final | its seconds | '
-                  + ' | '.join(f'{a} epoch (in epochs of time) | {a} seconds' for a in others) + ' |',
-                  '|---|---|---|---|' + '---|---|' * len(others)]
-        for score in SCORES:
-            reach[score] = {}
-            for s in seeds:
-                base = curves[BASELINE][s][-1]
-                cells = []
-                for a in others:
-                    hit = epochs_to_reach(curves[a][s], base[score], score)
-                    reach[score].setdefault(a, {})[s] = {
-                        'target': base[score], 'target_epoch': base['epoch'],
-                        'target_seconds': base['seconds'], 'epoch': hit['epoch'] if hit else None,
-                        'seconds': hit['seconds'] if hit else None,
-                        'time_epochs': hit.get('time_epochs') if hit else None,
-                        **({'timed_seconds': hit['timed_seconds'] if hit else None,
-                            'target_timed_seconds': base['timed_seconds']}
-                           if clock == 'timed_seconds' else {})}
-                    time = f' ({hit["time_epochs"]:.2f})' if hit and 'time_epochs' in hit else ''
-                    cells.append(f'{hit["epoch"]}{time} | {hit[clock]:.0f}' if hit else 'not reached | –')
-                lines.append(f'| {s} | {score} | {base[score]:.2f} (epoch {base["epoch"]}) | '
-                             f'{base[clock]:.0f} | ' + ' | '.join(cells) + ' |')
-    return '\n'.join(lines) + '\n', reach
+    found = {'epoch': e + 1, 'seconds': sum(r['epoch_seconds'] for r in log[:e + 1]),
+             'time_epochs': e + 1 + work / step,
+             'mean_r1': record['test_mean_r1'], 'itc_mean_r1': record['test_itc_mean_r1']}
+    if flops is not None and batch_size is not None:
+        steps = [r['step'] - (log[i - 1]['step'] if i else 0) for i, r in enumerate(log[:e + 1])]
+        found['flops'] = sum(n * batch_size * f for n, f in zip(steps, flops))
+    return found
 
 
 def epoch_timing(base_log: list[dict], arm_log: list[dict]) -> dict:
@@ -234,49 +202,6 @@ def time_beside_baseline(runs: dict[str, tuple[float, str | None]], output_dir: 
         with open(os.path.join(pair_dir, 'result.json'), 'w', encoding='utf-8') as f:
             json.dump({'command': both, 'timing': timing[arm]}, f)
     return timing
-
-
-def timing_table(timing: dict[str, dict], epochs: int) -> str:
-    """Markdown: each arm's per-epoch seconds beside ALBEF_Base's, timed side by side."""
-    lines = [f'Per-epoch seconds, each arm side by side with {BASELINE} ({epochs}-epoch runs, seed 1, one '
-             'thread each, median over the epochs after the first)', '',
-             f'| arm | its epoch | {BASELINE}\'s beside it | ratio | its strategy\'s work per epoch |',
-             '|---|---|---|---|---|']
-    lines += [f'| {arm} | {t["epoch_seconds"]:.2f} s | {t["albef_base_epoch_seconds"]:.2f} s | '
-              f'{t["ratio"]:.3f} | {t["sampler_seconds"]:.3f} s |' for arm, t in timing.items()]
-    return '\n'.join(lines) + '\n'
-
-
-def plot(curves: dict[str, dict[int, list[dict]]], seeds: Sequence[int], path: str,
-         clock: str = 'seconds') -> str:
-    """efficiency.png: R@1 (re-ranked, ITC only) against epochs and against seconds (clock: the points' key,
-    as in curves_table), mean ± std band."""
-    from matplotlib.backends.backend_agg import FigureCanvasAgg
-    from matplotlib.figure import Figure
-
-    fig = Figure(figsize=(10, 8))
-    FigureCanvasAgg(fig)
-    axes = fig.subplots(2, 2)
-    for row, (score, label) in enumerate(SCORES.items()):
-        for col, x in enumerate(('epoch', clock)):
-            ax = axes[row][col]
-            for arm, per_seed in curves.items():
-                n = len(per_seed[seeds[0]])
-                xs = [statistics.fmean(per_seed[s][i][x] for s in seeds) for i in range(n)]
-                stats = [mean_std([per_seed[s][i][score] for s in seeds]) for i in range(n)]
-                means = [m for m, _ in stats]
-                ax.plot(xs, means, marker='o', markersize=3, label=arm)
-                if len(seeds) > 1:
-                    ax.fill_between(xs, [m - sd for m, sd in stats], [m + sd for m, sd in stats], alpha=0.2)
-            ax.set_xlabel('epoch' if x == 'epoch' else CLOCK_LABELS[clock])
-            ax.set_ylabel(label)
-            ax.grid(alpha=0.3)
-            ax.legend(fontsize=8)
-    fig.suptitle(f'Tiny pre-training on the synthetic world, seeds {", ".join(map(str, seeds))} '
-                 '(tools.efficiency)')
-    fig.tight_layout()
-    fig.savefig(path, dpi=100)
-    return path
 
 
 def build_parser() -> Parser:
@@ -347,6 +272,11 @@ def main(argv: Sequence[str] | None = None) -> dict:
                     for c in evaluate_epochs(d, epochs, max_epoch - 1, sets, eval_sets)]
         for start in range(0, len(commands), 2):
             run_side_by_side(commands[start:start + 2])
+        # Each arm's step counted once (its model on a synthetic batch): the FLOPs its epochs execute.
+        configs = {arm: resolve_config('pretrain', PRETRAIN_CONFIG,
+                                       arm_overrides(arm, lr, setting) + base_sets, check_paths=False)
+                   for arm, (lr, setting) in runs.items()}
+        flops = {arm: epoch_flops(config) for arm, config in configs.items()}
         timing = {}
         if args.timing:
             to_time = {a: r for a, r in runs.items() if a not in merged_timing}
@@ -360,7 +290,8 @@ def main(argv: Sequence[str] | None = None) -> dict:
                 continue
             directory = spec[(arm, seed)][0]
             log = read_log(os.path.join(directory, 'pretrain', 'log.txt'))
-            curves.setdefault(arm, {})[seed] = [point(directory, e, log) for e in epochs]
+            curves.setdefault(arm, {})[seed] = [point(directory, e, log, flops[arm], configs[arm].batch_size)
+                                                for e in epochs]
     merged_from = {'files': args.merge,
                    'curves': {a: [s for s in args.seeds if (a, s) in merged] for a in runs
                               if any((a, s) in merged for s in args.seeds)},
@@ -371,6 +302,8 @@ def main(argv: Sequence[str] | None = None) -> dict:
     if timing:
         add_timed_seconds(curves, timing)
     text, reach = curves_table(curves, args.seeds, clock)
+    if reach:
+        text += '\n' + compute_table(reach, clock)
     if timing:
         text += '\n' + timing_table(timing, args.timing)
     curves_read = '; '.join(f'{a} seeds {", ".join(map(str, ss))}'
@@ -389,7 +322,8 @@ def main(argv: Sequence[str] | None = None) -> dict:
               'curves': {arm: {str(s): c for s, c in per.items()} for arm, per in curves.items()},
               'reach_albef_base_final': {k: {a: {str(s): v for s, v in per.items()} for a, per in r.items()}
                                          for k, r in reach.items()},
-              'timing': timing, 'timing_epochs': args.timing,
+              'timing': timing, 'timing_epochs': args.timing, 'clock': clock,
+              'flops_per_sample': {arm: f for arm, f in flops.items()},
               **({'merged_from': merged_from} if merged_from else {})}
     return emit_record(record, output_dir, 'efficiency')
 

@@ -22,7 +22,8 @@ GRIT collection + grouping <= 1 % of step time. The report (<output_dir>/gpu_che
 
 --quick (issue 33; the report is rewritten after every part, so a run cut short keeps what it measured):
   step_eager     tools.step_bench at --batch_size (128), bf16: the step as shipped, ALBEF's step (albef),
-                 each speed change off alone, and gradient checkpointing (its peak memory)
+                 each speed change off alone, gradient checkpointing (its peak memory), and image-token
+                 dropout at 0.5 and 0.75 (drop50, drop75: FLIP's masked step)
   step_compiled  the same step compiled (inductor), and compiled with CUDA graphs (reduce-overhead)
   attention      tools.attention_bench: every SDPA backend at the step's four attention shapes
   tests          the GPU-marked tests, as above
@@ -62,7 +63,7 @@ TINY_PRETRAIN, TINY_RETRIEVAL = 'configs/tiny/Pretrain.yaml', 'configs/tiny/Retr
 TARGETS = {'bf16_mfu_min': 0.45, 'batch128_checkpointed_memory_max_bytes': 24 * GB, 'grit_share_max': 0.01}
 # --quick: the step as shipped, ALBEF's, each change of issue 33 off alone, checkpointing; then compiled.
 QUICK_EAGER = ('bf16', 'bf16+albef', 'bf16+no_share_image_kv', 'bf16+no_fused_qkv', 'bf16+no_mlm_masked_only',
-               'bf16+fp32_layer_norm', 'bf16+grad_checkpointing')
+               'bf16+fp32_layer_norm', 'bf16+grad_checkpointing', 'bf16+drop50', 'bf16+drop75')
 QUICK_COMPILED = ('bf16+compile', 'bf16+compile+cudagraphs')
 QUICK_TARGETS = {'eager_mfu_min': 0.40, 'compiled_mfu_min': 0.50, 'checkpointed_memory_max_bytes': 24 * GB,
                  'executed_gflop_per_sample_max': 210.0}
@@ -158,7 +159,7 @@ def quick_parts(args) -> list[tuple[str, list[str], int]]:
              '--warmup', str(args.warmup), '--device', args.device]
     return [
         ('step_eager', ['-m', 'tools.step_bench', *bench, '--variants', ','.join(QUICK_EAGER),
-                        '--output_dir', os.path.join(out, 'step_eager')], 150),
+                        '--output_dir', os.path.join(out, 'step_eager')], 190),
         ('step_compiled', ['-m', 'tools.step_bench', *bench, '--variants', ','.join(QUICK_COMPILED),
                            '--output_dir', os.path.join(out, 'step_compiled')], 260),
         ('attention', ['-m', 'tools.attention_bench', '--config', args.config, '--batch_size',

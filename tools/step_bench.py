@@ -23,6 +23,8 @@ Each runs in a fresh subprocess (the tool re-invokes itself with --one_variant),
   no_fused_qkv        fused_qkv: false (separate query, key and value products)
   no_mlm_masked_only  mlm_masked_only: false (MLM vocabulary logits at every position)
   fp32_layer_norm     amp_layer_norm: float32 (torch's autocast default; acts only with bf16)
+  drop50, drop75      image_token_drop: 0.5 / 0.75 (FLIP's image-token dropout: half / a quarter of each
+                      image's patch tokens kept)
 FLOPs are counted with torch.utils.flop_counter.FlopCounterMode over one step's forward + backward: the
 variant's own (executed FLOPs; a checkpointed model's recomputed forward included) and ALBEF_Base's step as
 the paper defines it (model FLOPs: the albef step without checkpointing, 241.0 GFLOP per sample at the
@@ -51,8 +53,10 @@ from training.config import PretrainConfig
 from training.reporting import peak_memory_bytes
 
 # The switches a variant name joins with '+', and the names kept for the variants they stood for.
+# Image-token dropout's rates (issue 51): what the step costs with FLIP's masking, beside the speed changes.
+DROPS = {'drop50': 0.5, 'drop75': 0.75}
 SWITCHES = ('bf16', 'grad_checkpointing', 'compile', 'cudagraphs', 'albef', 'no_share_image_kv',
-            'no_fused_qkv', 'no_mlm_masked_only', 'fp32_layer_norm')
+            'no_fused_qkv', 'no_mlm_masked_only', 'fp32_layer_norm', *DROPS)
 ALIASES = {'default': '', 'bf16_compile': 'bf16+compile'}
 # Each speed change of the step (docs/speed-and-scale.md) as the config keys that turn it off.
 CHANGES_OFF: dict[str, dict] = {
@@ -82,6 +86,11 @@ def load_bench_config(args: argparse.Namespace, variant: str = 'default') -> Pre
             changes.update(keys)
     if 'grad_checkpointing' in switches:
         changes['grad_checkpointing'] = True
+    drops = [rate for name, rate in DROPS.items() if name in switches]
+    if len(drops) > 1:
+        raise ValueError(f'variant {variant!r}: one image-token dropout rate at a time ({", ".join(DROPS)})')
+    if drops:
+        changes['image_token_drop'] = drops[0]
     return dataclasses.replace(config, **changes)
 
 
@@ -194,7 +203,8 @@ def run_variant(args: argparse.Namespace, variant: str) -> dict:
 def changed_keys(config: PretrainConfig, args: argparse.Namespace) -> dict:
     """The step's keys that this variant sets apart from --config and --set (what the variant measures)."""
     base = tool_config('pretrain', args)
-    keys = ('grad_checkpointing', *sorted({k for keys in CHANGES_OFF.values() for k in keys}))
+    keys = ('grad_checkpointing', 'image_token_drop',
+            *sorted({k for keys in CHANGES_OFF.values() for k in keys}))
     return {k: getattr(config, k) for k in keys if getattr(config, k) != getattr(base, k)}
 
 
@@ -261,6 +271,9 @@ def build_parser() -> Parser:
                         'variant runs there and here in turn, --rounds times, best step time of each side '
                         'and the speedup reported')
     p.add_argument('--rounds', type=int, default=3, help='--baseline: runs per side and variant (default: 3)')
+    p.add_argument('--baseline_variant', default=None,
+                   help='--baseline: the variant the baseline runs opposite every variant here, e.g. default '
+                        'against drop50, a switch the baseline lacks (default: the same variant)')
     p.add_argument('--one_variant', default=None, help=argparse.SUPPRESS)
     p.add_argument('--model_flops', action='store_true', help=argparse.SUPPRESS)
     return p
@@ -280,6 +293,8 @@ def parse_args(argv: Sequence[str] | None) -> tuple[argparse.Namespace, list[str
                     f'{", ".join(ALIASES)}')
     if args.steps < 1 or args.warmup < 0 or args.rounds < 1:
         p.error('need --steps >= 1, --warmup >= 0 and --rounds >= 1')
+    if args.baseline_variant is not None and not args.baseline:
+        p.error('--baseline_variant needs --baseline')
     if args.baseline and not os.path.isfile(os.path.join(args.baseline, 'tools', 'step_bench.py')):
         p.error(f'--baseline {args.baseline}: not a checkout of this repository (no tools/step_bench.py)')
     try:
@@ -315,7 +330,8 @@ def main(argv: Sequence[str] | None = None) -> dict:
     config = load_bench_config(args)  # a config mistake ends here, before any variant starts
     baseline = None
     if args.baseline:
-        variants, baseline = alternate(child_argv, args.variants, args.baseline, args.rounds)
+        variants, baseline = alternate(child_argv, args.variants, args.baseline, args.rounds,
+                                       args.baseline_variant)
     else:
         variants = {v: spawn_variant(child_argv, v) for v in args.variants}
     model = add_model_flops(variants, child_argv, args.batch_size)

@@ -42,15 +42,16 @@ def spawn_variant(argv: Sequence[str], variant: str, checkout: str | None = None
     return {'error': f'subprocess exited with {proc.returncode}: {tail}'}
 
 
-def alternate(child_argv: list[str], names: list[str], checkout: str, rounds: int
-              ) -> tuple[dict[str, dict], dict]:
+def alternate(child_argv: list[str], names: list[str], checkout: str, rounds: int,
+              opposite: str | None = None) -> tuple[dict[str, dict], dict]:
     """--baseline: each variant `rounds` times in the other checkout and in this one, in turn (B A B A ...),
     each run a fresh subprocess -> (this checkout's best run per variant, the baseline's record: its best
-    runs, every run's step seconds on both sides, and speedup = baseline's best step time / this one's)."""
+    runs, every run's step seconds on both sides, and speedup = baseline's best step time / this one's).
+    opposite: the variant the baseline runs against every one here (None: the same one)."""
     runs: dict[str, dict[str, list[dict]]] = {v: {'baseline': [], 'this': []} for v in names}
     for _ in range(rounds):
         for v in names:
-            runs[v]['baseline'].append(spawn_variant(child_argv, v, checkout))
+            runs[v]['baseline'].append(spawn_variant(child_argv, opposite or v, checkout))
             runs[v]['this'].append(spawn_variant(child_argv, v))
 
     def best(records: list[dict]) -> dict:
@@ -70,6 +71,7 @@ def alternate(child_argv: list[str], names: list[str], checkout: str, rounds: in
     pairs = {v: [b / a for b, a in zip(theirs[v]['step_seconds_runs'], mine[v]['step_seconds_runs'])
                  if a and b] for v in names}
     return mine, {'checkout': os.path.abspath(checkout), 'commit': commit.stdout.strip() or None,
+                  'opposite': {v: opposite or v for v in names},
                   'rounds': rounds, 'order': 'baseline, this, per variant, each round',
                   'variants': theirs, 'speedup': speedup, 'speedup_per_round': pairs,
                   'speedup_median': {v: statistics.median(p) for v, p in pairs.items() if p}}

@@ -1,17 +1,19 @@
 """What the step benchmark measures with: a synthetic pre-training batch, Pretrain.py's forward and loss,
 the FLOPs of one step (torch's FlopCounterMode, the CPU attention kernel added), the device's practical
 matmul peak, its name, and the synchronisation a timer needs (tools.step_bench runs the variants and
-times them; tools.gpu_check reuses it)."""
+times them; tools.gpu_check reuses it; tools.efficiency counts each arm's step with it)."""
 
 from __future__ import annotations
 
+import dataclasses
 import time
 
 import torch
 
 from training.config import PretrainConfig
 
-__all__ = ["count_flops", "device_name", "forward_loss", "matmul_peak", "sync", "synthetic_batch"]
+__all__ = ["count_flops", "device_name", "forward_loss", "matmul_peak", "step_flops_per_sample", "sync",
+           "synthetic_batch"]
 
 
 def synthetic_batch(config: PretrainConfig, tokenizer, batch_size: int, device: torch.device, seed: int = 0):
@@ -60,6 +62,20 @@ def count_flops(model, batch, device: torch.device, dtype: torch.dtype | None) -
         forward_loss(model, batch, device, dtype)['loss'].backward()
     model.zero_grad(set_to_none=True)
     return counter.get_total_flops(), {str(op): n for op, n in counter.get_flop_counts()['Global'].items()}
+
+
+def step_flops_per_sample(config: PretrainConfig) -> float:
+    """Executed FLOPs per sample of one pre-training step (forward + backward, count_flops) of the config's
+    model with random weights, on the CPU, on a synthetic batch of its batch_size at max_tokens (the longest
+    a batch gets), as tools.step_bench counts them; image_token_drop counted as the config sets it."""
+    from models.pretrain import ALBEF_Base
+    from models.tokenization import build_tokenizer
+
+    torch.manual_seed(0)
+    tokenizer = build_tokenizer(config)
+    model = ALBEF_Base(dataclasses.replace(config, vision_init=None, text_encoder=None), tokenizer).train()
+    batch = synthetic_batch(config, tokenizer, config.batch_size, torch.device('cpu'))
+    return count_flops(model, batch, torch.device('cpu'), None)[0] / config.batch_size
 
 
 def sync(device: torch.device) -> None:

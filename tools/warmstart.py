@@ -19,6 +19,15 @@ collector's result depends on the order of the examples, not on how they are bat
 line, also written to DIR/warmstart.json: the index file, the number of indices, the mean hardest in-batch
 negative cosine similarity of the grouped batches of the config's batch_size and of the same indices in a
 random order, and the seconds taken.
+
+--image_token_drop R (issue 51) also measures what grouping by masked features costs: a run with
+image_token_drop R groups by the CLS projections of its masked forward. The pass then encodes every image a
+second time with R of its patch tokens dropped (timm's PatchDropout, seeded; the rest of the model in eval
+mode) and groups the data set twice from the kept (float16) features, in the same arrival order and seed:
+by the unmasked and by the masked image features. Under "image_token_drop" the record gives each grouping's
+hardness measured on the unmasked features (the pairs' similarity as evaluation sees it) and the masked
+grouping's hardness on the masked features (what training's hardness logs). The index file stays the
+unmasked grouping's.
 """
 
 from __future__ import annotations
@@ -31,6 +40,7 @@ import time
 from collections.abc import Iterable, Iterator, Sequence
 
 import torch
+from timm.layers import PatchDropout
 from torch import Tensor
 from torch.utils.data import DataLoader
 
@@ -63,21 +73,35 @@ _HARDNESS_CHUNKS = 4096
 @torch.no_grad()
 def encode_batches(model: ALBEF_Base, dataset: PretrainDataset, collate: ImageTextCollate,
                    order: Sequence[int], batch_size: int, device: torch.device | str,
-                   num_workers: int = 0, seed: int = 0) -> Iterator[Batch]:
+                   num_workers: int = 0, seed: int = 0, image_token_drop: float = 0.0) -> Iterator[Batch]:
     """Uni-modal ITC projections of dataset[order] in order -> batches (image (B,d), text (B,d), idx (B,),
-    caption key (B,)), all on `device`; model in eval mode for the pass."""
+    caption key (B,)), all on `device`; model in eval mode for the pass. image_token_drop > 0: each batch
+    also carries the image projections of a second pass that drops that share of each image's patch tokens
+    (B,d), as training with image_token_drop sees them (seeded by `seed`)."""
     loader = DataLoader(dataset, batch_size=batch_size, sampler=list(order), num_workers=num_workers,
                         collate_fn=collate, generator=torch.Generator().manual_seed(seed))
     was_training = model.training
+    vit = model.visual_encoder
+    kept_drop = vit.patch_drop
     model.eval()
+    if image_token_drop:
+        vit.patch_drop = PatchDropout(image_token_drop, num_prefix_tokens=vit.num_prefix_tokens).train()
+        torch.manual_seed(seed)
     try:
         for batch in loader:
             text, idx = batch.text.to(device), batch.ids
-            image_feat, text_feat = model.unimodal_features(batch.image.to(device), text)
+            image = batch.image.to(device)
+            vit.patch_drop.eval()
+            image_feat, text_feat = model.unimodal_features(image, text)
             # The training guard's caption key (padding zeroed), so the hardness skips the same pairs.
             keys = caption_keys(text.input_ids.masked_fill(text.attention_mask == 0, 0))
-            yield image_feat, text_feat, idx.to(device), keys
+            masked = ()
+            if image_token_drop:
+                vit.patch_drop.train()  # only the dropout: the rest of the model stays in eval mode
+                masked = (model.image_feat(model.encode_image(image)).float(),)
+            yield image_feat, text_feat, idx.to(device), keys, *masked
     finally:
+        vit.patch_drop = kept_drop
         model.train(was_training)
 
 
@@ -137,6 +161,9 @@ def build_parser() -> Parser:
     p.add_argument("--batch_size", type=int, default=256,
                    help="examples per encoder pass, throughput only (default: 256)")
     p.add_argument("--seed", type=int, default=None, help="sets config key seed")
+    p.add_argument("--image_token_drop", type=float, default=0.0,
+                   help="also group by the image features of a forward that drops this share of each image's "
+                        "patch tokens, and report both groupings' hardness (default: 0, not measured)")
     return p
 
 
@@ -162,6 +189,8 @@ def main(argv: Sequence[str] | None = None) -> dict:
         raise FileNotFoundError(f"--checkpoint: no such file: {args.checkpoint}")
     if args.batch_size < 1:
         raise ConfigError("--batch_size must be >= 1")
+    if not 0 <= args.image_token_drop < 1:
+        raise ConfigError(f"--image_token_drop must be in [0, 1), got {args.image_token_drop}")
     # The pass reads the training data: its paths must exist (or be the synthetic world, made below).
     config = grit_config(tool_config("pretrain", args, {"seed": args.seed}, check_paths=True))
     seed, batch_size = config.seed, config.batch_size
@@ -189,17 +218,21 @@ def main(argv: Sequence[str] | None = None) -> dict:
     image_all = torch.zeros(D, dim, dtype=torch.float16)
     text_all = torch.zeros(D, dim, dtype=torch.float16)
     text_keys = torch.zeros(D, dtype=torch.long)
+    masked_all = torch.zeros(D, dim, dtype=torch.float16) if args.image_token_drop else None
 
     def recorded(batches: Iterable[Batch]) -> Iterator[Batch]:
-        for image_feat, text_feat, idx, keys in batches:
+        for image_feat, text_feat, idx, keys, *masked in batches:
             cpu_idx = idx.cpu()
             image_all[cpu_idx] = image_feat.cpu().half()
             text_all[cpu_idx] = text_feat.cpu().half()
             text_keys[cpu_idx] = keys.cpu()
+            if masked:
+                masked_all[cpu_idx] = masked[0].cpu().half()
             yield image_feat, text_feat, idx, keys
 
     batches = encode_batches(model, dataset, collate, order.tolist(), args.batch_size, device,
-                             num_workers=config.num_workers, seed=seed)
+                             num_workers=config.num_workers, seed=seed,
+                             image_token_drop=args.image_token_drop)
     sizes = config.batching
     G = group_features(recorded(batches), D, dim, queue_size=sizes.queue_size,
                        search_space=sizes.search_space,
@@ -224,7 +257,32 @@ def main(argv: Sequence[str] | None = None) -> dict:
         "guard_false_negatives": guard,
         "seconds": round(seconds, 3),
     }
+    if masked_all is not None:
+        record["image_token_drop"] = masked_hardness(image_all, masked_all, text_all, order, config,
+                                                     args.image_token_drop, args.batch_size, keys)
     return emit_record(record, args.output_dir, "warmstart")
+
+
+def masked_hardness(image_all: Tensor, masked_all: Tensor, text_all: Tensor, order: Tensor,
+                    config: PretrainConfig, rate: float, batch_size: int,
+                    keys: tuple[Tensor | None, Tensor | None]) -> dict:
+    """Stored features (D,d), the pass's arrival order (D,) -> the hardness of grouping by the unmasked and by
+    the masked image features (both regrouped from the float16 copies, in the same order and seed)."""
+    sizes = config.batching
+
+    def grouped(image: Tensor) -> Tensor:
+        batches = ((image[i].float(), text_all[i].float(), i) for i in order.split(batch_size))
+        return group_features(batches, len(order), image.shape[1], queue_size=sizes.queue_size,
+                              search_space=sizes.search_space, example_shuffle=sizes.example_shuffle,
+                              seed=config.seed)
+
+    by_unmasked, by_masked = grouped(image_all), grouped(masked_all)
+    N = config.batch_size
+    return {"rate": rate,
+            "hardness_grouped_by_unmasked": batch_hardness(image_all, text_all, by_unmasked, N, *keys),
+            "hardness_grouped_by_masked": batch_hardness(image_all, text_all, by_masked, N, *keys),
+            "hardness_grouped_by_masked_on_masked": batch_hardness(masked_all, text_all, by_masked, N, *keys),
+            "cosine_masked_to_unmasked": float((masked_all.float() * image_all.float()).sum(1).mean())}
 
 
 if __name__ == "__main__":

@@ -224,6 +224,13 @@ class PretrainConfig(_Objectives, TaskConfig):
     itc_smoothing_epoch: int = key(0, "the first epoch S-ITC smooths (before it: the paper's targets)", low=0)
     mlm_masked_only: bool = key(True, "MLM vocabulary logits only at the masked positions (a fixed-size "
                                       "selection, no host sync); false: at every position, as ALBEF")
+    image_token_drop: float = key(0.0, "share of each image's patch tokens dropped in every training step "
+                                       "(FLIP; timm's PatchDropout: a fresh random subset of fixed size per "
+                                       "image, [CLS] kept, after the positional embeddings); ITC, ITM and "
+                                       "MLM see the same kept tokens, evaluation sees all; 0: the paper's "
+                                       "step (not in the paper)", low=0, high=0.95)
+    unmasked_epochs: int = key(0, "with image_token_drop: the run's last this many epochs see every token "
+                                  "(FLIP's unmasked tuning); 0: dropping to the end", low=0)
     batch_pictures: bool = key(True, "each epoch's first batch drawn into batches/ with its captions and "
                                      "hardest negatives (training.pictures, matplotlib; rank 0); false: none")
     batch_size: int = key(REQUIRED, "per-rank batch N: one GRIT group per local batch", low=1)
@@ -259,6 +266,12 @@ class PretrainConfig(_Objectives, TaskConfig):
         if self.itc_smoothing and self.itc_smoothing_epoch >= self.max_epoch:
             out.append(f"itc_smoothing_epoch ({self.itc_smoothing_epoch}) is not before the run's end "
                        f"(max_epoch {self.max_epoch}): S-ITC would never smooth")
+        if self.unmasked_epochs and not self.image_token_drop:
+            out.append(f"unmasked_epochs is {self.unmasked_epochs} but image_token_drop is 0: every epoch "
+                       "sees every token already; drop it")
+        elif self.image_token_drop and self.unmasked_epochs >= self.max_epoch:
+            out.append(f"unmasked_epochs ({self.unmasked_epochs}) is not below max_epoch ({self.max_epoch}): "
+                       "image_token_drop would never drop a token")
         if self.grouped and self.batching.group_from_epoch >= self.max_epoch:
             out.append(f"batching.group_from_epoch ({self.batching.group_from_epoch}) is not before the "
                        "run's end "

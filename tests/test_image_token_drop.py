@@ -1,0 +1,167 @@
+"""FLIP's image-token dropout (config key image_token_drop, models.pretrain): a seeded subset of fixed size
+of each image's patches, [CLS] kept, the same kept tokens for ITC, ITM and MLM, none dropped in evaluation
+or in the unmasked epochs (where the step is the paper's, bit for bit), one compiled graph, and executed
+FLOPs that fall by a closed form in the kept count."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+import torch
+from conftest import word_tokenizer
+from test_step_equality import IMAGE_KEYS, batch, pretrain_config, step, twin_models
+from torch import nn
+
+from models.losses import WithObjectives
+from models.pretrain import ALBEF_Base
+from tools.step_measure import count_flops
+from training.config_files import ConfigError
+
+pytestmark = pytest.mark.usefixtures("one_thread")  # tests/conftest.py
+
+WORDS = ["a", "dog", "cat", "red", "blue", "ball", "on", "the", "grass", "left", "right", "big", "small"]
+PATCHES = 16  # 32 px images in 8 px patches (pretrain_config)
+
+
+@pytest.fixture(scope="module")
+def tokenizer(tmp_path_factory):
+    return word_tokenizer(tmp_path_factory.mktemp("vocab"), WORDS)
+
+
+def vision_tokens(model: ALBEF_Base, image: torch.Tensor, text: dict, seed: int = 3) -> list[tuple]:
+    """One seeded forward of the whole model -> what every call of the patch dropout received and returned
+    (tokens (B,1+P,D) -> (B,1+K,D)) and the image tokens every call of the fusion layers received."""
+    seen: list = []
+    handles = [model.visual_encoder.patch_drop.register_forward_hook(
+        lambda m, args, out: seen.append(("drop", args[0], out)))]
+    fuse = model.fuse
+
+    def spy(text_embeds, text_mask, image_embeds, image_index=None):
+        seen.append(("fuse", image_embeds))
+        return fuse(text_embeds, text_mask, image_embeds, image_index)
+
+    model.fuse = spy
+    try:
+        torch.manual_seed(seed)
+        WithObjectives(model)(image, text, image_key=IMAGE_KEYS)
+    finally:
+        del model.fuse
+        for h in handles:
+            h.remove()
+    return seen
+
+
+def test_kept_tokens_are_a_seeded_fixed_size_subset_per_image_shared_by_every_objective(tokenizer):
+    torch.manual_seed(0)
+    model = ALBEF_Base(pretrain_config(image_token_drop=0.5), tokenizer).double().train()
+    image, text = batch(tokenizer)
+    seen = vision_tokens(model, image.double(), text)
+    drops = [s for s in seen if s[0] == "drop"]
+    assert len(drops) == 1  # the image is encoded once per step
+    _, before, after = drops[0]
+    assert before.shape[1] == 1 + PATCHES and after.shape == (8, 1 + PATCHES // 2, before.shape[2])
+    assert torch.equal(after[:, 0], before[:, 0])  # [CLS] kept
+    # Each kept token is one of its own image's patches, none twice; the subsets differ between images.
+    match = (after[:, 1:, None, :] == before[:, None, 1:, :]).all(-1)  # (B, K, P)
+    assert (match.sum(-1) == 1).all()
+    kept = match.float().argmax(-1).sort(-1).values
+    assert (kept[:, 1:] != kept[:, :-1]).all()
+    assert len({tuple(k.tolist()) for k in kept}) > 1
+    # ITM's and MLM's fusion pass attends to exactly these tokens (after the ViT's blocks).
+    fused = [s[1] for s in seen if s[0] == "fuse"]
+    assert len(fused) == 1 and fused[0].shape[1] == 1 + PATCHES // 2
+    # Seeded: the same seed keeps the same tokens, another seed others.
+    again = [s for s in vision_tokens(model, image.double(), text) if s[0] == "drop"][0][2]
+    other = [s for s in vision_tokens(model, image.double(), text, seed=4) if s[0] == "drop"][0][2]
+    assert torch.equal(again, after) and not torch.equal(other, after)
+
+
+def test_the_unmasked_epochs_and_a_zero_rate_are_the_papers_step_bit_for_bit(tokenizer):
+    paper, dropping = twin_models(tokenizer, {}, {"image_token_drop": 0.75, "unmasked_epochs": 2,
+                                                  "max_epoch": 5})
+    assert isinstance(paper.visual_encoder.patch_drop, nn.Identity)  # 0: timm's identity, no draw
+    image, text = batch(tokenizer)
+    image = image.double()
+    dropping.start_epoch(2)  # still masked: a different step
+    masked = step(dropping, image, text)
+    reference = step(paper, image, text)
+    assert not torch.equal(masked[0]["loss_itc"], reference[0]["loss_itc"])
+    dropping.start_epoch(3)  # the last two epochs: every token
+    unmasked = step(dropping, image, text)
+    for key, value in reference[0].items():
+        assert torch.equal(unmasked[0][key], value), key
+    assert reference[1].keys() == unmasked[1].keys()
+    for name, grad in reference[1].items():
+        assert torch.equal(unmasked[1][name], grad), name
+
+
+def test_evaluation_never_drops_and_checkpoints_load_without_the_switch(tokenizer):
+    torch.manual_seed(0)
+    model = ALBEF_Base(pretrain_config(image_token_drop=0.5), tokenizer).eval()
+    image, text = batch(tokenizer)
+    assert model.encode_image(image).shape[1] == 1 + PATCHES
+    feats = model.unimodal_features(image, SimpleNamespace(**text))  # GRIT's naive pass, the warm start
+    model.train()
+    with torch.no_grad():
+        assert model.encode_image(image).shape[1] == 1 + PATCHES // 2
+    plain = ALBEF_Base(pretrain_config(), tokenizer)
+    assert plain.load_state_dict(model.state_dict()) is not None  # strict: the same keys
+    plain.eval()
+    torch.testing.assert_close(plain.unimodal_features(image, SimpleNamespace(**text)), feats, rtol=0, atol=0)
+
+
+def test_the_step_with_dropping_compiles_as_one_graph(tokenizer):
+    torch.manual_seed(0)
+    model = ALBEF_Base(pretrain_config(image_token_drop=0.5), tokenizer).train()
+    image, text = batch(tokenizer, static=True)
+    eager = step(model, image, text)
+    compiled = torch.compile(WithObjectives(model), fullgraph=True, backend="aot_eager")
+    got = step(compiled, image, text)
+    for key, value in eager[0].items():  # the same draws: the same kept tokens and MLM masks
+        torch.testing.assert_close(got[0][key], value, rtol=1e-5, atol=1e-6, msg=key)
+    torch._dynamo.reset()
+
+
+def step_flops(tokenizer, drop: float, **overrides) -> tuple[int, ALBEF_Base, tuple]:
+    torch.manual_seed(0)
+    config = pretrain_config(image_token_drop=drop, **overrides)
+    model = ALBEF_Base(config, tokenizer).train()
+    image, text = batch(tokenizer, static=True)
+    return count_flops(model, (image, text, IMAGE_KEYS), torch.device("cpu"), None)[0], model, text
+
+
+@pytest.mark.parametrize("share_image_kv", [True, False])
+def test_the_steps_flops_fall_by_a_closed_form_in_the_kept_tokens(tokenizer, share_image_kv):
+    """Forward + backward: every product that touches image tokens costs 3x its forward (the backward
+    computes the input's and the weight's gradients), attention 3.5x (torch's formula for the fused
+    kernels' backward, 2.5x, recomputes the scores)."""
+    full, model, text = step_flops(tokenizer, 0.0, share_image_kv=share_image_kv)
+    vit, bert = model.visual_encoder, model.text_encoder.config
+    D, H, depth = vit.embed_dim, bert.hidden_size, len(vit.blocks)
+    fusion_layers = bert.num_hidden_layers - bert.fusion_layer
+    B, L = IMAGE_KEYS.numel(), text["input_ids"].shape[1]
+    rows = 4 * B  # ITM's 3B pairs and MLM's B captions attend to the image tokens
+
+    def image_token_flops(T: int) -> int:
+        """FLOPs of one step that scale with the T image tokens."""
+        images = B if share_image_kv else rows  # whose keys and values are computed
+        # ViT blocks: q, k, v and the output projection 8TD^2, the MLP 16TD^2; fusion layers: keys, values.
+        products = B * depth * 24 * T * D * D + fusion_layers * images * 4 * T * D * H
+        # Scores and their weighted sum: ViT self-attention, and the cross-attention of L text tokens.
+        attention = B * depth * 4 * T * T * D + fusion_layers * rows * 4 * L * T * H
+        return 3 * products + 7 * attention // 2
+
+    for drop in (0.5, 0.75):
+        got, _, _ = step_flops(tokenizer, drop, share_image_kv=share_image_kv)
+        kept = 1 + int(PATCHES * (1 - drop))
+        assert full - got == image_token_flops(1 + PATCHES) - image_token_flops(kept), drop
+
+
+def test_settings_that_cannot_act_are_refused():
+    with pytest.raises(ConfigError, match="unmasked_epochs is 2 but image_token_drop is 0"):
+        pretrain_config(unmasked_epochs=2)
+    with pytest.raises(ConfigError, match=r"unmasked_epochs \(5\) is not below max_epoch \(5\)"):
+        pretrain_config(image_token_drop=0.5, unmasked_epochs=5, max_epoch=5)
+    with pytest.raises(ConfigError, match="image_token_drop"):
+        pretrain_config(image_token_drop=1.0)
