@@ -165,3 +165,17 @@ def test_settings_that_cannot_act_are_refused():
         pretrain_config(image_token_drop=0.5, unmasked_epochs=5, max_epoch=5)
     with pytest.raises(ConfigError, match="image_token_drop"):
         pretrain_config(image_token_drop=1.0)
+
+
+def test_dropping_works_with_gradient_checkpointing_and_bf16(tokenizer):
+    """The kept tokens are drawn before the checkpointed blocks: checkpointing recomputes the same step
+    (equal losses and gradients); under bf16 autocast the step runs and its losses are finite."""
+    plain, checkpointed = twin_models(tokenizer, {}, {"grad_checkpointing": True}, image_token_drop=0.5)
+    image, text = batch(tokenizer)
+    reference, got = step(plain, image.double(), text), step(checkpointed, image.double(), text)
+    for key, value in reference[0].items():
+        torch.testing.assert_close(got[0][key], value, rtol=0, atol=1e-12, msg=key)
+    for name, grad in reference[1].items():
+        torch.testing.assert_close(got[1][name], grad, rtol=0, atol=1e-10, msg=name)
+    bf16 = step(plain.float(), image, text, autocast=torch.bfloat16)
+    assert all(torch.isfinite(v) for v in bf16[0].values())
