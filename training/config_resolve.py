@@ -157,6 +157,9 @@ def _albef_keys(plain: dict, task: str, sources: _Sources) -> None:
 # The `grit:` block of configs written before batching.strategy was the one axis: its keys are batching's,
 # and its `enabled` was the strategy (true: grit, false: random; `grit: null`: random).
 OLD_GRIT_KEYS = ("enabled", *SAMPLER_KEYS)
+# The one rule both renderings below apply: the old switch's value -> batching.strategy (`grit: null` is
+# grouping off); every other grit.<key> is batching.<key>.
+STRATEGY_OF_ENABLED = {True: "grit", False: "random"}
 _noticed: set[str] = set()
 
 
@@ -168,9 +171,9 @@ def new_spelling(override: str) -> str:
     if not sep or not (key == "grit" or key.startswith("grit.")):
         return override
     if key == "grit" and value.strip() in ("null", "~", ""):
-        return "batching.strategy=random"
+        return f"batching.strategy={STRATEGY_OF_ENABLED[False]}"
     if key == "grit.enabled" and value.strip().lower() in ("true", "false"):
-        return f"batching.strategy={'grit' if value.strip().lower() == 'true' else 'random'}"
+        return f"batching.strategy={STRATEGY_OF_ENABLED[value.strip().lower() == 'true']}"
     return f"batching.{key[len('grit.'):]}={value}" if key.startswith("grit.") else override
 
 
@@ -197,7 +200,7 @@ def _old_batching_spelling(plain: dict, sources: _Sources) -> None:
             if strategy is None or (sources("grit.enabled") == "--set" != sources("batching.strategy")
                                     and (strategy == "random") == bool(value)):
                 # Unset, or a command line that turns the file's grouping on or off: the old key decides.
-                batching["strategy"] = "grit" if value else "random"
+                batching["strategy"] = STRATEGY_OF_ENABLED[value]
             elif strategy != "random" and value is False:
                 errors.append(f"batching.strategy {strategy!r} groups batches, but grit.enabled is false "
                               f"(from {sources('grit.enabled')}): drop grit.enabled (batching.strategy "
@@ -212,12 +215,12 @@ def _old_batching_spelling(plain: dict, sources: _Sources) -> None:
     strategy = batching.get("strategy")
     if not old:  # `grit: null` or `grit: {}`: GRIT off
         if strategy is None or (sources("grit") == "--set" != sources("batching.strategy")):
-            batching["strategy"] = "random"  # unset, or a command line turning the file's grouping off
+            batching["strategy"] = STRATEGY_OF_ENABLED[False]  # unset, or a command line turning it off
         elif strategy != "random":
             errors.append(f"batching.strategy {strategy!r} groups batches, but grit is null (from "
                           f"{sources('grit')}): drop grit (batching.strategy decides alone)")
     elif "enabled" not in old and strategy is None:
-        batching["strategy"] = "grit"  # a grit block meant GRIT on unless it said enabled: false
+        batching["strategy"] = STRATEGY_OF_ENABLED[True]  # a grit block meant GRIT on unless enabled: false
     _fail(errors, "config keys in two spellings")
     where = sources("grit")
     if where not in _noticed and os.environ.get("RANK", "0") == "0":
