@@ -230,6 +230,18 @@ def test_new_arms_are_selected_with_their_grid_setting_on_val():
     assert any(line.split()[0] == "B3" and "p=10,m=30" in line for line in marked), marked
 
 
+def test_the_sigmoid_arms_are_paired_with_each_other():
+    """GRIT-VLP + sigmoid's gap is also reported against random + sigmoid (issue 50: does grouping help
+    the sigmoid loss?), paired by seed."""
+    seeds = [1, 2]
+    sweep = _grid_sweep(seeds)
+    rows = sweep["GRIT-VLP"][5e-4]
+    sweep["GRIT-VLP + sigmoid"] = {5e-4: {s: v | {"mean_r1": 30.0 + s} for s, v in rows.items()}}
+    sweep["random + sigmoid"] = {5e-4: {s: v | {"mean_r1": 31.0} for s, v in rows.items()}}
+    _, record = report(sweep, seeds)
+    assert record["gaps_to"]["random + sigmoid"]["GRIT-VLP + sigmoid"]["mean_r1"]["per_seed"] == [0.0, 1.0]
+
+
 def test_the_markdown_table_shows_each_arm_at_its_selection_with_spread_gap_and_cost(monkeypatch):
     from tools.compare_tables import markdown_table
 

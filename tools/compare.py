@@ -155,7 +155,8 @@ def gap_figures(row: dict) -> tuple[str, ...]:
 
 
 def report(sweep: dict[str, dict[float | tuple, dict[int, dict]]], seeds: Sequence[int],
-           baselines: Sequence[str] = ('random batches', 'GRIT-VLP')) -> tuple[str, dict]:
+           baselines: Sequence[str] = ('random batches', 'GRIT-VLP', 'random + sigmoid')
+           ) -> tuple[str, dict]:
     """The printed tables and the JSON summary of a sweep {arm: {setting: {seed: summary_row}}}; a setting
     is a learning rate, or (lr, grid setting) for an arm with a hyper-parameter grid (GRIDS). Each arm's
     setting is the one of best mean val R@1 (re-ranked); the test rows at it are reported per seed with
