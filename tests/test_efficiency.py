@@ -112,6 +112,29 @@ def test_compute_to_target_is_a_ratio_to_albef_bases_whole_run():
     assert "| mean_r1 | GRIT-VLP | 0.375 ± 0.177 | 0.400 ± 0.141 | 2 of 3 |" in text
 
 
+def test_a_dropping_arm_has_its_masked_and_unmasked_epochs_timed_apart():
+    """image_token_drop with unmasked epochs: the masked epochs' ratio (after the first) and the unmasked
+    ones', each summed over a point's own epochs."""
+    base_log = [{"epoch_seconds": s} for s in (20.0, 10.0, 10.0, 10.0)]
+    arm_log = [{"epoch_seconds": s, "sampler_seconds": 0.1} for s in (20.0, 6.0, 6.0, 11.0)]
+    timed = efficiency.epoch_timing(base_log, arm_log, masked_epochs=3)
+    assert timed["ratio"] == 0.6 and timed["unmasked_ratio"] == 1.1
+    assert "unmasked_ratio" not in efficiency.epoch_timing(base_log, arm_log)
+    arm = "GRIT-VLP drop 0.5"
+    curves = {"ALBEF_Base": {1: [{"epoch": 2}, {"epoch": 4}]}, arm: {1: [{"epoch": 2}, {"epoch": 4}]}}
+    efficiency.add_timed_seconds(curves, {arm: timed}, {arm: 3})
+    assert [p["timed_seconds"] for p in curves[arm][1]] == [pytest.approx(12.0), pytest.approx(29.0)]
+    assert [p["timed_seconds"] for p in curves["ALBEF_Base"][1]] == [20.0, 40.0]
+
+
+def test_timing_a_dropping_arm_needs_a_masked_epoch_after_the_first(monkeypatch, tmp_path):
+    monkeypatch.chdir(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    monkeypatch.setattr(efficiency, "run_side_by_side", lambda *a, **k: pytest.fail("nothing may run"))
+    runs = {"ALBEF_Base": (2.5e-4, None), "GRIT-VLP drop 0.5": (5e-4, None)}
+    with pytest.raises(ValueError, match="--timing 2: GRIT-VLP drop 0.5 drops image tokens in 1 of those"):
+        efficiency.time_beside_baseline(runs, str(tmp_path), 2, [])
+
+
 def test_each_arm_is_timed_beside_albef_base_on_one_thread_each(monkeypatch, tmp_path):
     """--timing: per arm, a fresh short pre-training of ALBEF_Base and of the arm side by side (one thread
     each, the epoch count overridden); the medians skip the first epoch."""
@@ -208,7 +231,7 @@ def test_efficiency_micro_writes_table_figure_and_json(in_repo, tmp_path, monkey
     for arm, per_seed in record["curves"].items():
         assert 0 < per_seed["1"][0]["flops"] < per_seed["1"][1]["flops"], arm
         assert len(record["flops_per_sample"][arm]) == 2
-    assert "as a share of ALBEF_Base's whole run" in open(os.path.join(out, "efficiency.md")).read()
+    assert "as a share of ALBEF_Base's run to its last" in open(os.path.join(out, "efficiency.md")).read()
 
 
 def test_merged_curves_and_timings_are_read_not_run_and_a_foreign_record_is_named(tmp_path, monkeypatch):

@@ -100,6 +100,11 @@ def test_quick_targets_and_effects_are_judged_from_the_measurements():
     executed = targets["executed_gflop_per_sample"]
     assert executed["value"] == 207.0 and executed["met"]
     assert targets["effects"] == {"albef": 1.4, "no_share_image_kv": 1.12}  # the others were not measured
+    # Checkpointing and image-token dropout are not changes of the shipped step: dropout gets its speed-up.
+    timed = judge_quick({**step, "bf16+grad_checkpointing": {"samples_per_s": 50.0},
+                         "bf16+drop50": {"samples_per_s": 140.0}})
+    assert set(timed["effects"]) == {"albef", "no_share_image_kv"}
+    assert timed["token_drop_speedups"] == {"drop50": round(140.0 / step["bf16"]["samples_per_s"], 3)}
     slow = judge_quick({"bf16": {"mfu": 0.2, "samples_per_s": 1.0}, "bf16+compile": {"mfu": 0.45}})
     assert not slow["eager_mfu"]["met"] and not slow["compiled_mfu"]["met"]
     assert slow["checkpointed_memory"] is None and slow["effects"] == {}

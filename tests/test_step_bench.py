@@ -176,6 +176,12 @@ def test_the_baseline_runs_its_own_variant_opposite_each_one_here(monkeypatch):
         step_bench.load_bench_config(step_bench.parse_args(["--config", CONFIG])[0], "drop50+drop75")
     with pytest.raises(SystemExit):  # the opposite variant belongs to a baseline
         step_bench.parse_args(["--config", CONFIG, "--baseline_variant", "default"])
+    # A masked step does less than the paper's per sample: no MFU in the paper's FLOPs, its executed one kept.
+    measured = {"albef": {"flops_per_sample": 10.0, "samples_per_s": 2.0, "matmul_peak_flops": 100.0},
+                "drop50": {"flops_per_sample": 6.0, "samples_per_s": 3.0, "matmul_peak_flops": 100.0,
+                           "image_token_drop": 0.5}}
+    assert step_bench.add_model_flops(measured, [], 8) == 10.0
+    assert measured["albef"]["mfu"] == 0.2 and measured["drop50"]["mfu"] is None
 
 
 def test_unknown_variant_is_refused():

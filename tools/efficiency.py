@@ -24,13 +24,15 @@ at its arm's measured per-epoch time (ALBEF_Base's times the arm's ratio to it),
 as the logged seconds do not.
 
 Compute to the target (issue 51): every point also carries the executed FLOPs of the run so far: each
-epoch's logged steps times the global batch times the FLOPs per sample of that epoch's step, counted once
-per arm as tools.step_bench counts them (tools.step_measure.step_flops_per_sample: forward + backward of
-the arm's model at random weights on a synthetic batch at max_tokens; with image_token_drop the masked step
-until the unmasked epochs). GRIT's and the other strategies' own work is not in the FLOPs (it is in the
-seconds). The reach then gives each arm's FLOPs and seconds to ALBEF_Base's final recall as ratios to
-ALBEF_Base's whole run of the same seed, and efficiency.md a table of those ratios (mean ± sample std over
-the seeds that reached it).
+epoch's logged steps times the batch (one process: the runs' batch_size) times the FLOPs per sample of
+that epoch's step, counted once per arm as tools.step_bench counts them
+(tools.step_measure.step_flops_per_sample: forward + backward of the arm's model at random weights on a
+synthetic batch at max_tokens; with image_token_drop the masked step until the unmasked epochs). GRIT's and
+the other strategies' own work is not in the FLOPs (it is in the seconds). With --timing, an arm that drops
+image tokens has its masked and its unmasked epochs timed apart (--timing must leave it a masked epoch
+after the first). The reach then gives each arm's FLOPs and seconds to ALBEF_Base's final recall as ratios
+to ALBEF_Base's run up to its last evaluated epoch, same seed, and efficiency.md a table of those ratios
+(mean ± sample std over the seeds that reached it).
 
 Written into --output_dir: efficiency.json (every point), efficiency.md (mean ± sample std per epoch,
 and the epochs, seconds and compute to reach ALBEF_Base's final R@1 per seed), efficiency.png (2 x 2:
@@ -48,7 +50,7 @@ import dataclasses
 import json
 import os
 import statistics
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 
 from tools.ablate import PRESETS, ensure_micro_data
 from tools.arms import ARMS, SELECTED_LR, arm_overrides, selection
@@ -128,13 +130,15 @@ def epoch_flops(config: PretrainConfig) -> list[float]:
 def point(directory: str, e: int, log: list[dict], flops: Sequence[float] | None = None,
           batch_size: int | None = None) -> dict:
     """One curve point: epoch (1-based), cumulative seconds and epochs of time, test R@1 re-ranked and ITC
-    only; with each epoch's FLOPs per sample (epoch_flops) and the global batch, the executed FLOPs so far
+    only; with each epoch's FLOPs per sample (epoch_flops) and the batch of the (one-process) run, the
+    executed FLOPs so far
     (each epoch's logged steps times its step's count)."""
     record = read_retrieval(zeroshot_dir(directory, e, log[-1]['epoch']))
     # Seconds depend on how busy the shared machine was that hour (runs of one arm differ by 2x here), so
     # the time is also given in epochs of training steps: the epochs plus the strategy's own work
     # (sampler_seconds) over the run's median step time per epoch, a ratio within one run. The step is the
-    # same model and batch for every arm, so this is each arm's time in ALBEF_Base epochs.
+    # same model and batch for every arm but one that drops image tokens, whose cheaper epochs this counts
+    # as whole ones: its compute is in the FLOPs and the timed seconds.
     step = statistics.median(r['epoch_seconds'] - r.get('sampler_seconds', 0.0) for r in log)
     work = sum(r.get('sampler_seconds', 0.0) for r in log[:e + 1])
     found = {'epoch': e + 1, 'seconds': sum(r['epoch_seconds'] for r in log[:e + 1]),
@@ -146,30 +150,41 @@ def point(directory: str, e: int, log: list[dict], flops: Sequence[float] | None
     return found
 
 
-def epoch_timing(base_log: list[dict], arm_log: list[dict]) -> dict:
+def epoch_timing(base_log: list[dict], arm_log: list[dict], masked_epochs: int | None = None) -> dict:
     """Per-epoch seconds of an arm's run and of the ALBEF_Base run timed beside it: medians over the epochs
-    after the first (which also builds the data and warms up), their ratio, the arm's strategy seconds."""
+    after the first (which also builds the data and warms up), their ratio, the arm's strategy seconds.
+    masked_epochs (an arm with image_token_drop and unmasked epochs): the ratio is its masked epochs' (after
+    the first), and unmasked_ratio that of its unmasked epochs, whose step is the full one."""
     def median(log: list[dict], key: str) -> float:
-        return statistics.median(r.get(key, 0.0) for r in log[1:])
+        return statistics.median(r.get(key, 0.0) for r in log)
 
-    arm, base = median(arm_log, 'epoch_seconds'), median(base_log, 'epoch_seconds')
-    return {'epoch_seconds': arm, 'albef_base_epoch_seconds': base, 'ratio': arm / base,
-            'sampler_seconds': median(arm_log, 'sampler_seconds')}
+    base = median(base_log[1:], 'epoch_seconds')
+    arm = median(arm_log[1:] if masked_epochs is None else arm_log[1:masked_epochs], 'epoch_seconds')
+    found = {'epoch_seconds': arm, 'albef_base_epoch_seconds': base, 'ratio': arm / base,
+             'sampler_seconds': median(arm_log[1:], 'sampler_seconds')}
+    if masked_epochs is not None and masked_epochs < len(arm_log):
+        found['unmasked_ratio'] = median(arm_log[masked_epochs:], 'epoch_seconds') / base
+    return found
 
 
-def add_timed_seconds(curves: dict[str, dict[int, list[dict]]], timing: dict[str, dict]) -> None:
-    """Give every point `timed_seconds`: its epochs times its arm's per-epoch seconds from the side-by-side
-    timing (--timing): ALBEF_Base's epoch (the median of its runs beside the arms) times the arm's ratio to
-    the ALBEF_Base run beside it. The ratio, not the arm's own seconds: the machine's load moved between the
-    pairs (ALBEF_Base's epoch took 30 to 36 s across them). Unlike the logged seconds, these compare across
-    arms."""
+def add_timed_seconds(curves: dict[str, dict[int, list[dict]]], timing: dict[str, dict],
+                      masked_epochs: Mapping[str, int] | None = None) -> None:
+    """Give every point `timed_seconds`: the sum over its epochs of its arm's per-epoch seconds from the
+    side-by-side timing (--timing): ALBEF_Base's epoch (the median of its runs beside the arms) times the
+    arm's ratio to the ALBEF_Base run beside it. The ratio, not the arm's own seconds: the machine's load
+    moved between the pairs (ALBEF_Base's epoch took 30 to 36 s across them). Unlike the logged seconds,
+    these compare across arms. masked_epochs: an arm's epochs that drop image tokens (the rest, its unmasked
+    epochs, at its unmasked_ratio)."""
     base = statistics.median(t['albef_base_epoch_seconds'] for t in timing.values())
-    per_epoch = {arm: t['ratio'] * base for arm, t in timing.items()}
-    per_epoch[BASELINE] = base
+    masked_epochs = masked_epochs or {}
     for arm, per_seed in curves.items():
+        t = timing.get(arm, {'ratio': 1.0})  # ALBEF_Base: its own epoch
+        masked = masked_epochs.get(arm) if 'unmasked_ratio' in t else None
         for curve in per_seed.values():
             for p in curve:
-                p['timed_seconds'] = p['epoch'] * per_epoch[arm]
+                epochs = p['epoch'] if masked is None else min(p['epoch'], masked)
+                unmasked = (p['epoch'] - epochs) * t.get('unmasked_ratio', 0.0)
+                p['timed_seconds'] = base * (epochs * t['ratio'] + unmasked)
 
 
 def time_beside_baseline(runs: dict[str, tuple[float, str | None]], output_dir: str, epochs: int,
@@ -194,11 +209,17 @@ def time_beside_baseline(runs: dict[str, tuple[float, str | None]], output_dir: 
         if saved:
             timing[arm] = saved['timing']
             continue
+        # The arm's (last) sets: with image-token dropout its masked and unmasked epochs are timed apart.
+        config = resolve_config('pretrain', PRETRAIN_CONFIG, sets, check_paths=False)
+        masked = config.max_epoch - config.unmasked_epochs if config.image_token_drop else None
+        if masked is not None and masked < 2:
+            raise ValueError(f'--timing {epochs}: {arm} drops image tokens in {masked} of those epochs, none '
+                             'after the first; time more epochs')
         for _, d in pair:
             fresh(d)
         run_side_by_side([(c, os.path.join(d, 'stdout.txt')) for c, d in pair], threads=1)
         base_log, arm_log = (read_log(os.path.join(d, 'log.txt')) for _, d in pair)
-        timing[arm] = epoch_timing(base_log, arm_log)
+        timing[arm] = epoch_timing(base_log, arm_log, masked)
         with open(os.path.join(pair_dir, 'result.json'), 'w', encoding='utf-8') as f:
             json.dump({'command': both, 'timing': timing[arm]}, f)
     return timing
@@ -300,7 +321,8 @@ def main(argv: Sequence[str] | None = None) -> dict:
     # on a shared machine differ 2x for one arm.
     clock = 'timed_seconds' if timing else 'seconds'
     if timing:
-        add_timed_seconds(curves, timing)
+        masked = {arm: c.max_epoch - c.unmasked_epochs for arm, c in configs.items() if c.image_token_drop}
+        add_timed_seconds(curves, timing, masked)
     text, reach = curves_table(curves, args.seeds, clock)
     if reach:
         text += '\n' + compute_table(reach, clock)

@@ -100,14 +100,18 @@ def _spread(values: list[float]) -> str:
 def compute_table(reach: dict, clock: str) -> str:
     """Markdown: each arm's compute to ALBEF_Base's final R@1 as a share of ALBEF_Base's own run, executed
     FLOPs and seconds (clock), mean ± sample std over the seeds that reached it, and the seeds that did."""
-    lines = [f'Compute to reach {BASELINE}\'s final R@1, as a share of {BASELINE}\'s whole run (same seed; '
-             f'mean ± sample std over the seeds that reached it; seconds: {CLOCKS[clock]})', '',
+    lines = [f'Compute to reach {BASELINE}\'s final R@1, as a share of {BASELINE}\'s run to its last '
+             'evaluated epoch (same seed; mean ± sample std over the seeds that reached it; seconds: '
+             f'{CLOCKS[clock]})', '',
              '| scoring | arm | executed FLOPs | seconds | seeds reached |', '|---|---|---|---|---|']
     for score, per_arm in reach.items():
         for arm, per_seed in per_arm.items():
             hits = [v for v in per_seed.values() if v['epoch'] is not None]
-            cells = [_spread([v[k] for v in hits if v.get(k) is not None]) for k in ('flops_ratio',
-                                                                                  'seconds_ratio')]
+            cells = []
+            for key in ('flops_ratio', 'seconds_ratio'):
+                values = [v[key] for v in hits if v.get(key) is not None]
+                # A merged older record's points have no FLOPs: say over how many seeds a figure is.
+                cells.append(_spread(values) + (f' ({len(values)} seeds)' if len(values) < len(hits) else ''))
             lines.append(f'| {score} | {arm} | {cells[0]} | {cells[1]} | {len(hits)} of {len(per_seed)} |')
     return '\n'.join(lines) + '\n'
 

@@ -30,8 +30,9 @@ variant's own (executed FLOPs; a checkpointed model's recomputed forward include
 the paper defines it (model FLOPs: the albef step without checkpointing, 241.0 GFLOP per sample at the
 paper's sizes), so that removed work shows as a gain. matmul_peak_flops is the best FLOP/s of large square
 products (torch.mm and F.linear, the op nn.Linear runs) in the same process, device and dtype (the
-practical peak); mfu = model FLOPs per second / matmul_peak_flops, mfu_executed the same with the
-executed FLOPs. The JSON object is also written to DIR/step_bench.json with --output_dir.
+practical peak); mfu = model FLOPs per second / matmul_peak_flops (null for a step that drops image
+tokens: it does less than the paper's step per sample), mfu_executed the same with the executed FLOPs.
+The JSON object is also written to DIR/step_bench.json with --output_dir.
 """
 
 from __future__ import annotations
@@ -196,7 +197,8 @@ def run_variant(args: argparse.Namespace, variant: str) -> dict:
         'flops_share_by_op': {k: round(v / flops, 4) for k, v in by_op.items()} if flops else {},
         'achieved_flops': achieved, 'matmul_peak_flops': peak, 'mfu_executed': achieved / peak,
         'dtype': 'bfloat16 autocast' if dtype else 'float32', 'losses': losses,
-        'threads': torch.get_num_threads(), 'config_changes': changed_keys(config, args), **fields,
+        'threads': torch.get_num_threads(), 'config_changes': changed_keys(config, args),
+        'image_token_drop': config.image_token_drop, **fields,
     }
 
 
@@ -219,7 +221,9 @@ def model_flops(args: argparse.Namespace) -> int:
     with tempfile.TemporaryDirectory() as workdir:
         tokenizer, _ = build_bench_tokenizer(config, workdir)
     batch = synthetic_batch(config, tokenizer, args.batch_size, device, args.seed)
-    model_config = dataclasses.replace(config, vision_init=None, text_encoder=None, grad_checkpointing=False)
+    # The paper's step sees every image token, whatever --set image_token_drop says.
+    model_config = dataclasses.replace(config, vision_init=None, text_encoder=None, grad_checkpointing=False,
+                                       image_token_drop=0.0, unmasked_epochs=0)
     model = ALBEF_Base(model_config, tokenizer).to(device).train()
     return count_flops(model, batch, device, None)[0]
 
@@ -240,7 +244,10 @@ def add_model_flops(variants: dict[str, dict], child_argv: list[str], batch_size
             continue
         if model is not None:
             v['model_flops_per_sample'] = model
-            v['mfu'] = model * v['samples_per_s'] / v['matmul_peak_flops']
+            # A step that drops image tokens does less than the paper's step per sample: its samples/s times
+            # the paper's FLOPs is no utilisation (mfu_executed is its own).
+            paper = model * v['samples_per_s'] / v['matmul_peak_flops']
+            v['mfu'] = None if v.get('image_token_drop') else paper
         switches = variant_switches(name)
         twin = by_switches.get(switches - {'grad_checkpointing'}, {})
         if 'grad_checkpointing' in switches and 'flops_per_sample' in twin:
