@@ -6,7 +6,6 @@ from __future__ import annotations
 from typing import Any
 
 import torch
-from timm.layers import PatchDropout
 from torch import Tensor
 
 from models.dual_encoder import ImageTextModel
@@ -15,6 +14,7 @@ from models.losses import build_objectives
 from models.mlm import mask_tokens, mlm_capacity, select_masked
 from models.negatives import hardest_negative_similarity, mine_negatives
 from models.objectives import concat_all_gather
+from models.vit import patch_dropout
 
 
 class ALBEF_Base(ImageTextModel):  # noqa: N801 (the paper's name)
@@ -67,8 +67,7 @@ class ALBEF_Base(ImageTextModel):  # noqa: N801 (the paper's name)
         self.image_token_drop = config.image_token_drop
         self.masked_epochs = config.max_epoch - config.unmasked_epochs  # then FLIP's unmasked tuning
         if self.image_token_drop:
-            self.visual_encoder.patch_drop = PatchDropout(
-                self.image_token_drop, num_prefix_tokens=self.visual_encoder.num_prefix_tokens)
+            self.visual_encoder.patch_drop = patch_dropout(self.visual_encoder, self.image_token_drop)
         # Last: parameters an objective learns (SigLIP's) come after the encoders' in the model's order.
         self.objectives = build_objectives(config, self.paper_losses)
 

@@ -10,6 +10,7 @@ from typing import Any
 
 import timm
 import torch
+from timm.layers import PatchDropout
 from timm.models.vision_transformer import VisionTransformer
 from torch import Tensor, nn
 from torch.nn import functional as F
@@ -90,6 +91,12 @@ def build_vision_encoder(config: Any) -> VisionEncoder:
     if init:
         load_vision_init(model, init)
     return model
+
+
+def patch_dropout(model: VisionTransformer, rate: float) -> nn.Module:
+    """timm's PatchDropout for `model`: drops `rate` of each image's patch tokens in training mode, its
+    prefix tokens ([CLS]) kept (FLIP's image-token dropout; config key image_token_drop)."""
+    return PatchDropout(rate, num_prefix_tokens=model.num_prefix_tokens)
 
 
 def vit_shape(config: Any) -> dict[str, int | str]:

@@ -40,7 +40,6 @@ import time
 from collections.abc import Iterable, Iterator, Sequence
 
 import torch
-from timm.layers import PatchDropout
 from torch import Tensor
 from torch.utils.data import DataLoader
 
@@ -52,6 +51,7 @@ from models.false_negatives import caption_keys, false_negative_mask
 from models.negatives import hardest_negative_similarity
 from models.pretrain import ALBEF_Base
 from models.tokenization import build_tokenizer
+from models.vit import patch_dropout
 from tools.cli import checkpoint_parser, emit_record, resolve_device, tool_config
 from tools.pretrain_checkpoint import load_pretrain_checkpoint
 from training.cli import Parser, run_main
@@ -85,7 +85,7 @@ def encode_batches(model: ALBEF_Base, dataset: PretrainDataset, collate: ImageTe
     kept_drop = vit.patch_drop
     model.eval()
     if image_token_drop:
-        vit.patch_drop = PatchDropout(image_token_drop, num_prefix_tokens=vit.num_prefix_tokens).train()
+        vit.patch_drop = patch_dropout(vit, image_token_drop).train()
         torch.manual_seed(seed)
     try:
         for batch in loader:
