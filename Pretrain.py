@@ -13,10 +13,18 @@ table itm_false_negatives (with ITM: the share of mined ITM negatives that show 
 batch_same_scene (the share of examples whose batch holds another of their scene: the false negatives a
 batch contains, before the guard), batch_groups (grouped epochs: how many sub-queues a batch draws from)
 and sampler_seconds (the batching strategy's collection and grouping).
+
+With an online selection strategy (batching.strategy jest or rho; grit.online) each step's loader batch is
+a super-batch of k x N candidates; the step scores them with no-grad forwards of the learner's uni-modal
+encoders and of the frozen reference model (batching.<strategy>.reference), trains on the N selected, and
+the record adds selection_gflop_per_step (the scoring forwards' FLOPs per rank and step, counted once) and,
+on the CPU, selection_seconds; selections/epoch_EE.pt keeps every step's candidates and selection
+(tools.check_selections checks them).
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
 import time
 from collections.abc import Iterator, Sequence
@@ -24,16 +32,20 @@ from collections.abc import Iterator, Sequence
 import torch
 from torch import Tensor, nn
 from torch.utils.data import DataLoader, Subset
+from torch.utils.flop_counter import FlopCounterMode
+from transformers import BatchEncoding
 
 from dataset import ImageTextCollate, create_dataset
 from dataset.bad_samples import SkipBadCollate, SkipBadSamples
 from grit import GritSampler
+from grit.online import OnlineSampler
 from models.false_negatives import mined_false_negative_rate, same_group_share
 from models.loading import load_weights
 from models.pretrain import ALBEF_Base
 from models.tokenization import build_tokenizer
 from training.cli import run_main, script_parser, start
 from training.config import PretrainConfig
+from training.config_files import ConfigError
 from training.distributed import is_main_process, print_main
 from training.inputs import prepare_inputs
 from training.loaders import build_sampler, check_global_batch
@@ -57,10 +69,17 @@ class PretrainTask(Task):
     name = "Pretrain"
 
     def __init__(self, model: ALBEF_Base, dataset: SkipBadSamples, collate: SkipBadCollate,
-                 sampler: GritSampler, config: PretrainConfig, device: torch.device,
-                 generator: torch.Generator, tokenizer) -> None:
+                 sampler: GritSampler | OnlineSampler, config: PretrainConfig, device: torch.device,
+                 generator: torch.Generator, tokenizer, reference: ALBEF_Base | None = None,
+                 output_dir: str | None = None) -> None:
         super().__init__(model, dataset, collate, sampler, config.batch_size, generator)
         self.config, self.device, self.tokenizer = config, device, tokenizer
+        # Online selection: the frozen reference model (None with score hard_learner) and where the epochs'
+        # records of candidates and selections go.
+        self.online = isinstance(sampler, OnlineSampler)
+        self.reference, self.output_dir = reference, output_dir
+        self.selection_flops: int | None = None  # the scoring forwards' FLOPs per step, counted at step 1
+        self.selection_seconds = 0.0
         self.shown: dict | None = None  # the epoch's first batch, for its picture (see pictures())
         # Per-entry image ids on the device: a step looks its batch up by a gather, without a host sync
         # (the model's false-negative guard, config key guard_false_negatives; D int64s, so only with it).
@@ -78,15 +97,21 @@ class PretrainTask(Task):
         """The losses of one batch; its detached projections are kept for after_step."""
         idx = batch.ids.to(self.device, non_blocking=True)  # once: the guard's lookup and GRIT's collect
         valid = batch.valid_on(self.device)  # None without bad samples: the paper's computation
-        out = model(batch.image.to(self.device, non_blocking=True), batch.text.to(self.device),
-                    image_key=None if self.image_keys is None else self.image_keys[idx], valid=valid)
+        image, text = batch.image.to(self.device, non_blocking=True), batch.text.to(self.device)
+        if self.online:  # the N of the k x N candidates that the selection trains on
+            keep = self.select(image, text, idx, valid)
+            image, idx = image.index_select(0, keep), idx.index_select(0, keep)
+            text = BatchEncoding({k: v.index_select(0, keep) for k, v in text.items()})
+            valid = None if valid is None else valid.index_select(0, keep)
+        out = model(image, text, image_key=None if self.image_keys is None else self.image_keys[idx],
+                    valid=valid)
         # fp32 even under autocast: these feed the sampler's queues.
         image_feat, text_feat = out["image_feat"].detach().float(), out["text_feat"].detach().float()
         self.features = {"image": image_feat, "text": text_feat, "idx": idx, "valid": valid}
         # The epoch's first batch, for its picture (batch_pictures): device tensors kept, copied at its end.
         if self.config.batch_pictures and self.shown is None and is_main_process():
             # Copies: under compile's CUDA graphs the outputs' memory is reused by the next step.
-            self.shown = {"image": batch.image[:8], "ids": batch.text["input_ids"][:8],
+            self.shown = {"image": image[:8], "ids": text["input_ids"][:8],
                           "image_feat": image_feat[:8].clone(), "text_feat": text_feat[:8].clone()}
         objectives = self.model.objectives
         metrics = {k: out[k].detach() for k in objectives.loss_names}
@@ -102,6 +127,26 @@ class PretrainTask(Task):
                     scenes, out["neg_text_idx"], out["neg_image_idx"], valid)
         return out["loss"], metrics
 
+    def select(self, image: Tensor, text, idx: Tensor, valid: Tensor | None) -> Tensor:
+        """Online selection: the super-batch's contrastive logits under the learner and the reference (no
+        grad, eval mode) -> the positions (N,) the sampler's strategy selects. The first call counts the
+        scoring forwards' FLOPs."""
+        start = time.perf_counter()
+        counter = FlopCounterMode(display=False) if self.selection_flops is None else None
+        with counter if counter is not None else contextlib.nullcontext():
+            learner, kind = self.model.contrastive_logits(image, text)
+            reference = None
+            if self.reference is not None:
+                reference, ref_kind = self.reference.contrastive_logits(image, text)
+                if ref_kind != kind:  # built from this config, so only a mismatched checkpoint gets here
+                    raise ValueError(f"the reference model scores with a {ref_kind} loss, the learner with "
+                                     f"{kind}")
+        if counter is not None:
+            self.selection_flops = counter.get_total_flops()
+        keep = self.sampler.select(learner, reference, kind, idx, valid)
+        self.selection_seconds += time.perf_counter() - start  # on a GPU: the launch time only (not logged)
+        return keep
+
     def after_step(self, metrics: dict[str, Tensor], batch, skipped: bool) -> None:
         """GRIT phase 1 (and, when the queue is full, phases 2-3) on the step's detached projections.
 
@@ -116,7 +161,7 @@ class PretrainTask(Task):
     def start_epoch(self, epoch: int) -> None:
         """The epoch's batches: GRIT's groups from the last epoch (naive mode: from an extra pass now)."""
         start = time.perf_counter()
-        self.sampler_seconds = 0.0
+        self.sampler_seconds = self.selection_seconds = 0.0
         naive = self.naive_pass if self.config.batching.mode == "naive" else None
         self.sampler.set_epoch(epoch, naive_pass=naive)
         self.model.start_epoch(epoch)  # S-ITC's start, the image-token dropout's unmasked phase
@@ -129,7 +174,22 @@ class PretrainTask(Task):
         self.sampler.end_epoch()
         self.sampler_seconds += time.perf_counter() - start
         extra = {} if groups is None else {"batch_groups": round(groups, 4)}
+        if self.online:
+            extra |= self.write_selections(epoch)
         return {"sampler_seconds": round(self.sampler_seconds, 3), **extra}
+
+    def write_selections(self, epoch: int) -> dict[str, float]:
+        """selections/epoch_EE.pt (rank 0): the epoch's candidates and selections of every rank and step
+        (grit.online.OnlineSampler.epoch_record); the record's selection cost."""
+        record = self.sampler.epoch_record()  # on every rank: the same, gathered as the steps went
+        if self.output_dir and is_main_process():
+            path = os.path.join(self.output_dir, "selections", f"epoch_{epoch:02d}.pt")
+            os.makedirs(os.path.dirname(path), exist_ok=True)
+            torch.save(record, path)
+        out = {"selection_gflop_per_step": round((self.selection_flops or 0) / 1e9, 6)}
+        if self.device.type == "cpu":  # elsewhere the launches return before the work is done
+            out["selection_seconds"] = round(self.selection_seconds, 3)
+        return out
 
     def summary(self) -> list[str]:
         """The start-up summary's task lines: empty tar shards, if any, and GRIT's sizes."""
@@ -137,6 +197,14 @@ class PretrainTask(Task):
         empty = self.dataset.empty_shards()
         lines = [f"{len(empty)} empty shard{'s' * (len(empty) != 1)} (0 samples) left out: "
                  + ", ".join(empty[:5]) + (", ..." if len(empty) > 5 else "")] if empty else []
+        if self.online:
+            selection = self.sampler.selection
+            reference = (f"reference {selection.reference}" if self.reference is not None
+                         else "no reference model")
+            steps = self.sampler.batches_per_epoch
+            return [*lines, f"batching.strategy {self.config.strategy} ({selection.describe()}): super-"
+                    f"batches of {selection.candidates} per rank, random every epoch, {steps} steps per "
+                    f"epoch; {reference}"]
         if not self.config.grouped:
             return [*lines, "batching.strategy random: random batches every epoch (the ALBEF baseline)"]
         W = self.sampler.num_replicas
@@ -187,6 +255,24 @@ class PretrainTask(Task):
         self.model.train(was_training)
 
 
+def load_reference(config: PretrainConfig, tokenizer, device: torch.device) -> ALBEF_Base | None:
+    """Online selection's reference model: this config's ALBEF_Base with the weights of
+    batching.<strategy>.reference, loaded strictly, in eval mode and frozen (never updated, never saved);
+    None when the strategy scores without one."""
+    batching = config.batching
+    path = getattr(batching, batching.strategy).reference if batching.online else None
+    if path is None or getattr(batching, batching.strategy).score == "hard_learner":
+        return None
+    reference = ALBEF_Base(config, tokenizer)
+    try:
+        report = load_weights(reference, path, strict=True)
+    except ValueError as e:
+        raise ConfigError(f"batching.{batching.strategy}.reference: {path} is not a checkpoint of this "
+                          f"config's model ({e})") from None
+    print_main(f"reference model (frozen): {report.summary()}")
+    return reference.to(device).eval().requires_grad_(False)
+
+
 def main(argv: Sequence[str] | None = None) -> dict:
     """Pre-train from the command line; returns the last epoch's log record."""
     run = start(argv, PARSER, "pretrain")
@@ -203,10 +289,12 @@ def main(argv: Sequence[str] | None = None) -> dict:
     model = ALBEF_Base(config, tokenizer).to(info.device)
     if run.args.checkpoint:  # the start; with --resume, a checkpoint found in output_dir then replaces it
         print_main(load_weights(model, run.args.checkpoint).summary())
+    reference = load_reference(config, tokenizer, info.device)
     # The loader draws its workers' base seed from its own generator, not the global stream, so that
     # creating the iterator on resume does not shift the random numbers the model draws.
     task = PretrainTask(model, dataset, collate, sampler, config, info.device,
-                        make_generator(config.seed + info.rank), tokenizer)
+                        make_generator(config.seed + info.rank), tokenizer, reference,
+                        str(run.args.output_dir))
     return Trainer(run, task).fit()
 
 

@@ -21,6 +21,7 @@ from .epoch import (
     plain_order,
     stream_seed,
 )
+from .strategies import ONLINE
 from .strategies import build as build_strategy
 
 __all__ = ["GritSampler"]
@@ -103,6 +104,9 @@ class GritSampler(torch.utils.data.Sampler):
             self.warmstart = load_index_array(str(self.grit["warmstart_indices"]), self.dataset_len)
         self.collector = None
         self.strategy = strategy if self.grit["enabled"] else "random"
+        if strategy in ONLINE:
+            raise ValueError(f"GritSampler: strategy {strategy!r} selects online from super-batches: "
+                             "use grit.online.OnlineSampler (training.loaders.build_sampler makes it)")
         self.grouping = build_strategy(self.strategy, batch_size, **(strategy_options or {}))
         if self.grit["enabled"]:
             self.collector = GritCollector(self.grit["queue_size"], self.grit["search_space"], self.dim,

@@ -78,6 +78,24 @@ class ALBEF_Base(ImageTextModel):  # noqa: N801 (the paper's name)
         if self.image_token_drop:
             self.visual_encoder.patch_drop.prob = self.image_token_drop if epoch < self.masked_epochs else 0.0
 
+    @torch.no_grad()
+    def contrastive_logits(self, image: Tensor, text: Any) -> tuple[Tensor, str]:
+        """image (K,3,H,W), text (tokenizer output (K,L)) -> (the in-batch ITC logits (K,K) fp32 of image i
+        against text j, the loss they belong to): 'sigmoid', t x similarity + b, with contrastive_loss
+        sigmoid; else 'softmax', similarity / temp. In eval mode (every image token, no dropout), as online
+        batch selection scores a super-batch (grit.online)."""
+        was_training = self.training
+        self.eval()
+        try:
+            image_feat, text_feat = self.unimodal_features(image, text)
+        finally:
+            self.train(was_training)
+        similarity = image_feat @ text_feat.t()
+        if "sigmoid" in self.objectives:
+            sigmoid = self.objectives["sigmoid"]
+            return similarity * sigmoid.log_scale.float().exp() + sigmoid.bias.float(), "sigmoid"
+        return similarity / self.temp.float(), "softmax"
+
     @property
     def uses_every_parameter(self) -> bool:
         """False when an objective is switched off or replaced: its modules get no gradient (DDP must be

@@ -23,13 +23,13 @@ from collections.abc import Sequence
 import torch
 
 from grit.collector import GritCollector
-from grit.strategies import NAMES, build
+from grit.strategies import NAMES, ONLINE, build
 from tools.cli import add_output_dir, emit_record, tool_parser
 from tools.grit_bench import batch_hardness, clustered_features
 from training.cli import Parser, run_main
 from training.config import Batching
 
-GROUPING = [n for n in NAMES if n != "random"]
+GROUPING = [n for n in NAMES if n not in ("random", *ONLINE)]  # online selection groups nothing
 
 
 def build_parser() -> Parser:

@@ -11,8 +11,8 @@ from typing import Any, Literal
 from grit.config import DEFAULTS as GRIT_DEFAULTS  # the sampler's defaults (the paper's), one place
 from grit.config import option_problems  # the sampler's own rules, asked at start-up
 
-__all__ = ["REQUIRED", "B3", "SAMPLER_KEYS", "Batching", "GCBS", "GritChain", "RWR", "Optimizer", "Schedule",
-           "key", "meaning"]
+__all__ = ["REQUIRED", "B3", "SAMPLER_KEYS", "Batching", "GCBS", "GritChain", "JEST", "RHO", "RWR",
+           "Optimizer", "Schedule", "key", "meaning"]
 
 REQUIRED = dataclasses.MISSING
 
@@ -105,6 +105,35 @@ class RWR:
 
 
 @dataclass(frozen=True, kw_only=True)
+class OnlineSelection:
+    """The keys every online selection strategy has (grit.strategies.Selection, grit.online)."""
+
+    super_batch: int = key(5, "k: each step a rank scores k x N candidates and trains on N of them (JEST's "
+                              "filtering ratio 1 - 1/k; its 0.8: 5); an epoch is a pass in super-batches",
+                           low=1)
+    score: Literal["learnability", "easy_reference", "hard_learner"] = key(
+        "learnability", "learnability: the learner's contrastive loss minus the reference's (JEST, "
+                        "RHO-LOSS); easy_reference: the reference's, negated; hard_learner: the learner's "
+                        "(no reference)")
+    reference: str | None = key(None, "the frozen reference model: a checkpoint of this config's model, e.g. "
+                                      "ALBEF_Base pre-trained on the same data; needed unless score is "
+                                      "hard_learner", path="file")
+
+
+@dataclass(frozen=True, kw_only=True)
+class RHO(OnlineSelection):
+    """The `batching.rho` block (grit.strategies.rho): RHO-LOSS, the top N by reducible loss."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class JEST(OnlineSelection):
+    """The `batching.jest` block (grit.strategies.jest): JEST's joint selection, chunk by chunk."""
+
+    chunks: int = key(16, "the N selected are drawn in this many chunks, each conditioned on those before "
+                          "(the paper: 16); a batch_size below it draws one example per chunk", low=1)
+
+
+@dataclass(frozen=True, kw_only=True)
 class Batching:
     """The `batching` block: how the next epoch's batches are formed (grit.GritSampler, grit.strategies;
     paper Sec. 4.1, S.M. Algorithms 1-2 for GRIT's). Every strategy but `random` collects into queues of
@@ -112,9 +141,9 @@ class Batching:
     all (docs/batch-construction.md). The old spelling, a `grit:` block with `enabled`, is read as this one
     (training.config_resolve)."""
 
-    strategy: Literal["grit", "random", "b3", "gcbs", "rwr"] = key(
+    strategy: Literal["grit", "random", "b3", "gcbs", "rwr", "jest", "rho"] = key(
         "random", "grit (the paper), random (ALBEF's: DistributedSampler's permutation every epoch), b3, "
-                  "gcbs or rwr (random walks)")
+                  "gcbs or rwr (random walks); jest or rho: online selection from a super-batch each step")
     # Defaults: the paper's, from grit.config.DEFAULTS (GritSampler's signature takes them from there too).
     queue_size: int | None = key(None, "L: examples collected before a grouping; null only with strategy "
                                        "random", low=1)
@@ -142,11 +171,18 @@ class Batching:
     b3: B3 = key(B3(), "options of strategy b3")
     gcbs: GCBS = key(GCBS(), "options of strategy gcbs")
     rwr: RWR = key(RWR(), "options of strategy rwr")
+    jest: JEST = key(JEST(), "options of strategy jest")
+    rho: RHO = key(RHO(), "options of strategy rho")
 
     @property
     def grouped(self) -> bool:
-        """True when the strategy groups batches (any but random)."""
-        return self.strategy != "random"
+        """True when the strategy groups the next epoch's batches (any but random and the online ones)."""
+        return self.strategy != "random" and not self.online
+
+    @property
+    def online(self) -> bool:
+        """True when the strategy selects each step's batch from a super-batch (jest, rho)."""
+        return self.strategy in ("jest", "rho")
 
     def problems(self, batch_size: int) -> list[str]:
         """Settings that cannot act, one message each: an option of a strategy this run does not use (set
@@ -174,6 +210,15 @@ class Batching:
             if name == "grit" and self.grit.rank_skip >= others:
                 out.append(f"batching.grit.rank_skip ({self.grit.rank_skip}) must be below {where}: the "
                            "chain would always take the least similar")
+        if self.online:  # queue_size and search_space are not read, as with strategy random
+            block = getattr(self, name)
+            if block.score != "hard_learner" and not block.reference:
+                out.append(f"batching.{name}.score {block.score!r} compares the learner with a reference "
+                           f"model: set batching.{name}.reference to its checkpoint (or score: hard_learner)")
+            out += [f"batching.{k} is {getattr(self, k)!r} but strategy {name!r} selects online from random "
+                    "super-batches and groups nothing: drop it"
+                    for k, off in (("mode", "concurrent"), ("group_from_epoch", 0),
+                                   ("warmstart_indices", None)) if getattr(self, k) != off]
         return out + option_problems(batch_size=batch_size, enabled=self.grouped, queue_size=self.queue_size,
                                      search_space=self.search_space, mode=self.mode,
                                      group_from_epoch=self.group_from_epoch,

@@ -11,6 +11,8 @@ import torch
 from torch.utils.data import DataLoader, Dataset, DistributedSampler, Sampler
 
 from grit import GritSampler
+from grit.online import OnlineSampler
+from grit.strategies import build as build_strategy
 from training.config_files import ConfigError
 from training.distributed import DistInfo
 from training.reproducibility import worker_init_fn
@@ -98,10 +100,17 @@ def finetune_sampler(dataset: Dataset, info: DistInfo, *, seed: int, batch_size:
 
 
 def build_sampler(config: Any, dataset: Dataset | int, num_replicas: int, rank: int,
-                  device: torch.device | str | None = None) -> GritSampler:
+                  device: torch.device | str | None = None) -> GritSampler | OnlineSampler:
     """Pre-training's sampler from its config (training.config.PretrainConfig): the batching strategy with
     its options, the queues, the seed, the per-rank batch and the feature size; `dataset` a sized dataset or
-    its length. Pretrain.py and the tools that rebuild a run's batches (tools.batch_scenes) build it here."""
+    its length. Pretrain.py and the tools that rebuild a run's batches (tools.batch_scenes) build it here.
+    An online strategy (jest, rho) gets grit.online.OnlineSampler: random super-batches, selected per step."""
+    batching = config.batching
+    if batching.online:
+        name = batching.strategy
+        selection = build_strategy(name, config.batch_size, **batching.options(name))
+        return OnlineSampler(dataset, selection, num_replicas=num_replicas, rank=rank, seed=config.seed,
+                             device=device)
     return GritSampler(dataset, num_replicas=num_replicas, rank=rank, seed=config.seed,
                        batch_size=config.batch_size, dim=config.embed_dim, device=device,
                        **config.sampler_options())

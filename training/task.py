@@ -38,6 +38,9 @@ class Task:
         self.collate = collate
         self.sampler = sampler
         self.batch_size = int(batch_size)
+        # What the loader delivers per step: the batch, or an online selection's super-batch of k x N
+        # candidates (the sampler's loader_batch_size), of which step() trains on batch_size.
+        self.loader_batch_size = int(getattr(sampler, "loader_batch_size", batch_size))
         # The DataLoader's generator: its workers' base seeds, independent of the model's random stream.
         self.generator = generator
 

@@ -85,7 +85,7 @@ class Trainer:
         config, info, task = self.config, self.info, self.task
         sampler = task.sampler
         steps_per_epoch = sampler.batches_per_epoch
-        loader = create_loader(task.dataset, sampler, task.batch_size, config.num_workers,
+        loader = create_loader(task.dataset, sampler, task.loader_batch_size, config.num_workers,
                                collate_fn=task.collate, drop_last=True, generator=task.generator)
         model = wrap_ddp(task.train_module(), info, broadcast_buffers=task.broadcast_buffers,
                          find_unused_parameters=not getattr(task.model, "uses_every_parameter", True),
@@ -258,8 +258,8 @@ class Trainer:
                 reporter.epoch(global_step, record)
                 for tag, path in task.pictures(epoch, self.output_dir).items():
                     reporter.image(tag, path, global_step)
-                bad_log.check(record["bad_samples"], steps_per_epoch * task.batch_size * info.world_size,
-                              f"epoch ({epoch})")
+                loaded = steps_per_epoch * task.loader_batch_size * info.world_size
+                bad_log.check(record["bad_samples"], loaded, f"epoch ({epoch})")
                 barrier()
         if best is not None and best["epoch"] >= 0 and task.best_summary:
             print_main(task.best_summary.format(**best)
@@ -314,7 +314,7 @@ class Trainer:
             scheduler.step()
             global_step += 1
             self.samples_seen += task.batch_size * world
-            samples += len(batch)
+            samples += task.batch_size  # trained on (an online selection's super-batch is larger)
             if not skip:
                 logger.update(lr=lr, **metrics)
             task.after_step(metrics, batch, skip)

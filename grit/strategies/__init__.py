@@ -19,9 +19,17 @@ an outside model. `batching.strategy` (training.config.Batching) names one:
     gcbs    GCBS's bandwidth-minimising order (reverse Cuthill-McKee) of a k-nearest-neighbour graph
     rwr     BatchSampler's random walks with restart on the same k-nearest-neighbour graph
 
+Online selection (issue 52) is the second kind of strategy: a `Selection` sees, at every step, a super-
+batch of k x N candidates per rank (dealt by the sampler like random batches) with their contrastive
+logits under the learner and, when it asks for one, a frozen reference model, and returns which N of them
+the step trains on (grit.online.OnlineSampler; docs/batch-construction.md, 'Online batch selection'):
+
+    jest    JEST's joint selection by learnability, chunk by chunk (Evans et al., NeurIPS 2024)
+    rho     RHO-LOSS: the top N by reducible loss, each example scored alone (Mindermann et al., ICML 2022)
+
 Adding one means a module grit/strategies/<name>.py that defines GROUPING (a Grouping subclass whose
-keyword options are its config block's keys), found here by its name, and its block (and name among
-batching.strategy's values) in training/config.py; nothing else.
+keyword options are its config block's keys) or SELECTION (a Selection subclass, likewise), found here by
+its name, and its block (and name among batching.strategy's values) in training/config.py; nothing else.
 Importable with torch and numpy only: a strategy's own dependencies (scipy, pymetis) are imported when it
 is built, with a message naming the package when one is missing.
 """
@@ -35,7 +43,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["Grouping", "NAMES", "build"]
+__all__ = ["Grouping", "NAMES", "ONLINE", "SCORES", "Selection", "build"]
 
 
 
@@ -44,7 +52,13 @@ def _names() -> tuple[str, ...]:
     return ("random", *sorted(m.name for m in pkgutil.iter_modules(__path__) if not m.name.startswith("_")))
 
 
-NAMES = _names()  # ('random', 'b3', 'gcbs', 'grit', 'rwr')
+NAMES = _names()  # ('random', 'b3', 'gcbs', 'grit', 'jest', 'rho', 'rwr')
+# The strategies that select online from a super-batch (their modules define SELECTION, not GROUPING).
+ONLINE = ("jest", "rho")
+# What a Selection ranks by: the learner's loss minus the reference's (JEST's learnability, RHO-LOSS's
+# reducible loss), the reference's loss alone, negated (JEST's 'easy reference'), or the learner's alone
+# ('hard learner'; no reference model).
+SCORES = ("learnability", "easy_reference", "hard_learner")
 
 
 class Grouping(ABC):
@@ -71,11 +85,51 @@ class Grouping(ABC):
         return self.name
 
 
-def build(name: str, batch_size: int, **options: Any) -> Grouping | None:
-    """The Grouping of strategy `name` (None for 'random') with its config block's options."""
+class Selection(ABC):
+    """Which N of a super-batch of K = k x N candidates one rank trains on this step (online selection).
+
+    The candidates come with their in-batch contrastive logits (K, K) (image i against text j) under the
+    learner and under the reference model; `kind` says which loss they belong to: 'softmax' (ALBEF's ITC,
+    logits = similarity / temperature) or 'sigmoid' (SigLIP's, logits = t x similarity + b)."""
+
+    name = ""
+
+    def __init__(self, batch_size: int, super_batch: int = 5, score: str = "learnability",
+                 reference: str | None = None) -> None:
+        if super_batch < 1 or score not in SCORES:
+            raise ValueError(f"batching.{self.name}: super_batch must be >= 1 and score one of {SCORES}, got "
+                             f"{super_batch}, {score!r}")
+        self.batch_size, self.super_batch, self.score = int(batch_size), int(super_batch), score
+        self.reference = reference  # the checkpoint's path; the script loads it (the sampler never does)
+
+    @property
+    def candidates(self) -> int:
+        """K = k x N: the super-batch one rank sees per step."""
+        return self.super_batch * self.batch_size
+
+    @property
+    def needs_reference(self) -> bool:
+        """True when the score reads the reference model's logits."""
+        return self.score != "hard_learner"
+
+    @abstractmethod
+    def select(self, learner: torch.Tensor, reference: torch.Tensor | None, kind: str,
+               valid: torch.Tensor | None, generator: torch.Generator) -> torch.Tensor:
+        """learner, reference (K, K) logits (reference None with score hard_learner), valid (K,) bool or None,
+        generator (CPU) for any random draw -> LongTensor (N,) of distinct positions in the super-batch, on
+        the logits' device; invalid candidates only where fewer than N are valid."""
+
+    def describe(self) -> str:
+        """One line for the start-up summary."""
+        return self.name
+
+
+def build(name: str, batch_size: int, **options: Any) -> Grouping | Selection | None:
+    """The Grouping or Selection of strategy `name` (None for 'random') with its config block's options."""
     if name not in NAMES:
         raise ValueError(f"batching.strategy must be one of {NAMES}, got {name!r}")
     if name == "random":
         return None
     module = importlib.import_module(f"{__name__}.{name}")
-    return module.GROUPING(batch_size=batch_size, **options)
+    made = module.SELECTION if name in ONLINE else module.GROUPING
+    return made(batch_size=batch_size, **options)
