@@ -32,7 +32,6 @@ from collections.abc import Iterator, Sequence
 import torch
 from torch import Tensor, nn
 from torch.utils.data import DataLoader, Subset
-from torch.utils.flop_counter import FlopCounterMode
 from transformers import BatchEncoding
 
 from dataset import ImageTextCollate, create_dataset
@@ -47,6 +46,7 @@ from training.cli import run_main, script_parser, start
 from training.config import PretrainConfig
 from training.config_files import ConfigError
 from training.distributed import is_main_process, print_main
+from training.flops import flop_counter_mode
 from training.inputs import prepare_inputs
 from training.loaders import build_sampler, check_global_batch
 from training.pictures import batch_grid, denormalize
@@ -132,7 +132,7 @@ class PretrainTask(Task):
         grad, eval mode) -> the positions (N,) the sampler's strategy selects. The first call counts the
         scoring forwards' FLOPs."""
         start = time.perf_counter()
-        counter = FlopCounterMode(display=False) if self.selection_flops is None else None
+        counter = flop_counter_mode() if self.selection_flops is None else None
         with counter if counter is not None else contextlib.nullcontext():
             learner, kind = self.model.contrastive_logits(image, text)
             reference = None

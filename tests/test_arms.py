@@ -52,3 +52,21 @@ def test_a_selection_is_the_rate_and_for_a_grid_arm_the_setting(monkeypatch):
         selection("GRIT-VLP + HN-NCE")
     monkeypatch.setitem(SELECTED_SETTING, "GRIT-VLP + HN-NCE", "beta=0.5")
     assert selection("GRIT-VLP + HN-NCE") == (5e-4, "beta=0.5")
+
+
+def test_online_arms_run_at_equal_compute_with_plain_batches(monkeypatch):
+    """JEST's and RHO-LOSS's epochs are those tools.step_measure.equal_compute_epochs gives for the tiny
+    config (its 2,909 pre-training entries; scoring by learner and reference): their executed FLOPs at most
+    those of 12 epochs of plain batches, and within one online epoch of them."""
+    from tools.arms import ONLINE_ARMS
+    from tools.step_measure import equal_compute_epochs
+
+    monkeypatch.chdir(ROOT)
+    base = resolve_config("pretrain", PRETRAIN_CONFIG, ARMS["random batches"], check_paths=False)
+    epochs, counts = equal_compute_epochs(base, 2909, base.max_epoch, super_batch=5, scorers=2)
+    assert 0.95 < counts["compute_ratio"] <= 1.0
+    for arm, strategy in ONLINE_ARMS.items():
+        config = resolve_config("pretrain", PRETRAIN_CONFIG,
+                                ARMS[arm] + [f"batching.{strategy}.reference=ref.pth"], check_paths=False)
+        assert config.strategy == strategy and getattr(config.batching, strategy).super_batch == 5
+        assert config.max_epoch == config.schedular.epochs == epochs

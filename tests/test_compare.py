@@ -423,3 +423,34 @@ def test_the_real_corpus_runs_its_own_configs_and_its_records_do_not_mix_with_sy
                       "--output_dir", out, "--merge", os.path.join(synthetic, "compare.json")])
     with pytest.raises(SystemExit):  # both would hold the settings: one of them
         compare.main(["--seeds", "1", "--selected", "--selected_settings", "--output_dir", out])
+
+
+def test_online_arms_get_their_reference_trained_first_and_reported(tmp_path, monkeypatch):
+    """JEST and RHO-LOSS: tools.compare trains the reference model (tools.arms.REFERENCE: random batches
+    at its selected rate, seed 1000) in <output_dir>/reference/ before the arms, names its last checkpoint
+    in their batching.<strategy>.reference, and reports it in the record; other arms get no reference."""
+    from tools import arms, compare
+
+    monkeypatch.chdir(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    monkeypatch.setattr(compare, "prepare_pretraining", lambda overrides=(), config=None: None)
+    monkeypatch.setattr(compare, "last_checkpoint",
+                        lambda directory: os.path.join(directory, "checkpoint_11.pth"))
+    asked = []
+
+    def fake_pairs(runs, reuse=False, corpus=None):
+        asked.append({key: (d, list(a)) for key, (d, a, _) in runs.items()})
+        return {key: _run(0.4, 6.0, 4.0, 0.9) for key in runs}
+
+    monkeypatch.setattr(compare, "run_pairs", fake_pairs)
+    out = str(tmp_path / "cmp")
+    record = compare.main(["--seeds", "1", "--lrs", "5e-4", "--arms", "JEST", "random batches", "RHO-LOSS",
+                           "--output_dir", out])
+    reference, arms_run = asked
+    directory, args = reference["reference"]
+    assert directory == os.path.join(out, "reference") and args[:2] == ["--seed", "1000"]
+    assert args[3:] == arms.arm_overrides("random batches", arms.SELECTED_LR["random batches"], None)
+    checkpoint = os.path.join(out, "reference", "pretrain", "checkpoint_11.pth")
+    assert arms_run[("JEST", 5e-4, None, 1)][1][-1] == f"batching.jest.reference={checkpoint}"
+    assert arms_run[("RHO-LOSS", 5e-4, None, 1)][1][-1] == f"batching.rho.reference={checkpoint}"
+    assert not any("reference" in a for a in arms_run[("random batches", 5e-4, None, 1)][1])
+    assert record["reference"]["checkpoint"] == checkpoint and record["reference"]["seed"] == 1000

@@ -7,8 +7,9 @@ The arms: GRIT-VLP at the paper's ratio of search space to batch, M/N = 120/8 = 
 config's; GRIT-VLP at the earlier tiny config's M/N = 768/8 = 96; random batches (batching.strategy=random);
 ALBEF_Base and ALBEF_Base50 (Tables 2 and 4's baselines); the batch-construction strategies B3, GCBS and
 random walk; HN-NCE on random and on GRIT batches; GRIT with S-ITC; SigLIP's sigmoid loss on GRIT and on
-random batches; FLIP's image-token dropout on GRIT and on random batches; and the remedies for GRIT's stalled
-ITM (multinomial hard negatives, later grouping, a rank skip, a longer warm-up). An arm with a
+random batches; FLIP's image-token dropout on GRIT and on random batches; the remedies for GRIT's stalled
+ITM (multinomial hard negatives, later grouping, a rank skip, a longer warm-up); and JEST's and RHO-LOSS's
+online selection at equal compute, with their reference model (REFERENCE). An arm with a
 hyper-parameter gets the same two-setting grid size as every other such arm, each setting swept with every
 learning rate.
 """
@@ -20,8 +21,8 @@ from collections.abc import Sequence
 from tools.runs import PRETRAIN_CONFIG, lr_overrides
 from training.config_resolve import resolve_config
 
-__all__ = ["ARMS", "GRIDS", "SELECTED_LR", "SELECTED_SETTING", "arm_overrides", "arm_strategies",
-           "grid_overrides", "selection", "setting_label"]
+__all__ = ["ARMS", "GRIDS", "ONLINE_ARMS", "REFERENCE", "SELECTED_LR", "SELECTED_SETTING", "arm_overrides",
+           "arm_strategies", "grid_overrides", "selection", "setting_label"]
 
 # The arms: name -> the overrides of the tiny pre-training config that make it.
 ARMS = {'GRIT-VLP': [],  # the tiny config: N = 8, M = 120, L = 1440 (M/N = 15, the paper's 1920/128)
@@ -56,7 +57,18 @@ ARMS = {'GRIT-VLP': [],  # the tiny config: N = 8, M = 120, L = 1440 (M/N = 15, 
         'GRIT-VLP multinomial': ['hard_sampling=multinomial'],
         'GRIT-VLP later grouping': [],
         'GRIT-VLP rank skip': [],
-        'GRIT-VLP long warm-up': []}
+        'GRIT-VLP long warm-up': [],
+        # Online batch selection (issue 52; grit.strategies.jest, .rho), each step N = 8 of k x N = 40 random
+        # candidates, scored by the learner and the frozen reference (REFERENCE), at equal compute with 12
+        # epochs of plain batches: 31 epochs of 72 steps (tools.step_measure.equal_compute_epochs, with the
+        # scoring forwards counted; tests/test_arms.py recomputes it), the reference's own training apart.
+        'JEST': ['batching.strategy=jest', 'max_epoch=31', 'schedular.epochs=31'],
+        'RHO-LOSS': ['batching.strategy=rho', 'max_epoch=31', 'schedular.epochs=31']}
+# The online selection arms' strategies, and their reference model: ALBEF_Base pre-trained on the same data
+# as the arm 'random batches' at its selected rate, with a seed no comparison uses; tools.compare trains it
+# once into <output_dir>/reference/ (evaluated like any run) before those arms, and reports it beside them.
+ONLINE_ARMS = {'JEST': 'jest', 'RHO-LOSS': 'rho'}
+REFERENCE = {'arm': 'random batches', 'seed': 1000}
 # The hyper-parameter grid of each arm that has one: the same size (two settings) for every such arm, each
 # setting swept with every learning rate and selected on val with it (GRID_OVERRIDES: a setting's keys).
 GRIDS = {'B3': ['p=2,m=20', 'p=10,m=30'],  # B3's paper: skip the top p, link the next m

@@ -43,13 +43,22 @@ import os
 import statistics
 from collections.abc import Sequence
 
-from tools.arms import ARMS, GRIDS, arm_overrides, selection, setting_label
+from tools.arms import (
+    ARMS,
+    GRIDS,
+    ONLINE_ARMS,
+    REFERENCE,
+    SELECTED_LR,
+    arm_overrides,
+    selection,
+    setting_label,
+)
 from tools.batch_scenes import with_batch_scenes
 from tools.cli import emit_record, tool_parser
 from tools.compare_tables import extra_tests, interval_text, markdown_table, read_costs, sweep_table
 from tools.launch import ROOT, in_root
 from tools.records import merge_note, merged_rows
-from tools.runs import CORPORA, prepare_pretraining, run_dir, run_pairs
+from tools.runs import CORPORA, last_checkpoint, prepare_pretraining, run_dir, run_pairs
 from tools.stats import paired_interval, spread
 from training.cli import Parser, run_main
 from training.config_resolve import resolve_config
@@ -215,6 +224,22 @@ def sweep_key(lr: float, setting: str | None) -> float | tuple:
     return (lr, setting) if setting is not None else lr
 
 
+def train_reference(output_dir: str, overrides: Sequence[str], corpus, reuse: bool) -> dict:
+    """The online selection arms' reference model (tools.arms.REFERENCE), pre-trained and evaluated in
+    <output_dir>/reference/ (reused with --reuse) -> {'checkpoint', 'arm', 'seed', 'lr', 'steps', its test
+    R@1 re-ranked and ITC-only}: reported beside the arms, whose compute excludes its training."""
+    arm, seed = REFERENCE['arm'], REFERENCE['seed']
+    lr = SELECTED_LR[arm]
+    directory = os.path.join(output_dir, 'reference')
+    sets = arm_overrides(arm, lr, None, corpus.pretrain) + list(overrides)
+    log, retrieval, _ = run_pairs({'reference': (directory, ['--seed', str(seed), '--set', *sets],
+                                                 list(overrides))}, reuse=reuse, corpus=corpus)['reference']
+    return {'checkpoint': last_checkpoint(os.path.join(directory, 'pretrain')), 'arm': arm, 'seed': seed,
+            'lr': lr, 'epochs': len(log), 'steps': log[-1].get('step'),
+            'test_mean_r1': retrieval.get('test_mean_r1'),
+            'test_itc_mean_r1': retrieval.get('test_itc_mean_r1')}
+
+
 def build_parser() -> Parser:
     """The command line."""
     p = tool_parser('tools.compare', __doc__.splitlines()[0])
@@ -291,6 +316,12 @@ def main(argv: Sequence[str] | None = None) -> dict:
                         runs[(arm, lr, setting, seed)] = (
                             run_dir(output_dir, arm, seed, lr, setting),
                             ['--seed', str(seed), *(['--set', *sets] if sets else [])], list(args.overrides))
+        reference = None
+        if any(arm in ONLINE_ARMS for arm, *_ in runs):  # their reference model first, then the arms
+            reference = train_reference(output_dir, args.overrides, corpus, args.reuse)
+            for (arm, *_), (_, arguments, _) in runs.items():
+                if arm in ONLINE_ARMS:
+                    arguments += [f'batching.{ONLINE_ARMS[arm]}.reference={reference["checkpoint"]}']
         results = run_pairs(runs, reuse=args.reuse, corpus=corpus) if runs else {}
     for (arm, lr, setting, seed), (log, retrieval, probe) in results.items():
         pre_dir = os.path.join(runs[(arm, lr, setting, seed)][0], 'pretrain')
@@ -306,6 +337,7 @@ def main(argv: Sequence[str] | None = None) -> dict:
                         for arm, by_key in sweep.items()},
               **record, 'seeds': args.seeds, 'corpus': args.corpus, 'overrides': args.overrides,
               **({'merged_from': {'files': args.merge, 'rows': merged_from}} if merged_from else {}),
+              **({'reference': reference} if reference else {}),
               'protocol': 'each arm at the learning rate of best mean val R@1 (re-ranked); test reported'}
     emit_record(record, output_dir, 'compare')
     default_costs = os.path.join(ROOT, STRATEGY_BENCH)  # the shipped one may be absent from a copy: no column

@@ -11,9 +11,11 @@ import time
 import torch
 
 from training.config import PretrainConfig
+from training.flops import flop_counter_mode
 
-__all__ = ["count_flops", "device_name", "forward_loss", "matmul_peak", "step_flops_per_sample", "sync",
-           "synthetic_batch"]
+__all__ = ["count_flops", "device_name", "equal_compute_epochs", "forward_loss", "matmul_peak",
+           "selection_flops_per_candidate",
+           "step_flops_per_sample", "sync", "synthetic_batch"]
 
 
 def synthetic_batch(config: PretrainConfig, tokenizer, batch_size: int, device: torch.device, seed: int = 0):
@@ -44,20 +46,9 @@ def forward_loss(model, batch, device: torch.device, dtype: torch.dtype | None) 
 
 
 def count_flops(model, batch, device: torch.device, dtype: torch.dtype | None) -> tuple[int, dict]:
-    """FlopCounterMode over one forward + backward -> (total FLOPs, {op: FLOPs}).
-
-    torch counts the CUDA attention kernels but not the CPU one; it is added with torch's own formulas
-    (as for flash attention on CUDA: the backward includes the recomputed scores).
-    """
-    from torch.utils import flop_counter
-
-    aten = torch.ops.aten  # FlopCounterMode passes shapes
-    cpu_attention = {
-        aten._scaled_dot_product_flash_attention_for_cpu:
-            lambda q, k, v, *args, **kwargs: flop_counter.sdpa_flop_count(q, k, v),
-        aten._scaled_dot_product_flash_attention_for_cpu_backward:
-            lambda grad, q, k, v, *args, **kwargs: flop_counter.sdpa_backward_flop_count(grad, q, k, v)}
-    counter = flop_counter.FlopCounterMode(display=False, custom_mapping=cpu_attention)
+    """FlopCounterMode over one forward + backward -> (total FLOPs, {op: FLOPs}); the CPU attention kernel
+    counted too (training.flops)."""
+    counter = flop_counter_mode()
     with counter:
         forward_loss(model, batch, device, dtype)['loss'].backward()
     model.zero_grad(set_to_none=True)
@@ -76,6 +67,29 @@ def step_flops_per_sample(config: PretrainConfig) -> float:
     model = ALBEF_Base(dataclasses.replace(config, vision_init=None, text_encoder=None), tokenizer).train()
     batch = synthetic_batch(config, tokenizer, config.batch_size, torch.device('cpu'))
     return count_flops(model, batch, torch.device('cpu'), None)[0] / config.batch_size
+
+
+def selection_flops_per_candidate(config: PretrainConfig) -> float:
+    """Executed FLOPs per candidate of online selection's scoring by one model (ALBEF_Base.contrastive_logits:
+    the uni-modal encoders, no grad, every image token), counted as step_flops_per_sample counts the step:
+    random weights, the CPU, a synthetic batch of batch_size at max_tokens."""
+    from models.pretrain import ALBEF_Base
+    from models.tokenization import build_tokenizer
+
+    torch.manual_seed(0)
+    tokenizer = build_tokenizer(config)
+    model = ALBEF_Base(dataclasses.replace(config, vision_init=None, text_encoder=None), tokenizer).train()
+    image, text, _ = synthetic_batch(config, tokenizer, config.batch_size, torch.device('cpu'))
+    counter = flop_counter_mode()
+    with counter:
+        model.contrastive_logits(image, _Text(text))
+    return counter.get_total_flops() / config.batch_size
+
+
+class _Text(dict):
+    """The synthetic batch's text dict with the attribute access of a tokenizer's output."""
+
+    __getattr__ = dict.__getitem__
 
 
 def sync(device: torch.device) -> None:
@@ -119,3 +133,22 @@ def device_name(device: torch.device) -> str:
             return next(line.split(':', 1)[1].strip() for line in f if line.startswith('model name'))
     except (OSError, StopIteration):
         return 'cpu'
+
+
+def equal_compute_epochs(config: PretrainConfig, dataset_len: int, base_epochs: int, super_batch: int,
+                         scorers: int) -> tuple[int, dict]:
+    """The epochs of an online selection run (super_batch k, `scorers` scoring forwards per candidate: 2
+    with a reference model, 1 without) whose executed FLOPs are at most those of `base_epochs` epochs of
+    plain batches of the config's size on `dataset_len` examples, one process -> (epochs, the counts).
+
+    A plain epoch is D // N steps of N x f_train; an online one D // (k N) steps of N x f_train + scorers x
+    k N x f_score (step_flops_per_sample, selection_flops_per_candidate). Rounded down: never more compute."""
+    N = config.batch_size
+    train = step_flops_per_sample(config)
+    score = selection_flops_per_candidate(config)
+    plain = dataset_len // N * N * train
+    online = dataset_len // (super_batch * N) * (N * train + scorers * super_batch * N * score)
+    epochs = int(base_epochs * plain // online)
+    return epochs, {'train_flops_per_sample': train, 'score_flops_per_candidate': score,
+                    'plain_epoch_flops': plain, 'online_epoch_flops': online, 'base_epochs': base_epochs,
+                    'epochs': epochs, 'compute_ratio': epochs * online / (base_epochs * plain)}
