@@ -129,6 +129,9 @@ def selection(arm: str) -> tuple[float, str | None]:
 
 def arm_strategies(arms: Sequence[str], overrides: Sequence[str] = ()) -> dict[str, str]:
     """Each arm's batching strategy (its config's batching.strategy, with the sweep's --set): whose cost it
-    pays."""
-    return {a: resolve_config('pretrain', PRETRAIN_CONFIG, [*ARMS[a], *overrides], check_paths=False).strategy
-            for a in arms}
+    pays. An online arm's config is read with a stand-in for the reference that tools.compare trains."""
+    def reference(a: str) -> list[str]:
+        return [f'batching.{ONLINE_ARMS[a]}.reference=reference.pth'] if a in ONLINE_ARMS else []
+
+    return {a: resolve_config('pretrain', PRETRAIN_CONFIG, [*ARMS[a], *reference(a), *overrides],
+                              check_paths=False).strategy for a in arms}
