@@ -93,14 +93,16 @@ def test_one_process_two_epochs(data_dir, tmp_path):
 def test_two_processes(data_dir, tmp_path, launcher):
     out = str(tmp_path / launcher)
     mode = 'naive' if launcher == 'launch' else 'concurrent'  # the launch run also covers the naive pass
+    # the torchrun run drops half the image tokens under DDP (issue 51), its last epoch unmasked
+    drop = {} if launcher == 'launch' else {'image_token_drop': 0.5, 'unmasked_epochs': 1}
     if launcher == 'launch':
         cmd = [sys.executable, '-m', 'torch.distributed.launch', '--nproc_per_node=2', '--use_env']
     else:
         cmd = [sys.executable, '-m', 'torch.distributed.run', '--nproc_per_node=2']
     cmd += ['--master_port', str(free_port()),
             'Pretrain.py', '--config', 'configs/tiny/Pretrain.yaml', '--output_dir', out, '--device', 'cpu',
-            *overrides(data_dir, batch_size=6, **{'batching.search_space': 12, 'batching.queue_size': 36,
-                                                  'batching.mode': mode})]
+            *overrides(data_dir, batch_size=6, **drop, **{'batching.search_space': 12,
+                                                          'batching.queue_size': 36, 'batching.mode': mode})]
     run_script(cmd)
     log = read_log(out)
     assert [r['epoch'] for r in log] == [0, 1]
