@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import dataclasses
 import sys
 from typing import TextIO
 
@@ -12,6 +11,7 @@ from transformers import BertTokenizerFast
 from models.loading import load_weights
 from models.pretrain import ALBEF_Base
 from models.tokenization import build_tokenizer
+from tools.step_measure import random_model
 from training.config import PretrainConfig
 
 __all__ = ["load_pretrain_checkpoint"]
@@ -29,7 +29,7 @@ def load_pretrain_checkpoint(config: PretrainConfig, checkpoint: str, device: to
     """
     tokenizer = build_tokenizer(config)  # text_encoder may still name the tokenizer
     torch.manual_seed(config.seed if seed is None else seed)
-    model = ALBEF_Base(dataclasses.replace(config, vision_init=None, text_encoder=None), tokenizer)
+    model = random_model(config, tokenizer)
     print(f"loaded {checkpoint}: {load_weights(model, checkpoint).summary()}", file=log or sys.stdout,
           flush=True)
     return model.to(device), tokenizer

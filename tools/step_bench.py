@@ -48,7 +48,15 @@ import torch
 
 from tools.cli import add_config_args, add_output_dir, emit_record, tool_config, tool_parser
 from tools.step_bench_runs import alternate, spawn_variant
-from tools.step_measure import count_flops, device_name, forward_loss, matmul_peak, sync, synthetic_batch
+from tools.step_measure import (
+    count_flops,
+    device_name,
+    forward_loss,
+    matmul_peak,
+    random_model,
+    sync,
+    synthetic_batch,
+)
 from training.cli import Parser, run_main
 from training.config import PretrainConfig
 from training.reporting import peak_memory_bytes
@@ -126,7 +134,6 @@ def build_bench_tokenizer(config: PretrainConfig, workdir: str):
 def run_variant(args: argparse.Namespace, variant: str) -> dict:
     """Build, warm up, time and count one variant in this process -> its JSON fields."""
     from models.losses import WithObjectives
-    from models.pretrain import ALBEF_Base
     from training.optimizer import build_optimizer
 
     device = torch.device(args.device)
@@ -138,9 +145,7 @@ def run_variant(args: argparse.Namespace, variant: str) -> dict:
         tokenizer, vocab_note = build_bench_tokenizer(config, workdir)
     batch = synthetic_batch(config, tokenizer, args.batch_size, device, args.seed)
     baseline_rss = peak_memory_bytes(torch.device("cpu"))
-    # Random weights: nothing to download or read.
-    model_config = dataclasses.replace(config, vision_init=None, text_encoder=None)
-    model = ALBEF_Base(model_config, tokenizer).to(device).train()
+    model = random_model(config, tokenizer).to(device)  # random weights: nothing to download or read
     optimizer = build_optimizer(model, config.optimizer)
     clip = config.clip_grad
     fields = {'tokenizer': vocab_note, 'vocab_size': len(tokenizer),
@@ -213,7 +218,6 @@ def changed_keys(config: PretrainConfig, args: argparse.Namespace) -> dict:
 def model_flops(args: argparse.Namespace) -> int:
     """FLOPs of one step of ALBEF_Base as the paper defines it (the albef variant, fp32, no checkpointing),
     on the same synthetic batch: the fixed work that mfu divides by."""
-    from models.pretrain import ALBEF_Base
 
     device = torch.device(args.device)
     torch.manual_seed(args.seed)
@@ -222,9 +226,8 @@ def model_flops(args: argparse.Namespace) -> int:
         tokenizer, _ = build_bench_tokenizer(config, workdir)
     batch = synthetic_batch(config, tokenizer, args.batch_size, device, args.seed)
     # The paper's step sees every image token, whatever --set image_token_drop says.
-    model_config = dataclasses.replace(config, vision_init=None, text_encoder=None, grad_checkpointing=False,
-                                       image_token_drop=0.0, unmasked_epochs=0)
-    model = ALBEF_Base(model_config, tokenizer).to(device).train()
+    model = random_model(config, tokenizer, grad_checkpointing=False, image_token_drop=0.0,
+                         unmasked_epochs=0).to(device)
     return count_flops(model, batch, device, None)[0]
 
 

@@ -14,8 +14,8 @@ from training.config import PretrainConfig
 from training.flops import flop_counter_mode
 
 __all__ = ["count_flops", "device_name", "equal_compute_epochs", "forward_loss", "matmul_peak",
-           "selection_flops_per_candidate",
-           "step_flops_per_sample", "sync", "synthetic_batch"]
+           "random_model", "selection_flops_per_candidate", "step_flops_per_sample", "sync",
+           "synthetic_batch"]
 
 
 def synthetic_batch(config: PretrainConfig, tokenizer, batch_size: int, device: torch.device, seed: int = 0):
@@ -55,16 +55,24 @@ def count_flops(model, batch, device: torch.device, dtype: torch.dtype | None) -
     return counter.get_total_flops(), {str(op): n for op, n in counter.get_flop_counts()['Global'].items()}
 
 
+def random_model(config: PretrainConfig, tokenizer, **changes):
+    """The config's ALBEF_Base with random weights (nothing read or downloaded: no ViT or BERT weights, no
+    synthetic ViT trained first), `changes` applied to the config; in train mode, on the CPU."""
+    from models.pretrain import ALBEF_Base
+
+    return ALBEF_Base(dataclasses.replace(config, vision_init=None, text_encoder=None, **changes),
+                      tokenizer).train()
+
+
 def step_flops_per_sample(config: PretrainConfig) -> float:
     """Executed FLOPs per sample of one pre-training step (forward + backward, count_flops) of the config's
     model with random weights, on the CPU, on a synthetic batch of its batch_size at max_tokens (the longest
     a batch gets), as tools.step_bench counts them; image_token_drop counted as the config sets it."""
-    from models.pretrain import ALBEF_Base
     from models.tokenization import build_tokenizer
 
     torch.manual_seed(0)
     tokenizer = build_tokenizer(config)
-    model = ALBEF_Base(dataclasses.replace(config, vision_init=None, text_encoder=None), tokenizer).train()
+    model = random_model(config, tokenizer)
     batch = synthetic_batch(config, tokenizer, config.batch_size, torch.device('cpu'))
     return count_flops(model, batch, torch.device('cpu'), None)[0] / config.batch_size
 
@@ -73,12 +81,11 @@ def selection_flops_per_candidate(config: PretrainConfig) -> float:
     """Executed FLOPs per candidate of online selection's scoring by one model (ALBEF_Base.contrastive_logits:
     the uni-modal encoders, no grad, every image token), counted as step_flops_per_sample counts the step:
     random weights, the CPU, a synthetic batch of batch_size at max_tokens."""
-    from models.pretrain import ALBEF_Base
     from models.tokenization import build_tokenizer
 
     torch.manual_seed(0)
     tokenizer = build_tokenizer(config)
-    model = ALBEF_Base(dataclasses.replace(config, vision_init=None, text_encoder=None), tokenizer).train()
+    model = random_model(config, tokenizer)
     image, text, _ = synthetic_batch(config, tokenizer, config.batch_size, torch.device('cpu'))
     counter = flop_counter_mode()
     with counter:
