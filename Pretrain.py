@@ -134,10 +134,11 @@ class PretrainTask(Task):
         start = time.perf_counter()
         counter = flop_counter_mode() if self.selection_flops is None else None
         with counter if counter is not None else contextlib.nullcontext():
-            learner, kind = self.model.contrastive_logits(image, text)
+            key = None if self.image_keys is None else self.image_keys[idx]
+            learner, kind = self.model.contrastive_logits(image, text, key)
             reference = None
             if self.reference is not None:
-                reference, ref_kind = self.reference.contrastive_logits(image, text)
+                reference, ref_kind = self.reference.contrastive_logits(image, text, key)
                 if ref_kind != kind:  # built from this config, so only a mismatched checkpoint gets here
                     raise ValueError(f"the reference model scores with a {ref_kind} loss, the learner with "
                                      f"{kind}")
@@ -281,8 +282,11 @@ def main(argv: Sequence[str] | None = None) -> dict:
 
     tokenizer = build_tokenizer(config)
     dataset = SkipBadSamples(create_dataset("pretrain", config))
-    check_global_batch(len(dataset), config.batch_size, info.world_size,
-                       config.train_files + config.train_shard_specs, "batch_size")
+    # An online strategy's loader takes super-batches of k x batch_size per process.
+    factor = config.batching.loader_factor
+    what = "batch_size" if factor == 1 else f"batch_size x batching.{config.strategy}.super_batch"
+    check_global_batch(len(dataset), config.batch_size * factor, info.world_size,
+                       config.train_files + config.train_shard_specs, what)
     sampler = build_sampler(config, dataset, info.world_size, info.rank, info.device)
     collate = SkipBadCollate(ImageTextCollate(tokenizer, config.max_tokens, config.static_text_on))
 

@@ -16,7 +16,8 @@ leave the ranks' shares unequal). The random draws of a step come from a CPU gen
 epoch, step, rank), so a selection is deterministic and a resumed run draws what the unbroken run drew.
 
 The record. Every step's candidates and selections of all ranks are gathered (one all_gather of K + N
-integers, no host synchronisation) and kept for the epoch: epoch_record() -> {'epoch', 'dataset_len',
+integers, int32 below 2**31 examples, no host synchronisation) and kept on the device for the epoch
+(about 4 x D x (1 + 1/k) bytes per rank): epoch_record() -> {'epoch', 'dataset_len',
 'batch_size', 'super_batch', 'segments': [{'first_step', 'candidates' (t, W, K), 'selected' (t, W, N)}]};
 a run resumed on another number of ranks adds a segment. The state_dict carries the epoch's record so far,
 so the record of a resumed epoch is whole. tools.check_selections reads it and checks the rule above.
@@ -131,9 +132,11 @@ class OnlineSampler(torch.utils.data.Sampler):
         if self.selection.needs_reference and reference is None:
             raise ValueError(f"OnlineSampler.select: score {self.selection.score!r} needs the reference "
                              "model's logits")
-        positions = self.selection.select(learner.float(), None if reference is None else reference.float(),
-                                          kind, valid, self.generator())
-        ids = ids.to(positions.device, torch.long)
+        with torch.autocast(learner.device.type, enabled=False):  # fp32 scores under a bf16 step
+            positions = self.selection.select(learner.float(),
+                                              None if reference is None else reference.float(), kind, valid,
+                                              self.generator())
+        ids = ids.to(positions.device, self.inner.index_dtype)  # int32 below 2**31 examples
         self._rows.append(gdist.all_gather_cat(torch.cat([ids, ids[positions]])[None]))
         return positions
 
@@ -141,7 +144,7 @@ class OnlineSampler(torch.utils.data.Sampler):
         """This segment's steps so far -> {'first_step', 'candidates' (t, W, K), 'selected' (t, W, N)}."""
         K = self.loader_batch_size
         rows = (torch.stack(self._rows).cpu() if self._rows
-                else torch.empty(0, self.num_replicas, K + self.batch_size, dtype=torch.long))
+                else torch.empty(0, self.num_replicas, K + self.batch_size, dtype=self.inner.index_dtype))
         return {"first_step": self._first_step, "candidates": rows[:, :, :K].clone(),
                 "selected": rows[:, :, K:].clone()}
 

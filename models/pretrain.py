@@ -79,22 +79,34 @@ class ALBEF_Base(ImageTextModel):  # noqa: N801 (the paper's name)
             self.visual_encoder.patch_drop.prob = self.image_token_drop if epoch < self.masked_epochs else 0.0
 
     @torch.no_grad()
-    def contrastive_logits(self, image: Tensor, text: Any) -> tuple[Tensor, str]:
-        """image (K,3,H,W), text (tokenizer output (K,L)) -> (the in-batch ITC logits (K,K) fp32 of image i
-        against text j, the loss they belong to): 'sigmoid', t x similarity + b, with contrastive_loss
-        sigmoid; else 'softmax', similarity / temp. In eval mode (every image token, no dropout), as online
-        batch selection scores a super-batch (grit.online)."""
+    def contrastive_logits(self, image: Tensor, text: Any,
+                           image_key: Tensor | None = None) -> tuple[Tensor, str]:
+        """image (K,3,H,W), text (tokenizer output (K,L)), image_key (K,) with the false-negative guard ->
+        (the in-batch ITC logits (K,K) fp32 of image i against text j, the loss they belong to): 'sigmoid',
+        t x similarity + b, with contrastive_loss sigmoid; else 'softmax', similarity / temp. In eval mode
+        (every image token, no dropout), as online batch selection scores a super-batch (grit.online).
+        With guard_false_negatives, the pairs the guard makes positives (same image or identical caption,
+        off the diagonal) are -inf: neither negatives nor positives of the scoring losses."""
         was_training = self.training
         self.eval()
         try:
             image_feat, text_feat = self.unimodal_features(image, text)
         finally:
             self.train(was_training)
-        similarity = image_feat @ text_feat.t()
-        if "sigmoid" in self.objectives:
-            sigmoid = self.objectives["sigmoid"]
-            return similarity * sigmoid.log_scale.float().exp() + sigmoid.bias.float(), "sigmoid"
-        return similarity / self.temp.float(), "softmax"
+        with torch.autocast(image_feat.device.type, enabled=False):  # fp32 scores under a bf16 step
+            similarity = image_feat.float() @ text_feat.float().t()
+            if "sigmoid" in self.objectives:
+                sigmoid = self.objectives["sigmoid"]
+                logits, kind = similarity * sigmoid.log_scale.float().exp() + sigmoid.bias.float(), "sigmoid"
+            else:
+                logits, kind = similarity / self.temp.float(), "softmax"
+        if self.guard_false_negatives and image_key is not None:
+            text_key = caption_keys(text.input_ids.masked_fill(text.attention_mask == 0, 0),
+                                    self.caption_constants)
+            same = false_negative_mask(image_key.to(text_key.device, torch.int64), text_key)
+            same.fill_diagonal_(False)
+            logits = logits.masked_fill(same, float("-inf"))
+        return logits, kind
 
     @property
     def uses_every_parameter(self) -> bool:

@@ -93,39 +93,57 @@ def test_rho_scores_are_the_direct_losses_and_it_keeps_the_top_n(kind, score):
     assert int(chosen[0]) not in again.tolist() and len(set(again.tolist())) == 4
 
 
-def _exact_pair_probabilities(learner, reference, kind):
-    """P(first i, then j) of JEST's draw of 2 in 2 chunks, from the subset losses by brute force: chunk 1 by
-    exp(score of {i}), chunk 2 by exp(score of {i, j} - score of {i}) among the rest."""
+def _score(learner, reference, kind, members):
+    """A subset's learnability by brute force: each model's loss recomputed on the subset alone."""
+    m = torch.tensor(sorted(members))
+    return (subset_loss(learner, kind, m) - subset_loss(reference, kind, m)).item() if len(m) else 0.0
+
+
+def _plackett_luce(logits: dict, size: int) -> dict:
+    """P(the set of `size` drawn without replacement, each draw by softmax(logits) among the rest)."""
+    out = {}
+    for order in itertools.permutations(logits, size):
+        p, rest = 1.0, dict(logits)
+        for i in order:
+            z = torch.tensor(list(rest.values()), dtype=torch.float64).logsumexp(0).item()
+            p *= float(torch.tensor(rest[i] - z).exp())
+            del rest[i]
+        key = frozenset(order)
+        out[key] = out.get(key, 0.0) + p
+    return out
+
+
+def _exact_chunked_distribution(learner, reference, kind, sizes):
+    """P(chunk 1 = A, chunk 2 = B) of JEST's procedure, written out by brute force: chunk 1 uniform (the
+    paper's Algorithm 1), chunk 2 without replacement by exp(score(A + {i}) - score(A))."""
     K = learner.shape[0]
-
-    def score(members):
-        m = torch.tensor(members)
-        return (subset_loss(learner, kind, m) - subset_loss(reference, kind, m)).item()
-
-    first = torch.tensor([score([i]) for i in range(K)], dtype=torch.float64).softmax(0)
+    first = list(itertools.combinations(range(K), sizes[0]))
     probs = {}
-    for i in range(K):
-        rest = [j for j in range(K) if j != i]
-        second = torch.tensor([score([i, j]) - score([i]) for j in rest], dtype=torch.float64).softmax(0)
-        for j, p in zip(rest, second):
-            probs[(i, j)] = float(first[i] * p)
+    for A in first:
+        base = _score(learner, reference, kind, A)
+        gains = {i: _score(learner, reference, kind, (*A, i)) - base for i in range(K) if i not in A}
+        for B, p in _plackett_luce(gains, sizes[1]).items():
+            probs[(frozenset(A), B)] = p / len(first)
     return probs
 
 
 @pytest.mark.parametrize("kind", KINDS)
-def test_jest_draw_follows_the_exact_chunked_distribution(kind):
-    """On a super-batch of 5 choosing 2 in 2 chunks, where the chunked procedure's distribution can be
-    written out by brute force, 4,000 seeded draws match it (total variation below 0.04)."""
-    learner, reference = _logits(5, seed=5, scale=1.0), _logits(5, seed=6, scale=1.0)
-    exact = _exact_pair_probabilities(learner, reference, kind)
-    jest = build("jest", 2, super_batch=3, chunks=2)
+@pytest.mark.parametrize("sizes", [(1, 1), (2, 2)], ids=["chunks_of_1", "chunks_of_2"])
+def test_jest_draw_follows_the_exact_chunked_distribution(kind, sizes):
+    """On a super-batch of 5, where the chunked procedure's distribution can be written out by brute force
+    from the subsets' losses, 4,000 seeded draws match it (total variation below 0.06): 2 in 2 chunks of
+    one, and 4 in 2 chunks of two, the second drawn at once."""
+    learner, reference = _logits(5, seed=5, scale=1.5), _logits(5, seed=6, scale=1.5)
+    exact = _exact_chunked_distribution(learner, reference, kind, sizes)
+    assert sum(exact.values()) == pytest.approx(1.0)
+    jest = build("jest", sum(sizes), super_batch=2, chunks=2)
     counts = dict.fromkeys(exact, 0)
     n = 4000
     for seed in range(n):
-        i, j = jest.select(learner, reference, kind, None, torch.Generator().manual_seed(seed)).tolist()
-        counts[(i, j)] += 1
+        drawn = jest.select(learner, reference, kind, None, torch.Generator().manual_seed(seed)).tolist()
+        counts[(frozenset(drawn[:sizes[0]]), frozenset(drawn[sizes[0]:]))] += 1
     tv = 0.5 * sum(abs(counts[p] / n - exact[p]) for p in exact)
-    assert tv < 0.04, tv
+    assert tv < 0.06, tv
     # and a draw is a function of its generator
     a = jest.select(learner, reference, kind, None, torch.Generator().manual_seed(7))
     b = jest.select(learner, reference, kind, None, torch.Generator().manual_seed(7))
@@ -142,9 +160,47 @@ def test_jest_chunks_distinct_valid_and_paper_sized():
     assert jest.chunks == 16
     chosen = jest.select(learner, reference, "sigmoid", valid, torch.Generator().manual_seed(0))
     assert len(set(chosen.tolist())) == 20 and bool(valid[chosen].all())
+    # fewer valid candidates than N: every valid one, then invalid ones, never one twice
+    few = torch.zeros(40, dtype=torch.bool)
+    few[:5] = True
+    chosen = jest.select(learner, reference, "softmax", few, torch.Generator().manual_seed(1))
+    assert len(set(chosen.tolist())) == 20 and set(range(5)) <= set(chosen.tolist())
     assert build("jest", 8, super_batch=5).chunks == 8
     with pytest.raises(ValueError, match="chunks"):
         build("jest", 8, chunks=0)
+
+
+@pytest.mark.parametrize("loss", ["softmax", "sigmoid"])
+def test_scoring_logits_are_fp32_and_leave_out_the_guards_positives(tmp_path, loss):
+    """ALBEF_Base.contrastive_logits: fp32 under a bf16 step, eval mode (every image token) and back to
+    training; with the false-negative guard, another entry of the same image is -inf (in neither loss),
+    and the selections' losses stay finite."""
+    from conftest import tiny_config, word_tokenizer
+    from transformers import BatchEncoding
+
+    from models.pretrain import ALBEF_Base
+
+    tokenizer = word_tokenizer(tmp_path, ["red", "blue", "circle", "square"])
+    config = tiny_config("pretrain", vision_init=None, image_token_drop=0.5, contrastive_loss=loss,
+                         lambda_cons=0.0)
+    torch.manual_seed(0)
+    model = ALBEF_Base(config, tokenizer).train()
+    image = torch.randn(6, 3, config.image_res, config.image_res)
+    text = BatchEncoding(tokenizer(["red circle", "blue square", "red square", "blue circle", "red",
+                                    "blue"], padding="max_length", max_length=8, return_tensors="pt"))
+    key = torch.tensor([0, 1, 2, 0, 3, 4])  # entries 0 and 3 show one image
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        logits, kind = model.contrastive_logits(image, text, key)
+    assert kind == loss and logits.dtype == torch.float32 and model.training
+    assert logits[0, 3] == logits[3, 0] == float("-inf")
+    assert torch.isfinite(logits.diagonal()).all() and torch.isfinite(logits[0, 1])
+    with torch.autocast("cpu", dtype=torch.bfloat16):  # without the keys: every pair scored
+        plain, _ = model.contrastive_logits(image, text)
+    assert torch.isfinite(plain).all() and torch.equal(plain[0, 1], logits[0, 1])
+    assert torch.isfinite(example_losses(logits, kind)).all()
+    chosen = torch.zeros(6, dtype=torch.bool)
+    chosen[[0, 1]] = True
+    assert torch.isfinite(conditional_losses(logits, kind, chosen)[2:]).all()
 
 
 # ----------------------------------------------------------------------------------------- the sampler

@@ -10,7 +10,8 @@ selection'), checked per epoch:
 - K = super_batch x N candidates and N selections per rank and step, all dataset indices in [0, D);
 - every index is a candidate at most once in the epoch, so it is trained on at most once;
 - each rank's selection is N distinct positions of its own candidates of that step (selection per rank);
-- an unbroken epoch has D // (K x W) steps, and fewer than K x W indices (per segment) are never candidates.
+- an epoch on one number of ranks W has D // (K x W) steps, its segments following on (a resume continues
+  at the step it stopped), and fewer than K x W indices (per segment) are never candidates.
 It prints one JSON record (per epoch: steps, ranks, candidates, selected, left out, how many of this
 epoch's left-outs were left out the epoch before) and exits 1 naming the first broken rule.
 """
@@ -61,8 +62,13 @@ def check_epoch(record: dict) -> tuple[dict, list[str]]:
     never = torch.ones(D, dtype=torch.bool)
     never[flat.clamp(0, D - 1)] = False
     left_out = int(never.sum())
-    if len(ranks) == 1 and steps != D // (K * ranks[0]):
-        errors.append(f"{steps} steps, the rule gives D // (K x W) = {D // (K * ranks[0])}")
+    if ranks and len(set(ranks)) == 1:  # one world size (resumed on it or unbroken): the whole epoch's steps
+        if steps != D // (K * ranks[0]):
+            errors.append(f"{steps} steps, the rule gives D // (K x W) = {D // (K * ranks[0])}")
+        ends = [int(s["first_step"]) + s["candidates"].shape[0] for s in record["segments"]]
+        starts = [int(s["first_step"]) for s in record["segments"]]
+        if starts[0] != 0 or starts[1:] != ends[:-1]:
+            errors.append(f"the segments' steps do not follow on: starts {starts}, ends {ends}")
     bound = K * sum(ranks)
     if ranks and left_out >= bound:
         errors.append(f"{left_out} indices never candidates, not fewer than K x W = {bound}")

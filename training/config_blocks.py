@@ -184,6 +184,11 @@ class Batching:
         """True when the strategy selects each step's batch from a super-batch (jest, rho)."""
         return self.strategy in ("jest", "rho")
 
+    @property
+    def loader_factor(self) -> int:
+        """The loader's batch in per-rank batches: an online strategy's super_batch k, else 1."""
+        return getattr(self, self.strategy).super_batch if self.online else 1
+
     def problems(self, batch_size: int) -> list[str]:
         """Settings that cannot act, one message each: an option of a strategy this run does not use (set
         away from its default), and a rank skip that passes over all M - 1 others each entry of a sub-queue

@@ -7,7 +7,9 @@ added to a chosen subset. Two kinds, the two ITC losses the models train with:
     sigmoid  SigLIP's: sum over i, j in U of -log sigmoid(z_ij a_ij), z_ij = +1 for i = j, -1 otherwise
 
 Losses are sums over the subset's rows, not means, as JEST's scores: the subsets compared at one step all
-have the same size, and a sum is what adding one example changes."""
+have the same size, and a sum is what adding one example changes. A logit of -inf off the diagonal (a
+pair the false-negative guard makes a positive) drops out of both losses: out of the log-sum-exp, and a
+sigmoid pair term of 0."""
 
 from __future__ import annotations
 
@@ -71,13 +73,13 @@ def conditional_losses(logits: Tensor, kind: str, chosen: Tensor) -> Tensor:
         pairs = pair_losses(logits)
         weight = chosen.to(pairs.dtype)
         return pairs.diagonal() + pairs @ weight + weight @ pairs
-    minus_inf = torch.tensor(float("-inf"), dtype=logits.dtype, device=logits.device)
-    rows = torch.where(chosen[None, :], logits, minus_inf).logsumexp(1)  # (K,) LSE of a_rj over j in S
-    cols = torch.where(chosen[:, None], logits, minus_inf).logsumexp(0)  # (K,) LSE of a_jr over j in S
+    # masked_fill with a Python number: no scalar tensor copied to the device (a host synchronisation)
+    rows = logits.masked_fill(~chosen[None, :], float("-inf")).logsumexp(1)  # (K,) LSE of a_rj, j in S
+    cols = logits.masked_fill(~chosen[:, None], float("-inf")).logsumexp(0)  # (K,) LSE of a_jr, j in S
     # Rows r of S: adding column i to r's image->text and text i to r's text->image log-sum-exp.
     grow = (torch.logaddexp(rows[:, None], logits) - rows[:, None]
             + torch.logaddexp(cols[:, None], logits.t()) - cols[:, None])
-    grow = torch.where(chosen[:, None], grow, 0.0).sum(0)
+    grow = grow.masked_fill(~chosen[:, None], 0.0).sum(0)
     diag = logits.diagonal()
     own = torch.logaddexp(rows, diag) - diag + torch.logaddexp(cols, diag) - diag
     return 0.5 * (grow + own)
