@@ -10,6 +10,7 @@ from typing import Any, Literal
 
 from grit.config import DEFAULTS as GRIT_DEFAULTS  # the sampler's defaults (the paper's), one place
 from grit.config import option_problems  # the sampler's own rules, asked at start-up
+from grit.strategies import ONLINE  # the online selection strategies (their modules define SELECTION)
 
 __all__ = ["REQUIRED", "B3", "SAMPLER_KEYS", "Batching", "GCBS", "GritChain", "JEST", "RHO", "RWR",
            "Optimizer", "Schedule", "key", "meaning"]
@@ -181,8 +182,8 @@ class Batching:
 
     @property
     def online(self) -> bool:
-        """True when the strategy selects each step's batch from a super-batch (jest, rho)."""
-        return self.strategy in ("jest", "rho")
+        """True when the strategy selects each step's batch from a super-batch (grit.strategies.ONLINE)."""
+        return self.strategy in ONLINE
 
     @property
     def loader_factor(self) -> int:

@@ -29,7 +29,8 @@ the step trains on (grit.online.OnlineSampler; docs/batch-construction.md, 'Onli
 
 Adding one means a module grit/strategies/<name>.py that defines GROUPING (a Grouping subclass whose
 keyword options are its config block's keys) or SELECTION (a Selection subclass, likewise), found here by
-its name, and its block (and name among batching.strategy's values) in training/config.py; nothing else.
+its name (ONLINE: the modules that define SELECTION), and its block (and name among batching.strategy's
+values) in training/config.py; nothing else.
 Importable with torch and numpy only: a strategy's own dependencies (scipy, pymetis) are imported when it
 is built, with a message naming the package when one is missing.
 """
@@ -53,8 +54,6 @@ def _names() -> tuple[str, ...]:
 
 
 NAMES = _names()  # ('random', 'b3', 'gcbs', 'grit', 'jest', 'rho', 'rwr')
-# The strategies that select online from a super-batch (their modules define SELECTION, not GROUPING).
-ONLINE = ("jest", "rho")
 # What a Selection ranks by: the learner's loss minus the reference's (JEST's learnability, RHO-LOSS's
 # reducible loss), the reference's loss alone, negated (JEST's 'easy reference'), or the learner's alone
 # ('hard learner'; no reference model).
@@ -133,3 +132,12 @@ def build(name: str, batch_size: int, **options: Any) -> Grouping | Selection | 
     module = importlib.import_module(f"{__name__}.{name}")
     made = module.SELECTION if name in ONLINE else module.GROUPING
     return made(batch_size=batch_size, **options)
+
+
+def _online() -> tuple[str, ...]:
+    """The strategies that select online from a super-batch: those whose module defines SELECTION (imported
+    here, after Grouping and Selection exist; a module imports its own dependencies only when built)."""
+    return tuple(n for n in NAMES[1:] if hasattr(importlib.import_module(f"{__name__}.{n}"), "SELECTION"))
+
+
+ONLINE = _online()  # ('jest', 'rho')
