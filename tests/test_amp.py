@@ -54,7 +54,7 @@ def test_bf16_step_close_to_fp32_and_grit_features_fp32(one_thread):
     # GRIT's features: the projections Pretrain.py's step keeps for the sampler's queues (the model's
     # outputs keep their graph and the autocast dtype; the step detaches them and makes them fp32).
     task = SimpleNamespace(device=torch.device('cpu'), image_keys=torch.arange(8), config=config, model=model,
-                           scene_ids=None, shown=None, features={})
+                           scene_ids=None, shown=None, features={}, online=False)
     batch = SimpleNamespace(ids=torch.arange(8), image=image, text=text, valid_on=lambda device: None)
     torch.manual_seed(1)
     with torch.autocast('cpu', dtype=autocast_dtype('bf16', torch.device('cpu'))):

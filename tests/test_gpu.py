@@ -181,7 +181,8 @@ def test_autocast_training_step_with_the_scaler_is_close_to_fp32(tokenizer, amp)
     import Pretrain
 
     task = types.SimpleNamespace(device=DEV, image_keys=keys, model=model, scene_ids=None, shown=None,
-                                 features={}, config=types.SimpleNamespace(batch_pictures=False, itm=True))
+                                 features={}, online=False,
+                                 config=types.SimpleNamespace(batch_pictures=False, itm=True))
     batch = ImageTextBatch(image=image, text=text, ids=keys, valid=torch.ones(N, dtype=torch.bool),
                            reasons=[])
     with torch.autocast(DEV.type, dtype=dtype):
