@@ -107,7 +107,7 @@ class OnlineSampler(torch.utils.data.Sampler):
                 valid: torch.Tensor | None = None) -> None:
         """After every step: advances the position (the features are not used; the super-batches are
         random)."""
-        self.inner._collect(image_feat, text_feat, index, valid, count=True)
+        self.inner.collect(image_feat, text_feat, index, valid)
 
     def end_epoch(self) -> None:
         self.inner.end_epoch()

@@ -81,6 +81,8 @@ def selection_flops_per_candidate(config: PretrainConfig) -> float:
     """Executed FLOPs per candidate of online selection's scoring by one model (ALBEF_Base.contrastive_logits:
     the uni-modal encoders, no grad, every image token), counted as step_flops_per_sample counts the step:
     random weights, the CPU, a synthetic batch of batch_size at max_tokens."""
+    from transformers import BatchEncoding
+
     from models.tokenization import build_tokenizer
 
     torch.manual_seed(0)
@@ -89,14 +91,8 @@ def selection_flops_per_candidate(config: PretrainConfig) -> float:
     image, text, _ = synthetic_batch(config, tokenizer, config.batch_size, torch.device('cpu'))
     counter = flop_counter_mode()
     with counter:
-        model.contrastive_logits(image, _Text(text))
+        model.contrastive_logits(image, BatchEncoding(text))
     return counter.get_total_flops() / config.batch_size
-
-
-class _Text(dict):
-    """The synthetic batch's text dict with the attribute access of a tokenizer's output."""
-
-    __getattr__ = dict.__getitem__
 
 
 def sync(device: torch.device) -> None:
