@@ -15,6 +15,9 @@ others still run; about 10 minutes on one GPU):
                  MFU, peak memory
   grit_bench     tools.grit_bench on the device at the paper's sizes (L = 48,000, M = 1,920, N = 128, d =
                  256): one queue fill's grouping, as a share of the steps that fill it (L / N steps)
+  selection_bench
+                 tools.selection_bench: online selection (JEST, RHO-LOSS) at k = 2, 4, 10 and N = 128, its
+                 scoring FLOPs' share of the step and its draw timed on the device
   tiny_pretrain  the tiny pre-training (configs/tiny/Pretrain.yaml) on the GPU, then its zero-shot
                  retrieval (configs/tiny/Retrieval.yaml): R@1 and seconds
 and the issue-27 targets judged: bf16 MFU >= 0.45, batch 128 with gradient checkpointing under 24 GB,
@@ -300,6 +303,12 @@ def main(argv: Sequence[str] | None = None) -> dict:
                                               *[f'--{k}={v}' for k, v in GRIT_SIZES.items()],
                                               '--output_dir', grit_dir], out_dir, timeout=600)
     grit = _read_json(os.path.join(grit_dir, 'grit_bench.json'))
+    selection_dir = os.path.join(out_dir, 'selection_bench')
+    parts['selection_bench'] = _run(
+        'selection_bench',
+        ['-m', 'tools.selection_bench', '--device', args.device, '--output_dir', selection_dir],
+        out_dir, timeout=600)
+    selection = _read_json(os.path.join(selection_dir, 'selection_bench.json'))
     tiny = os.path.join(out_dir, 'tiny_pretrain')
     parts['tiny_pretrain'] = _run('tiny_pretrain', ['-m', 'Pretrain', '--config', TINY_PRETRAIN, '--device',
                                                     args.device, '--output_dir', tiny], out_dir, timeout=900)
@@ -314,7 +323,8 @@ def main(argv: Sequence[str] | None = None) -> dict:
             zeroshot = {'pretrain_seconds': round(sum(r['epoch_seconds'] for r in rows), 1),
                         'final_loss_itm': rows[-1]['loss_itm'], 'test_mean_r1': record['test_mean_r1'],
                         'test_itc_mean_r1': record['test_itc_mean_r1']}
-    report.update(parts=parts, step_bench=step, grit_bench=grit, tiny=zeroshot, targets=judge(step, grit))
+    report.update(parts=parts, step_bench=step, grit_bench=grit, selection_bench=selection, tiny=zeroshot,
+                  targets=judge(step, grit))
     failed = [name for name, part in parts.items() if part['status'] != 'passed'] + (
         ['tests'] if tests.get('failed') else [])
     report['status'] = 'failed' if failed else 'passed'
