@@ -15,7 +15,7 @@ from training.config_resolve import resolve_config
 
 
 def _run(itm: float, txt: float, img: float, colour: float) -> tuple[list[dict], dict, dict]:
-    rows = [{"epoch": e, "hardness": 0.5 + 0.1 * e, "loss_itm": itm + 0.01 * (2 - e),
+    rows = [{"epoch": e, "step": 4 * (e + 1), "hardness": 0.5 + 0.1 * e, "loss_itm": itm + 0.01 * (2 - e),
              "train_seconds": 10.0, "epoch_seconds": 10.0 + e, "sampler_seconds": 0.1 * e} for e in range(3)]
     retrieval = {"test_txt_r1": txt, "test_img_r1": img, "test_mean_r1": (txt + img) / 2,
                  "test_r_mean": 40.0, "test_itc_txt_r1": txt - 1, "test_itc_img_r1": img - 1,
@@ -29,6 +29,7 @@ def _run(itm: float, txt: float, img: float, colour: float) -> tuple[list[dict],
 def test_summary_row_takes_the_last_epoch_both_scorings_and_every_probe_kind():
     row = summary_row(*_run(0.4, 6.0, 4.0, 0.9))
     assert row["loss_itm"] == 0.4 and row["hardness"] == 0.7 and row["train_seconds"] == 30.0
+    assert row["steps"] == 12  # the last epoch's step count: the run's training steps
     assert (row["txt_r1"], row["img_r1"], row["mean_r1"], row["r_mean"]) == (6.0, 4.0, 5.0, 40.0)
     assert (row["itc_txt_r1"], row["itc_img_r1"], row["itc_mean_r1"]) == (5.0, 3.0, 4.0)
     assert (row["val_mean_r1"], row["val_itc_mean_r1"]) == (16.0, 15.0)

@@ -88,6 +88,7 @@ def summary_row(rows: list[dict], retrieval: dict, probe_result: dict) -> dict:
                                                    'batch_groups')},
            'batch_same_scene': statistics.fmean(same_scene) if same_scene else math.nan,
            'itm_epoch': itm_epoch(rows),
+           'steps': rows[-1].get('step', math.nan),  # training steps (tools.online_readings' equal steps)
            'train_seconds': sum(r['train_seconds'] for r in rows),
            # The strategy's own work (feature collection, grouping, dealing) as a share of the run's wall
            # clock: a ratio within one run, so it holds however fast the shared machine was that hour, which
