@@ -57,6 +57,14 @@ def test_both_readings_by_hand():
     assert b3['equal_compute']['mean_r1']['per_seed'] == [-20.0, -25.0]
     assert b3['equal_steps']['mean_r1']['seeds'] == [1, 3]
     assert out['arms']['JEST'].keys() == {'random batches', 'B3'}
+    # A second online arm: each is read against the other at equal compute (no curve: no equal steps).
+    compare['selected_lr']['RHO-LOSS'] = 0.0005
+    compare['sweep']['RHO-LOSS'] = {'0.0005': {'1': _row(45.0, 52.0, 2232), '2': _row(31.0, 40.0, 2232)}}
+    both = readings(compare, curves)['arms']
+    assert both['JEST']['RHO-LOSS']['equal_compute']['mean_r1']['per_seed'] == [-5.0, -1.0]
+    assert both['RHO-LOSS']['JEST']['equal_compute']['itc_mean_r1']['per_seed'] == [2.0, -5.0]
+    assert both['JEST']['RHO-LOSS']['equal_steps']['mean_r1']['seeds'] == []
+    assert 'RHO-LOSS' not in both['RHO-LOSS']
 
 
 def test_main_writes_json_and_markdown_and_names_a_bad_record(tmp_path, capsys):

@@ -49,7 +49,7 @@ def build_parser() -> Parser:
     p.add_argument("--curves", required=True, help="tools.efficiency's efficiency.json with the plain arms' "
                                                    "per-epoch curves")
     p.add_argument("--plain", nargs="*", default=None,
-                   help="plain arms to read against (default: every arm of --compare that is not online)")
+                   help="arms to read against (default: every other arm of --compare, online ones included)")
     add_output_dir(p, "online_readings.json and online_readings.md")
     return p
 
@@ -78,7 +78,8 @@ def readings(record: dict, curves_record: dict, plain: Sequence[str] | None = No
     """Both readings of every online arm of `record` against every plain arm -> {online: {plain: {reading:
     {score: gap}}}} with the plain points each equal-steps gap used."""
     online = [a for a in record['selected_lr'] if a in ONLINE_ARMS]
-    plain = list(plain) if plain is not None else [a for a in record['selected_lr'] if a not in ONLINE_ARMS]
+    # Every other arm by default, the other online arm too (at equal compute; it has no per-epoch curve).
+    plain = list(plain) if plain is not None else list(record['selected_lr'])
     missing = [a for a in plain if a not in record['selected_lr']]
     if not online or missing:
         raise ValueError(f"--compare has no online arm ({', '.join(ONLINE_ARMS)})" if not online else
@@ -97,7 +98,7 @@ def readings(record: dict, curves_record: dict, plain: Sequence[str] | None = No
             raise ValueError(f"{arm}: rows of seeds {missing_steps} lack 'steps' (a record of tools.compare "
                              "before the field: run it again with --reuse)")
         out['arms'][arm] = {}
-        for base in plain:
+        for base in (b for b in plain if b != arm):
             base_rows = selected_rows(record, base)
             entry: dict = {'equal_compute': {}, 'equal_steps': {}, 'equal_steps_points': {}}
             seeds = sorted(set(rows) & set(base_rows))
