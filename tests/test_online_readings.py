@@ -8,7 +8,7 @@ import json
 import pytest
 
 from grit_io import InputFileError
-from tools.online_readings import equal_steps_epoch, main, readings
+from tools.online_readings import equal_steps_epoch, main, merged_curve_files, readings
 
 
 def _row(mean: float, itc: float, steps: int | None = None) -> dict:
@@ -85,3 +85,16 @@ def test_main_writes_json_and_markdown_and_names_a_bad_record(tmp_path, capsys):
         main(['--compare', str(tmp_path / 'compare.json'), '--curves', str(tmp_path / 'curves.json')])
     with pytest.raises(InputFileError, match='not a tools.efficiency record'):
         main(['--compare', str(tmp_path / 'compare.json'), '--curves', str(tmp_path / 'compare.json')])
+
+
+def test_curves_of_several_records_are_merged_and_a_conflict_named(tmp_path):
+    _, curves = _records()
+    (tmp_path / 'a.json').write_text(json.dumps(curves))
+    later = {'curves': {'random batches': {'3': curves['curves']['random batches']['1']}}}
+    (tmp_path / 'b.json').write_text(json.dumps(later))
+    merged = merged_curve_files([str(tmp_path / 'a.json'), str(tmp_path / 'b.json')])
+    assert sorted(merged['random batches']) == ['1', '2', '3'] and sorted(merged['B3']) == ['1', '3']
+    later['curves']['random batches']['1'] = [{'epoch': 10, 'mean_r1': 0.0, 'itc_mean_r1': 0.0}]
+    (tmp_path / 'b.json').write_text(json.dumps(later))
+    with pytest.raises(InputFileError, match='b.json: the curve of random batches seed 1 differs'):
+        merged_curve_files([str(tmp_path / 'a.json'), str(tmp_path / 'b.json')])

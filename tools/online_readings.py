@@ -35,7 +35,8 @@ from tools.compare_tables import interval_text
 from tools.stats import paired_interval
 from training.cli import Parser, run_main
 
-__all__ = ["build_parser", "equal_steps_epoch", "main", "markdown", "readings", "selected_rows"]
+__all__ = ["build_parser", "equal_steps_epoch", "main", "markdown", "merged_curve_files", "readings",
+           "selected_rows"]
 
 READINGS = ('equal_compute', 'equal_steps')
 SCORES = {'mean_r1': 'test mean R@1, ITM re-ranked', 'itc_mean_r1': 'test mean R@1, ITC only'}
@@ -46,8 +47,9 @@ def build_parser() -> Parser:
     p = tool_parser("tools.online_readings", __doc__.splitlines()[0])
     p.add_argument("--compare", required=True, help="tools.compare's compare.json with the online and the "
                                                     "plain arms at their selections")
-    p.add_argument("--curves", required=True, help="tools.efficiency's efficiency.json with the plain arms' "
-                                                   "per-epoch curves")
+    p.add_argument("--curves", required=True, nargs="+",
+                   help="tools.efficiency's efficiency.json records with the plain arms' per-epoch curves "
+                        "(several: their seeds together; an arm's seed in two files must be the same curve)")
     p.add_argument("--plain", nargs="*", default=None,
                    help="arms to read against (default: every other arm of --compare, online ones included)")
     add_output_dir(p, "online_readings.json and online_readings.md")
@@ -65,6 +67,24 @@ def equal_steps_epoch(curve: list[dict], steps: int, plain_steps_per_epoch: int)
     """The last point of a plain run's curve whose epochs x plain_steps_per_epoch <= steps (None: none)."""
     points = [p for p in curve if p['epoch'] * plain_steps_per_epoch <= steps]
     return points[-1] if points else None
+
+
+def merged_curve_files(paths: Sequence[str]) -> dict[str, dict[str, list[dict]]]:
+    """The per-epoch curves {arm: {seed: points}} of several tools.efficiency records together;
+    InputFileError naming the file that is no such record or gives an arm's seed another curve."""
+    merged: dict[str, dict[str, list[dict]]] = {}
+    for path in paths:
+        saved = read_json(path, 'tools.efficiency record')
+        if not isinstance(saved, dict) or not isinstance(saved.get('curves'), dict):
+            raise InputFileError(f'{path}: not a tools.efficiency record (no "curves")')
+        for arm, seeds in saved['curves'].items():
+            for seed, points in seeds.items():
+                known = merged.setdefault(arm, {}).get(seed)
+                if known is not None and known != points:
+                    raise InputFileError(f"{path}: the curve of {arm} seed {seed} differs from an earlier "
+                                         "file's")
+                merged[arm][seed] = points
+    return merged
 
 
 def _gap(pairs: dict[int, tuple[float, float]]) -> dict:
@@ -148,11 +168,9 @@ def main(argv: Sequence[str] | None = None) -> dict:
     """Read both records, print the readings as one JSON line (and write them with --output_dir)."""
     args = build_parser().parse_args(argv)
     record = read_json(args.compare, 'tools.compare record')
-    curves = read_json(args.curves, 'tools.efficiency record')
-    for path, saved, field in ((args.compare, record, 'sweep'), (args.curves, curves, 'curves')):
-        if not isinstance(saved, dict) or not isinstance(saved.get(field), dict):
-            tool = 'tools.compare' if field == 'sweep' else 'tools.efficiency'
-            raise InputFileError(f'{path}: not a {tool} record (no "{field}")')
+    if not isinstance(record, dict) or not isinstance(record.get('sweep'), dict):
+        raise InputFileError(f'{args.compare}: not a tools.compare record (no "sweep")')
+    curves = {'curves': merged_curve_files(args.curves)}
     try:
         result = {'compare': args.compare, 'curves': args.curves, **readings(record, curves, args.plain)}
     except ValueError as e:
