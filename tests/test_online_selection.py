@@ -289,6 +289,35 @@ def test_two_ranks_select_per_rank_and_record_both(tmp_path):
     assert errors == [] and figures["ranks"] == [2] and figures["left_out"] < 2 * k * N
 
 
+def _stopped_worker(rank: int, world: int, init_file: str, out_dir: str) -> None:
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
+    torch.set_num_threads(1)
+    sampler = OnlineSampler(D, build("rho", N, super_batch=k), seed=5)
+    chosen = _run_epoch(sampler, 0, stop_after=1)
+    torch.save({"chosen": chosen, "state": sampler.state_dict()}, os.path.join(out_dir, f"stopped{rank}.pt"))
+    dist.destroy_process_group()
+
+
+def test_stopped_on_two_ranks_resumed_on_one_keeps_the_epoch_rule(tmp_path):
+    """Stopped after one step on 2 gloo ranks and resumed from rank 0's state on one process (as a run
+    requeued on fewer GPUs): the rest of the epoch is dealt to the one rank from the indices not yet
+    candidates, and the epoch's record (a segment per part, W = 2 then 1) obeys the documented rule."""
+    mp.spawn(_stopped_worker, args=(2, str(tmp_path / "init"), str(tmp_path)), nprocs=2, join=True)
+    saved = torch.load(tmp_path / "stopped0.pt", weights_only=False)
+    resumed = OnlineSampler(D, build("rho", N, super_batch=k), num_replicas=1, rank=0, seed=5)
+    resumed.load_state_dict(saved["state"])
+    tail = _run_epoch(resumed, 0)
+    record = resumed.epoch_record()
+    first, second = record["segments"]
+    assert first["candidates"].shape == (1, 2, k * N) and second["candidates"].shape[1] == 1
+    assert second["selected"][:, 0].tolist() == tail
+    seen = torch.cat([first["candidates"].reshape(-1), second["candidates"].reshape(-1)])
+    assert seen.unique().numel() == seen.numel()  # no index a candidate twice across the two parts
+    figures, errors = check_epoch(record)
+    assert errors == [], errors
+    assert D - seen.numel() < k * N  # the one rank's super-batches leave fewer than K out
+
+
 # ------------------------------------------------------------------------------------ pre-training
 @pytest.fixture(scope="module")
 def data_dir(tmp_path_factory) -> str:
