@@ -8,7 +8,7 @@ import json
 import pytest
 
 from grit_io import InputFileError
-from tools.online_readings import equal_steps_epoch, main, merged_curve_files, readings
+from tools.online_readings import equal_steps_epoch, main, readings, record_curves
 
 
 def _row(mean: float, itc: float, steps: int | None = None) -> dict:
@@ -29,8 +29,16 @@ def _records() -> tuple[dict, dict]:
         'reference': {'steps': 2400, 'epochs': 24},
     }
     curve = [{'epoch': e, 'mean_r1': float(e), 'itc_mean_r1': 2.0 * e} for e in (10, 20, 24)]
-    curves = {'curves': {'random batches': {'1': curve, '2': curve}, 'B3': {'1': curve, '3': curve}}}
+    curves = {'curves': {'random batches': {'1': curve, '2': curve}, 'B3': {'1': curve, '3': curve}},
+              'learning_rates': {'random batches': 0.00025, 'B3': 0.0005}, 'settings': {'B3': 'p=2,m=20'},
+              'micro': False}
     return compare, curves
+
+
+def _curves(record: dict) -> dict:
+    """An efficiency record's curves as record_curves gives them: {(arm, seed): points}."""
+    return {(arm, int(seed)): points
+            for arm, seeds in record['curves'].items() for seed, points in seeds.items()}
 
 
 def test_equal_steps_epoch_takes_the_last_point_within_the_steps():
@@ -41,7 +49,7 @@ def test_equal_steps_epoch_takes_the_last_point_within_the_steps():
 
 def test_both_readings_by_hand():
     compare, curves = _records()
-    out = readings(compare, curves)
+    out = readings(compare, _curves(curves))
     assert out['plain_steps_per_epoch'] == 100
     random = out['arms']['JEST']['random batches']
     assert random['equal_compute']['mean_r1']['per_seed'] == [-10.0, -16.0, -6.0]
@@ -60,7 +68,7 @@ def test_both_readings_by_hand():
     # A second online arm: each is read against the other at equal compute (no curve: no equal steps).
     compare['selected_lr']['RHO-LOSS'] = 0.0005
     compare['sweep']['RHO-LOSS'] = {'0.0005': {'1': _row(45.0, 52.0, 2232), '2': _row(31.0, 40.0, 2232)}}
-    both = readings(compare, curves)['arms']
+    both = readings(compare, _curves(curves))['arms']
     assert both['JEST']['RHO-LOSS']['equal_compute']['mean_r1']['per_seed'] == [-5.0, -1.0]
     assert both['RHO-LOSS']['JEST']['equal_compute']['itc_mean_r1']['per_seed'] == [2.0, -5.0]
     assert both['JEST']['RHO-LOSS']['equal_steps']['mean_r1']['seeds'] == []
@@ -88,13 +96,18 @@ def test_main_writes_json_and_markdown_and_names_a_bad_record(tmp_path, capsys):
 
 
 def test_curves_of_several_records_are_merged_and_a_conflict_named(tmp_path):
-    _, curves = _records()
+    compare, curves = _records()
     (tmp_path / 'a.json').write_text(json.dumps(curves))
-    later = {'curves': {'random batches': {'3': curves['curves']['random batches']['1']}}}
+    later = {**curves, 'curves': {'random batches': {'3': curves['curves']['random batches']['1']}}}
     (tmp_path / 'b.json').write_text(json.dumps(later))
-    merged = merged_curve_files([str(tmp_path / 'a.json'), str(tmp_path / 'b.json')])
-    assert sorted(merged['random batches']) == ['1', '2', '3'] and sorted(merged['B3']) == ['1', '3']
+    merged = record_curves([str(tmp_path / 'a.json'), str(tmp_path / 'b.json')], compare)
+    assert sorted(s for a, s in merged if a == 'random batches') == [1, 2, 3]
+    assert sorted(s for a, s in merged if a == 'B3') == [1, 3]
     later['curves']['random batches']['1'] = [{'epoch': 10, 'mean_r1': 0.0, 'itc_mean_r1': 0.0}]
     (tmp_path / 'b.json').write_text(json.dumps(later))
-    with pytest.raises(InputFileError, match='b.json: the curve of random batches seed 1 differs'):
-        merged_curve_files([str(tmp_path / 'a.json'), str(tmp_path / 'b.json')])
+    with pytest.raises(InputFileError, match='b.json: random batches seed 1 differs'):
+        record_curves([str(tmp_path / 'a.json'), str(tmp_path / 'b.json')], compare)
+    other = {**curves, 'learning_rates': {**curves['learning_rates'], 'random batches': 0.001}}
+    (tmp_path / 'c.json').write_text(json.dumps(other))  # curves at another rate than the selection's
+    with pytest.raises(InputFileError, match='c.json: ran random batches at'):
+        record_curves([str(tmp_path / 'c.json')], compare)

@@ -48,7 +48,7 @@ def _cell(v: dict, digits: int, n: int) -> str:
             f'[{v["min"]:.{digits}f}, {v["max"]:.{digits}f}]')
 
 
-def _gap_cell(gap: dict | None, n: int) -> str:
+def gap_cell(gap: dict | None, n: int) -> str:
     """A paired gap as a table cell: mean [95 % t interval], seeds ahead, and the per-seed gaps."""
     if gap is None:
         return ''
@@ -83,7 +83,7 @@ def markdown_table(record: dict, costs: dict[str, float] | None = None) -> str:
     for arm, stats in summary.items():
         chosen = f'lr {stats["lr"]:g}' + (f', {stats["setting"]}' if stats.get('setting') else '')
         cells = [arm, chosen] + [_cell(stats[key], digits, n) for key, _, digits in table]
-        cells += [_gap_cell(gaps.get(arm, {}).get(key), n) for key in gap_keys]
+        cells += [gap_cell(gaps.get(arm, {}).get(key), n) for key in gap_keys]
         if costs is not None:
             share = 0.0 if strategies[arm] == 'random' else costs.get(strategies[arm])
             cells.append('–' if share is None else f'{100 * share:.2f} %')

@@ -31,11 +31,12 @@ from collections.abc import Sequence
 from grit_io import InputFileError, read_json
 from tools.arms import ONLINE_ARMS, setting_label
 from tools.cli import add_output_dir, emit_record, tool_parser
-from tools.compare_tables import interval_text
+from tools.compare_tables import gap_cell
+from tools.records import Curves, merged_curves
 from tools.stats import paired_interval
 from training.cli import Parser, run_main
 
-__all__ = ["build_parser", "equal_steps_epoch", "main", "markdown", "merged_curve_files", "readings",
+__all__ = ["build_parser", "equal_steps_epoch", "main", "markdown", "readings", "record_curves",
            "selected_rows"]
 
 READINGS = ('equal_compute', 'equal_steps')
@@ -48,18 +49,25 @@ def build_parser() -> Parser:
     p.add_argument("--compare", required=True, help="tools.compare's compare.json with the online and the "
                                                     "plain arms at their selections")
     p.add_argument("--curves", required=True, nargs="+",
-                   help="tools.efficiency's efficiency.json records with the plain arms' per-epoch curves "
-                        "(several: their seeds together; an arm's seed in two files must be the same curve)")
+                   help="tools.efficiency's efficiency.json records with the plain arms' per-epoch curves at "
+                        "the --compare record's selections (several: their seeds together; an arm's seed in "
+                        "two files must be the same curve)")
     p.add_argument("--plain", nargs="*", default=None,
                    help="arms to read against (default: every other arm of --compare, online ones included)")
     add_output_dir(p, "online_readings.json and online_readings.md")
     return p
 
 
+def _selection(record: dict, arm: str) -> tuple[float, str | None]:
+    """An arm's selected (learning rate, grid setting or None) in a compare record."""
+    chosen = record['selected_lr'][arm]
+    return (chosen[0], chosen[1]) if isinstance(chosen, list) else (chosen, None)
+
+
 def selected_rows(record: dict, arm: str) -> dict[int, dict]:
     """A compare record's rows of `arm` at its selection -> {seed: row}."""
-    chosen = record['selected_lr'][arm]
-    label = setting_label(tuple(chosen) if isinstance(chosen, list) else chosen)
+    lr, setting = _selection(record, arm)
+    label = setting_label((lr, setting) if setting is not None else lr)
     return {int(seed): row for seed, row in record['sweep'][arm][label].items()}
 
 
@@ -69,22 +77,12 @@ def equal_steps_epoch(curve: list[dict], steps: int, plain_steps_per_epoch: int)
     return points[-1] if points else None
 
 
-def merged_curve_files(paths: Sequence[str]) -> dict[str, dict[str, list[dict]]]:
-    """The per-epoch curves {arm: {seed: points}} of several tools.efficiency records together;
-    InputFileError naming the file that is no such record or gives an arm's seed another curve."""
-    merged: dict[str, dict[str, list[dict]]] = {}
-    for path in paths:
-        saved = read_json(path, 'tools.efficiency record')
-        if not isinstance(saved, dict) or not isinstance(saved.get('curves'), dict):
-            raise InputFileError(f'{path}: not a tools.efficiency record (no "curves")')
-        for arm, seeds in saved['curves'].items():
-            for seed, points in seeds.items():
-                known = merged.setdefault(arm, {}).get(seed)
-                if known is not None and known != points:
-                    raise InputFileError(f"{path}: the curve of {arm} seed {seed} differs from an earlier "
-                                         "file's")
-                merged[arm][seed] = points
-    return merged
+def record_curves(paths: Sequence[str], record: dict) -> Curves:
+    """{(arm, seed): points} of several tools.efficiency records together, for the arms of the compare record
+    at its selections (tools.records.merged_curves: InputFileError naming the file that is no such record,
+    ran an arm at another rate or setting, or gives an arm's seed another curve)."""
+    runs = {arm: _selection(record, arm) for arm in record['selected_lr']}
+    return merged_curves(paths, runs, None, micro=False, timing_epochs=0)[0]
 
 
 def _gap(pairs: dict[int, tuple[float, float]]) -> dict:
@@ -94,9 +92,9 @@ def _gap(pairs: dict[int, tuple[float, float]]) -> dict:
     return {'seeds': seeds, 'per_seed': gaps, 'interval': paired_interval(gaps)}
 
 
-def readings(record: dict, curves_record: dict, plain: Sequence[str] | None = None) -> dict:
+def readings(record: dict, curves: Curves, plain: Sequence[str] | None = None) -> dict:
     """Both readings of every online arm of `record` against every plain arm -> {online: {plain: {reading:
-    {score: gap}}}} with the plain points each equal-steps gap used."""
+    {score: gap}}}} with the plain points each equal-steps gap used; curves: record_curves'."""
     online = [a for a in record['selected_lr'] if a in ONLINE_ARMS]
     # Every other arm by default, the other online arm too (at equal compute; it has no per-epoch curve).
     plain = list(plain) if plain is not None else list(record['selected_lr'])
@@ -109,7 +107,6 @@ def readings(record: dict, curves_record: dict, plain: Sequence[str] | None = No
         raise ValueError("--compare has no reference run with its steps and epochs (tools.compare records it "
                          "for online arms): the plain epoch's steps are read from it")
     per_epoch = int(reference['steps']) // int(reference['epochs'])
-    curves = curves_record['curves']
     out: dict = {'plain_steps_per_epoch': per_epoch, 'arms': {}}
     for arm in online:
         rows = selected_rows(record, arm)
@@ -127,7 +124,7 @@ def readings(record: dict, curves_record: dict, plain: Sequence[str] | None = No
                 entry['equal_compute'][score] = _gap(final)
             points = {}
             for seed, row in rows.items():
-                curve = curves.get(base, {}).get(str(seed))
+                curve = curves.get((base, seed))
                 point = equal_steps_epoch(curve, int(row['steps']), per_epoch) if curve else None
                 if point is not None:
                     points[seed] = point
@@ -141,11 +138,8 @@ def readings(record: dict, curves_record: dict, plain: Sequence[str] | None = No
 
 
 def _cell(gap: dict) -> str:
-    """A gap as a table cell: mean [interval], seeds ahead, per seed."""
-    if not gap['seeds']:
-        return '–'
-    return (interval_text(gap['interval']).replace(', ahead', '<br>ahead') + '<br>('
-            + ', '.join(f'{x:+.1f}' for x in gap['per_seed']) + ')')
+    """A gap as a table cell (tools.compare's), '–' without seeds."""
+    return gap_cell(gap, len(gap['seeds'])) if gap['seeds'] else '–'
 
 
 def markdown(result: dict) -> str:
@@ -170,7 +164,7 @@ def main(argv: Sequence[str] | None = None) -> dict:
     record = read_json(args.compare, 'tools.compare record')
     if not isinstance(record, dict) or not isinstance(record.get('sweep'), dict):
         raise InputFileError(f'{args.compare}: not a tools.compare record (no "sweep")')
-    curves = {'curves': merged_curve_files(args.curves)}
+    curves = record_curves(args.curves, record)
     try:
         result = {'compare': args.compare, 'curves': args.curves, **readings(record, curves, args.plain)}
     except ValueError as e:

@@ -54,12 +54,14 @@ def merged_rows(paths: Sequence[str], overrides: Sequence[str], corpus: str = 's
     return {key: {k: math.nan if v is None else v for k, v in row.items()} for key, row in rows.items()}
 
 
-def merged_curves(paths: Sequence[str], runs: dict[str, tuple[float, str | None]], epochs: Sequence[int],
-                  micro: bool, timing_epochs: int) -> tuple[Curves, dict[str, dict]]:
+def merged_curves(paths: Sequence[str], runs: dict[str, tuple[float, str | None]],
+                  epochs: Sequence[int] | None, micro: bool,
+                  timing_epochs: int) -> tuple[Curves, dict[str, dict]]:
     """({(arm, seed): curve}, {arm: timing}) of earlier efficiency.json records, for the arms of `runs` (arm
     -> its rate and setting) the files ran the same way, at these 1-based epochs; a timing only when the file
-    timed pairs of timing_epochs epochs. InputFileError naming the file when it is not an efficiency record,
-    ran an arm at another rate or setting, other epochs or --micro, or differs from another file's."""
+    timed pairs of timing_epochs epochs (epochs None: whatever epochs each file evaluated). InputFileError
+    naming the file when it is not an efficiency record, ran an arm at another rate or setting, other epochs
+    or --micro, or differs from another file's."""
     curves: Curves = {}
     timing: dict[str, dict] = {}
     source: dict = {}
@@ -72,7 +74,7 @@ def merged_curves(paths: Sequence[str], runs: dict[str, tuple[float, str | None]
             if made != runs[arm]:
                 raise InputFileError(f'{path}: ran {arm} at (lr, setting) {made}, this run at {runs[arm]}')
             for seed, curve in saved['curves'][arm].items():
-                if (made := [p['epoch'] for p in curve]) != list(epochs):
+                if epochs is not None and (made := [p['epoch'] for p in curve]) != list(epochs):
                     raise InputFileError(f'{path}: {arm} seed {seed} has epochs {made}, this run evaluates '
                                          f'{list(epochs)}')
                 # Each point's seconds at the side-by-side time are this run's to give (add_timed_seconds).

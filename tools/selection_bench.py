@@ -27,7 +27,6 @@ lower resolution); the learner here scores at full cost, as grit.online does.
 from __future__ import annotations
 
 import dataclasses
-import os
 import tempfile
 import time
 from collections.abc import Sequence
@@ -102,18 +101,6 @@ def shares(train_flops: float, score_flops: float, k: int, scorers: int, step_se
             'scoring_seconds_estimate': scoring / train_flops * step_seconds}
 
 
-def counted_config(args, workdir: str):
-    """(the config with --count_batch as its batch and a vocabulary that needs no download, its note):
-    tools.step_bench's, the config's vocab_file, a local text_encoder tokenizer, else a built word-level one
-    of the bert_config's size, written as vocab.txt under workdir."""
-    config = tool_config("pretrain", args)
-    tokenizer, note = build_bench_tokenizer(config, workdir)
-    if not config.vocab_file:
-        tokenizer.save_vocabulary(workdir)  # the local text_encoder's vocabulary, or the built one again
-    vocab = config.vocab_file or os.path.join(workdir, "vocab.txt")
-    return dataclasses.replace(config, batch_size=args.count_batch, vocab_file=vocab), note
-
-
 def main(argv: Sequence[str] | None = None) -> dict:
     """Count, time and print one JSON object (also returned)."""
     args = build_parser().parse_args(argv)
@@ -123,10 +110,13 @@ def main(argv: Sequence[str] | None = None) -> dict:
                              "negatives)")
     device = resolve_device(args.device)
     torch.manual_seed(args.seed)
+    config = tool_config("pretrain", args)
+    N = args.batch_size or config.batch_size
+    # Counted on --count_batch samples, with tools.step_bench's vocabulary (nothing to download).
+    config = dataclasses.replace(config, batch_size=args.count_batch)
     with tempfile.TemporaryDirectory(prefix="selection_bench_") as workdir:
-        config, vocab_note = counted_config(args, workdir)
-        train, score = step_flops_per_sample(config), selection_flops_per_candidate(config)
-    N = args.batch_size or tool_config("pretrain", args).batch_size
+        tokenizer, vocab_note = build_bench_tokenizer(config, workdir)
+    train, score = step_flops_per_sample(config, tokenizer), selection_flops_per_candidate(config, tokenizer)
     rows = []
     for k in args.ks:
         row = {'k': k, 'candidates': k * N, 'filtering_ratio': 1 - 1 / k,

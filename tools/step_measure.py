@@ -64,29 +64,30 @@ def random_model(config: PretrainConfig, tokenizer, **changes):
                       tokenizer).train()
 
 
-def step_flops_per_sample(config: PretrainConfig) -> float:
+def step_flops_per_sample(config: PretrainConfig, tokenizer=None) -> float:
     """Executed FLOPs per sample of one pre-training step (forward + backward, count_flops) of the config's
     model with random weights, on the CPU, on a synthetic batch of its batch_size at max_tokens (the longest
-    a batch gets), as tools.step_bench counts them; image_token_drop counted as the config sets it."""
+    a batch gets), as tools.step_bench counts them; image_token_drop counted as the config sets it. tokenizer:
+    the config's (build_tokenizer) when None."""
     from models.tokenization import build_tokenizer
 
     torch.manual_seed(0)
-    tokenizer = build_tokenizer(config)
+    tokenizer = tokenizer or build_tokenizer(config)
     model = random_model(config, tokenizer)
     batch = synthetic_batch(config, tokenizer, config.batch_size, torch.device('cpu'))
     return count_flops(model, batch, torch.device('cpu'), None)[0] / config.batch_size
 
 
-def selection_flops_per_candidate(config: PretrainConfig) -> float:
+def selection_flops_per_candidate(config: PretrainConfig, tokenizer=None) -> float:
     """Executed FLOPs per candidate of online selection's scoring by one model (ALBEF_Base.contrastive_logits:
     the uni-modal encoders, no grad, every image token), counted as step_flops_per_sample counts the step:
-    random weights, the CPU, a synthetic batch of batch_size at max_tokens."""
+    random weights, the CPU, a synthetic batch of batch_size at max_tokens; tokenizer as there."""
     from transformers import BatchEncoding
 
     from models.tokenization import build_tokenizer
 
     torch.manual_seed(0)
-    tokenizer = build_tokenizer(config)
+    tokenizer = tokenizer or build_tokenizer(config)
     model = random_model(config, tokenizer)
     image, text, _ = synthetic_batch(config, tokenizer, config.batch_size, torch.device('cpu'))
     counter = flop_counter_mode()
