@@ -113,6 +113,17 @@ def seeded_step(model, image, text, keys) -> tuple[dict, dict]:
     return {k: out[k].detach() for k in (*LOSSES, "hardness")}, grads
 
 
+def named(name: str):
+    """assert_close's msg: the tensor's name, then torch's own report (the largest difference, where)."""
+    return lambda report: f"{name}: {report}"
+
+
+def relative_distance(a: torch.Tensor, b: torch.Tensor) -> float:
+    """||a - b|| / ||b|| in float64 (0 where both are 0)."""
+    a, b = a.double(), b.double()
+    return (a - b).norm().item() / max(b.norm().item(), 1e-300)
+
+
 def flat(grads: dict) -> torch.Tensor:
     return torch.cat([g.flatten().float() for g in grads.values()])
 
@@ -214,7 +225,7 @@ def test_fused_adamw_steps_equal_the_unfused_steps(tokenizer):
         fused.step()
         plain.step()
     for (name, p), q in zip(model.named_parameters(), twin.parameters()):
-        torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-6, msg=name)
+        torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-6, msg=named(name))
     assert sum(not torch.equal(p, p0) for p, p0 in zip(model.parameters(), start)) > len(start) // 2
 
 
@@ -247,10 +258,10 @@ def test_compiled_training_forward_matches_eager(tokenizer, monkeypatch):
     for key in LOSSES:
         assert torch.equal(again[key], out[key]), key
     for key in (*LOSSES, "hardness"):
-        torch.testing.assert_close(out[key], eager[key], rtol=1e-4, atol=1e-5, msg=key)
+        torch.testing.assert_close(out[key], eager[key], rtol=1e-4, atol=1e-5, msg=named(key))
     assert grads.keys() == eager_grads.keys() and grads
     for name, grad in grads.items():
-        torch.testing.assert_close(grad, eager_grads[name], rtol=1e-3, atol=1e-5, msg=name)
+        torch.testing.assert_close(grad, eager_grads[name], rtol=1e-3, atol=1e-5, msg=named(name))
 
 
 # ----------------------------------------------------------------------------- gradient checkpointing
@@ -278,11 +289,25 @@ def test_checkpointed_step_equals_the_plain_step(tokenizer, tmp_path):
     (losses, grads, calls), (losses_c, grads_c, calls_c) = results[False], results[True]
     assert calls and calls_c == Counter({name: 2 * n for name, n in calls.items()})
     assert grads.keys() == grads_c.keys() and grads
-    tol = dict(rtol=1e-5, atol=1e-7) if ON_CUDA else dict(rtol=0, atol=0)
+    if not ON_CUDA:
+        for key in LOSSES:
+            torch.testing.assert_close(losses_c[key], losses[key], rtol=0, atol=0, msg=named(key))
+        for name in grads:
+            torch.testing.assert_close(grads_c[name], grads[name], rtol=0, atol=0, msg=named(name))
+        return
+    # On CUDA the backward's atomic adds (index_select's index_add_, attention) sum in a new order on
+    # every run, so even two plain steps differ; elementwise tolerances failed on a parameter that sums
+    # over the batch (visual_encoder.cls_token, H200, 2026-11-28). A recompute with other dropout masks
+    # moves every gradient by a large share of its norm; rounding moves it by about 1e-7 of it. So each
+    # tensor's relative distance is held to 1e-4, and a second plain step's distance is reported beside it.
+    again = seeded_step(model_on(DEV, tokenizer, bert_config=str(bert_path), vision_drop_path=0.1).train(),
+                        image, text, keys)[1]
     for key in LOSSES:
-        torch.testing.assert_close(losses_c[key], losses[key], **tol, msg=key)
-    for name in grads:
-        torch.testing.assert_close(grads_c[name], grads[name], **tol, msg=name)
+        torch.testing.assert_close(losses_c[key], losses[key], rtol=1e-5, atol=1e-7, msg=named(key))
+    far = {name: (relative_distance(grads_c[name], grads[name]), relative_distance(again[name], grads[name]))
+           for name in grads}
+    assert all(c <= 1e-4 for c, _ in far.values()), {
+        name: f"checkpointed {c:.2e}, second plain step {p:.2e}" for name, (c, p) in far.items() if c > 1e-4}
 
 
 # ----------------------------------------------------------------------------- NCCL
@@ -408,8 +433,8 @@ def test_bad_sample_mask_on_the_device(tokenizer, monkeypatch):
     kept = BatchEncoding({k: v[keep] for k, v in text.items()}).to(DEV)
     reduced = WithObjectives(model)(images[keep].to(DEV), kept, image_key=keys[keep].to(DEV))
     for name in (*LOSSES, "hardness"):
-        torch.testing.assert_close(out[name].detach().cpu(), on_cpu[name].detach(), **CLOSE, msg=name)
-        torch.testing.assert_close(out[name].detach(), reduced[name].detach(), **CLOSE, msg=name)
+        torch.testing.assert_close(out[name].detach().cpu(), on_cpu[name].detach(), **CLOSE, msg=named(name))
+        torch.testing.assert_close(out[name].detach(), reduced[name].detach(), **CLOSE, msg=named(name))
     assert out["loss_cons"] > 0 and out["loss_mlm"] > 0
 
 
@@ -469,4 +494,4 @@ def test_save_and_resume_on_the_device_equals_the_unbroken_run(synthetic, tmp_pa
     assert torch.equal(first["sampler"]["indices"], second["sampler"]["indices"])
     for name, value in first["model"].items():
         torch.testing.assert_close(second["model"][name], value, rtol=0, atol=1e-6 if ON_CUDA else 0,
-                                   msg=name)
+                                   msg=named(name))

@@ -72,7 +72,7 @@ def test_quick_measures_each_change_on_and_off_eager_compiled_and_with_cuda_grap
     args = build_parser().parse_args(["--quick", "--output_dir", str(tmp_path)])
     parts = {name: (argv, timeout) for name, argv, timeout in quick_parts(args)}
     assert list(parts) == ["step_eager", "step_compiled", "attention", "tests"]
-    assert sum(timeout for _, timeout in parts.values()) <= 620  # each part bounded; about 7 min in all
+    assert sum(timeout for _, timeout in parts.values()) <= 700  # each part bounded; 9 min in all on an H200
 
     def variants(name: str) -> list[str]:
         argv = parts[name][0]
