@@ -29,15 +29,14 @@ import os
 from collections.abc import Sequence
 
 from grit_io import InputFileError, read_json
-from tools.arms import ONLINE_ARMS, setting_label
+from tools.arms import ONLINE_ARMS
 from tools.cli import add_output_dir, emit_record, tool_parser
 from tools.compare_tables import gap_cell
-from tools.records import Curves, merged_curves
+from tools.records import Curves, merged_curves, selected_rows, selection
 from tools.stats import paired_interval
 from training.cli import Parser, run_main
 
-__all__ = ["build_parser", "equal_steps_epoch", "main", "markdown", "readings", "record_curves",
-           "selected_rows"]
+__all__ = ["build_parser", "equal_steps_epoch", "main", "markdown", "readings", "record_curves"]
 
 READINGS = ('equal_compute', 'equal_steps')
 SCORES = {'mean_r1': 'test mean R@1, ITM re-ranked', 'itc_mean_r1': 'test mean R@1, ITC only'}
@@ -58,19 +57,6 @@ def build_parser() -> Parser:
     return p
 
 
-def _selection(record: dict, arm: str) -> tuple[float, str | None]:
-    """An arm's selected (learning rate, grid setting or None) in a compare record."""
-    chosen = record['selected_lr'][arm]
-    return (chosen[0], chosen[1]) if isinstance(chosen, list) else (chosen, None)
-
-
-def selected_rows(record: dict, arm: str) -> dict[int, dict]:
-    """A compare record's rows of `arm` at its selection -> {seed: row}."""
-    lr, setting = _selection(record, arm)
-    label = setting_label((lr, setting) if setting is not None else lr)
-    return {int(seed): row for seed, row in record['sweep'][arm][label].items()}
-
-
 def equal_steps_epoch(curve: list[dict], steps: int, plain_steps_per_epoch: int) -> dict | None:
     """The last point of a plain run's curve whose epochs x plain_steps_per_epoch <= steps (None: none)."""
     points = [p for p in curve if p['epoch'] * plain_steps_per_epoch <= steps]
@@ -81,7 +67,7 @@ def record_curves(paths: Sequence[str], record: dict) -> Curves:
     """{(arm, seed): points} of several tools.efficiency records together, for the arms of the compare record
     at its selections (tools.records.merged_curves: InputFileError naming the file that is no such record,
     ran an arm at another rate or setting, or gives an arm's seed another curve)."""
-    runs = {arm: _selection(record, arm) for arm in record['selected_lr']}
+    runs = {arm: selection(record, arm) for arm in record['selected_lr']}
     return merged_curves(paths, runs, None, micro=False, timing_epochs=0)[0]
 
 

@@ -9,9 +9,10 @@ import math
 from collections.abc import Hashable, Sequence
 
 from grit_io import InputFileError, read_json
+from tools.arms import setting_label
 from training.logger import current_names
 
-__all__ = ["Curves", "merge_note", "merged_curves", "merged_rows"]
+__all__ = ["Curves", "merge_note", "merged_curves", "merged_rows", "selected_rows", "selection"]
 
 Curves = dict[tuple[str, int], list[dict]]  # (arm, seed) -> its points
 
@@ -90,3 +91,16 @@ def merged_curves(paths: Sequence[str], runs: dict[str, tuple[float, str | None]
 def merge_note(files: Sequence[str], parts: Sequence[str]) -> str:
     """The line of a tool's .md saying what was read from --merge's files instead of run ('' if nothing)."""
     return f'\nRead from {", ".join(files)} (--merge), not run: {"; ".join(parts)}\n' if parts else ''
+
+
+def selection(record: dict, arm: str) -> tuple[float, str | None]:
+    """An arm's selected (learning rate, grid setting or None) in a tools.compare record."""
+    chosen = record['selected_lr'][arm]
+    return (chosen[0], chosen[1]) if isinstance(chosen, list) else (chosen, None)
+
+
+def selected_rows(record: dict, arm: str) -> dict[int, dict]:
+    """A tools.compare record's rows of `arm` at its selection -> {seed: row}."""
+    lr, setting = selection(record, arm)
+    label = setting_label((lr, setting) if setting is not None else lr)
+    return {int(seed): row for seed, row in record['sweep'][arm][label].items()}

@@ -1,0 +1,135 @@
+"""How sure each ordering of a comparison is, and how many seeds it would need (issue 49, deliverable 4):
+for every arm against a baseline, per figure, the seed std of the paired gap, the gap in units of that std
+and the seeds at which the gap's 95 % t interval would exclude zero if mean and std held.
+
+    python -m tools.seed_noise --compare docs/results/compare_strategies_seeds1-7.json \
+        [--baseline GRIT-VLP] [--figures mean_r1 itc_mean_r1 r_mean] [--output_dir docs/results]
+
+--compare is a tools.compare record. Each arm is read at its selection (tools.records.selected_rows) and
+paired with the baseline seed by seed, on the seeds both have.
+
+Per arm and figure the record gives:
+- the per-seed gaps (arm minus baseline);
+- their mean, their sample std, and the paired t interval with the sign count (tools.stats.paired_interval);
+- the standardised gap, mean / std;
+- seeds_needed: the smallest n (at most --max_seeds) with t(0.975, n - 1) · std / sqrt(n) < |mean|.
+
+A std in points depends on the figure's scale. R_mean averages R@1, R@5 and R@10, and its gaps and stds
+are both smaller than R@1's. So the standardised gap, not the std, says which figure ranks arms with fewer
+seeds.
+
+Prints one JSON line; with --output_dir also writes seed_noise.json and seed_noise.md.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from collections.abc import Sequence
+
+from grit_io import InputFileError, read_json
+from tools.cli import add_output_dir, emit_record, tool_parser
+from tools.records import selected_rows
+from tools.stats import mean_std, paired_interval
+from training.cli import Parser, run_main
+
+__all__ = ["FIGURES", "build_parser", "main", "markdown", "noise", "seeds_needed"]
+
+FIGURES = {'mean_r1': 'test mean R@1, ITM re-ranked', 'itc_mean_r1': 'test mean R@1, ITC only',
+           'r_mean': 'test R_mean (R@1, 5, 10 of both directions), re-ranked'}
+
+
+def seeds_needed(mean: float, std: float, max_seeds: int = 100, level: float = 0.95) -> int | None:
+    """The smallest n >= 2 whose t interval half-width t(level, n - 1) · std / sqrt(n) is below |mean|; None
+    when none up to max_seeds is (or the gap is 0 or not a number)."""
+    from scipy.stats import t
+
+    if not (math.isfinite(mean) and math.isfinite(std)) or mean == 0:
+        return None
+    if std == 0:
+        return 2
+    for n in range(2, max_seeds + 1):
+        if float(t.ppf(0.5 + level / 2, n - 1)) * std / math.sqrt(n) < abs(mean):
+            return n
+    return None
+
+
+def noise(record: dict, baseline: str, figures: Sequence[str], max_seeds: int = 100) -> dict:
+    """{arm: {figure: {'seeds', 'per_seed', 'mean', 'std', 'standardised', 'interval', 'seeds_needed'}}} of
+    every arm of `record` but the baseline, paired with it seed by seed at both selections."""
+    arms = list(record['selected_lr'])
+    if baseline not in arms:
+        raise ValueError(f"--baseline {baseline!r} is not an arm of the record (its arms: {arms})")
+    base = selected_rows(record, baseline)
+    out: dict = {}
+    for arm in (a for a in arms if a != baseline):
+        rows = selected_rows(record, arm)
+        seeds = sorted(set(rows) & set(base))
+        out[arm] = {}
+        for figure in figures:
+            missing = [s for s in seeds if figure not in rows[s] or figure not in base[s]]
+            if missing:
+                raise ValueError(f"{arm} or {baseline}: rows of seeds {missing} lack {figure!r}")
+            gaps = [rows[s][figure] - base[s][figure] for s in seeds]
+            mean, std = mean_std(gaps) if len(gaps) > 1 else (math.nan, math.nan)
+            out[arm][figure] = {
+                'seeds': seeds, 'per_seed': gaps, 'mean': mean, 'std': std,
+                'standardised': mean / std if std and math.isfinite(std) else math.nan,
+                'interval': paired_interval(gaps), 'seeds_needed': seeds_needed(mean, std, max_seeds)}
+    return out
+
+
+def _row(arm: str, figure: str, g: dict) -> str:
+    """One table row."""
+    i = g['interval']
+    needed = g['seeds_needed'] if g['seeds_needed'] is not None else '> max'
+    return (f"| {arm} | {figure} | {len(g['seeds'])} | {g['mean']:+.2f} | {g['std']:.2f} | "
+            f"{g['standardised']:+.2f} | [{i['low']:+.2f}, {i['high']:+.2f}] | "
+            f"{i['ahead']} / {i['behind']} | {needed} |")
+
+
+def markdown(result: dict) -> str:
+    """The record as a markdown table: a row per arm and figure."""
+    lines = [f"Each arm against {result['baseline']}, paired by seed at both selections: the gap's mean, its "
+             "seed std, the standardised gap (mean / std), the 95 % t interval, seeds ahead / behind, and "
+             "the seeds at which the interval would exclude zero if mean and std held.", "",
+             '| arm | figure | seeds | mean gap | seed std of the gap | mean / std | 95 % t interval | '
+             'ahead / behind | seeds needed |', '|---' * 9 + '|']
+    for arm, figures in result['arms'].items():
+        lines += [_row(arm, figure, g) for figure, g in figures.items()]
+    return '\n'.join(lines) + '\n'
+
+
+def build_parser() -> Parser:
+    """The tool's command line."""
+    p = tool_parser("tools.seed_noise", __doc__.splitlines()[0])
+    p.add_argument("--compare", required=True, help="a tools.compare record (compare.json)")
+    p.add_argument("--baseline", default="GRIT-VLP",
+                   help="the arm every other is paired with (default: GRIT-VLP)")
+    p.add_argument("--figures", nargs="+", default=list(FIGURES), choices=list(FIGURES),
+                   help="the figures of each row to read (default: all three)")
+    p.add_argument("--max_seeds", type=int, default=100, help="the most seeds seeds_needed looks at")
+    add_output_dir(p, "seed_noise.json and seed_noise.md")
+    return p
+
+
+def main(argv: Sequence[str] | None = None) -> dict:
+    """Read the record; print every ordering's noise as one JSON line (and write it with --output_dir)."""
+    args = build_parser().parse_args(argv)
+    record = read_json(args.compare, 'tools.compare record')
+    if not isinstance(record, dict) or not isinstance(record.get('sweep'), dict):
+        raise InputFileError(f'{args.compare}: not a tools.compare record (no "sweep")')
+    try:
+        arms = noise(record, args.baseline, args.figures, args.max_seeds)
+    except ValueError as e:
+        raise InputFileError(f'{args.compare}: {e}') from e
+    result = {'compare': args.compare, 'baseline': args.baseline, 'figures': args.figures, 'arms': arms}
+    if args.output_dir:
+        os.makedirs(args.output_dir, exist_ok=True)
+        with open(os.path.join(args.output_dir, 'seed_noise.md'), 'w', encoding='utf-8') as f:
+            f.write(markdown(result))
+    return emit_record(result, args.output_dir, 'seed_noise')
+
+
+if __name__ == "__main__":
+    run_main(main)
