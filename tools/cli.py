@@ -97,13 +97,17 @@ def _strict(value: Any) -> Any:
     return value
 
 
-def emit_record(record: Mapping, output_dir: str | None, name: str) -> Mapping:
+def emit_record(record: Mapping, output_dir: str | None, name: str, table: str | None = None) -> Mapping:
     """The tail of every tool's main: print `record` as one JSON line and, with output_dir, write it
-    (indented) to output_dir/<name>.json as well, non-finite numbers as null; returns record."""
+    (indented) to output_dir/<name>.json as well, non-finite numbers as null, and `table` (markdown) to
+    output_dir/<name>.md; returns record."""
     strict = _strict(record)
     print(json.dumps(strict, allow_nan=False), flush=True)
     if output_dir:
         os.makedirs(output_dir, exist_ok=True)
+        if table is not None:
+            with open(os.path.join(output_dir, f"{name}.md"), "w", encoding="utf-8") as f:
+                f.write(table)
         with open(os.path.join(output_dir, f"{name}.json"), "w", encoding="utf-8") as f:
             json.dump(strict, f, indent=2, allow_nan=False)
             f.write("\n")

@@ -25,14 +25,13 @@ Prints one JSON line; with --output_dir also writes online_readings.json and onl
 
 from __future__ import annotations
 
-import os
 from collections.abc import Sequence
 
-from grit_io import InputFileError, read_json
+from grit_io import InputFileError
 from tools.arms import ONLINE_ARMS
 from tools.cli import add_output_dir, emit_record, tool_parser
 from tools.compare_tables import gap_cell
-from tools.records import Curves, merged_curves, selected_rows, selection
+from tools.records import Curves, compare_record, merged_curves, selected_rows, selection
 from tools.stats import paired_interval
 from training.cli import Parser, run_main
 
@@ -147,19 +146,13 @@ def markdown(result: dict) -> str:
 def main(argv: Sequence[str] | None = None) -> dict:
     """Read both records, print the readings as one JSON line (and write them with --output_dir)."""
     args = build_parser().parse_args(argv)
-    record = read_json(args.compare, 'tools.compare record')
-    if not isinstance(record, dict) or not isinstance(record.get('sweep'), dict):
-        raise InputFileError(f'{args.compare}: not a tools.compare record (no "sweep")')
+    record = compare_record(args.compare)
     curves = record_curves(args.curves, record)
     try:
         result = {'compare': args.compare, 'curves': args.curves, **readings(record, curves, args.plain)}
     except ValueError as e:
         raise InputFileError(f'{args.compare}: {e}') from e
-    if args.output_dir:
-        os.makedirs(args.output_dir, exist_ok=True)
-        with open(os.path.join(args.output_dir, 'online_readings.md'), 'w', encoding='utf-8') as f:
-            f.write(markdown(result))
-    return emit_record(result, args.output_dir, 'online_readings')
+    return emit_record(result, args.output_dir, 'online_readings', markdown(result))
 
 
 if __name__ == "__main__":

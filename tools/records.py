@@ -12,7 +12,8 @@ from grit_io import InputFileError, read_json
 from tools.arms import setting_label
 from training.logger import current_names
 
-__all__ = ["Curves", "merge_note", "merged_curves", "merged_rows", "selected_rows", "selection"]
+__all__ = ["Curves", "compare_record", "merge_note", "merged_curves", "merged_rows", "selected_rows",
+           "selection"]
 
 Curves = dict[tuple[str, int], list[dict]]  # (arm, seed) -> its points
 
@@ -23,6 +24,11 @@ def _record(path: str, tool: str, field: str) -> dict:
     if not isinstance(saved, dict) or not isinstance(saved.get(field), dict):
         raise InputFileError(f'{path}: not a {tool} record (no "{field}")')
     return saved
+
+
+def compare_record(path: str) -> dict:
+    """The record tools.compare wrote at path; InputFileError naming it when it is not one."""
+    return _record(path, 'tools.compare', 'sweep')
 
 
 def _take(store: dict, source: dict, key: Hashable, value: object, path: str, what: str) -> None:

@@ -24,12 +24,11 @@ Prints one JSON line; with --output_dir also writes seed_noise.json and seed_noi
 from __future__ import annotations
 
 import math
-import os
 from collections.abc import Sequence
 
-from grit_io import InputFileError, read_json
+from grit_io import InputFileError
 from tools.cli import add_output_dir, emit_record, tool_parser
-from tools.records import selected_rows
+from tools.records import compare_record, selected_rows
 from tools.stats import mean_std, paired_interval
 from training.cli import Parser, run_main
 
@@ -116,19 +115,13 @@ def build_parser() -> Parser:
 def main(argv: Sequence[str] | None = None) -> dict:
     """Read the record; print every ordering's noise as one JSON line (and write it with --output_dir)."""
     args = build_parser().parse_args(argv)
-    record = read_json(args.compare, 'tools.compare record')
-    if not isinstance(record, dict) or not isinstance(record.get('sweep'), dict):
-        raise InputFileError(f'{args.compare}: not a tools.compare record (no "sweep")')
+    record = compare_record(args.compare)
     try:
         arms = noise(record, args.baseline, args.figures, args.max_seeds)
     except ValueError as e:
         raise InputFileError(f'{args.compare}: {e}') from e
     result = {'compare': args.compare, 'baseline': args.baseline, 'figures': args.figures, 'arms': arms}
-    if args.output_dir:
-        os.makedirs(args.output_dir, exist_ok=True)
-        with open(os.path.join(args.output_dir, 'seed_noise.md'), 'w', encoding='utf-8') as f:
-            f.write(markdown(result))
-    return emit_record(result, args.output_dir, 'seed_noise')
+    return emit_record(result, args.output_dir, 'seed_noise', markdown(result))
 
 
 if __name__ == "__main__":
