@@ -81,15 +81,24 @@ class PretrainTask(Task):
         self.selection_flops: int | None = None  # the scoring forwards' FLOPs per step, counted at step 1
         self.selection_seconds = 0.0
         self.shown: dict | None = None  # the epoch's first batch, for its picture (see pictures())
-        # Per-entry image ids on the device: a step looks its batch up by a gather, without a host sync
-        # (the model's false-negative guard, config key guard_false_negatives; D int64s, so only with it).
-        self.image_keys = (torch.as_tensor(dataset.image_keys, dtype=torch.long, device=device)
-                           if config.guard_false_negatives else None)
-        # The scene each entry shows, where the data has a scene table (the synthetic world): the truth
-        # behind itm_false_negatives (the share of mined ITM negatives that show the anchor's scene) and
-        # batch_same_scene (the share of examples whose batch holds another of their scene).
+        # The scene each entry shows, where the data has a scene table (the synthetic world, the real
+        # corpora's families): the truth behind itm_false_negatives (the share of mined ITM negatives that
+        # show the anchor's scene) and batch_same_scene (the share of examples whose batch holds another of
+        # their scene).
         scenes = getattr(dataset, "scene_ids", None)
         self.scene_ids = None if scenes is None else scenes.to(device)
+        # Per-entry image ids on the device: a step looks its batch up by a gather, without a host sync
+        # (the model's false-negative guard, config keys guard_false_negatives and guard_by; D int64s, so
+        # only with it). guard_by scene: the scene ids, so a scene's (a family's) entries are one image.
+        self.image_keys = None
+        if config.guard_false_negatives and config.guard_by == "scene":
+            if self.scene_ids is None:
+                raise ValueError(f"config key 'guard_by' is 'scene', but the training data "
+                                 f"({', '.join(config.train_files + config.train_shard_specs)}) has no "
+                                 "scene table (scenes.json beside each json list); set guard_by: image")
+            self.image_keys = self.scene_ids
+        elif config.guard_false_negatives:
+            self.image_keys = torch.as_tensor(dataset.image_keys, dtype=torch.long, device=device)
         self.sampler_seconds = 0.0
         self.features: dict[str, Tensor | None] = {}
 

@@ -592,6 +592,33 @@ def test_pretraining_on_the_built_corpora_from_json_and_shards_then_zero_shot_re
             assert 0.0 <= record[f"{split}_txt_r1"] <= 100.0 and 0.0 <= record[f"{split}_itc_img_r1"] <= 100.0
 
 
+def test_the_guard_by_scene_never_mines_a_family_member_and_needs_the_families(built, tmp_path):
+    """guard_by: scene takes a family's drawings as one image: with the guard, no mined ITM negative is from
+    the anchor's family (itm_false_negatives 0 every epoch), where guard_by: image mines them; data without
+    families (the shards) is refused, naming the key."""
+    from conftest import run_here
+
+    import Pretrain
+
+    root, _ = built
+    sets = ["image_res=32", "patch_size=16", "vision_depth=1", "vision_init=null", "synthetic_root=null",
+            f"vocab_file={root}/vocab.txt", f"image_root={root}", "max_epoch=2", "schedular.epochs=2",
+            "schedular.warmup_steps=2", "batching.queue_size=24", "batching.search_space=16",
+            "batch_pictures=false", "print_freq=1000", "guard_false_negatives=true",
+            f"train_file=[{root}/pretrain_emoji.json,{root}/pretrain_clipart.json]"]
+    start = ["--config", REAL["pretrain"], "--device", "cpu", "--seed", "1", "--output_dir"]
+    rates = {}
+    for by in ("image", "scene"):
+        out = str(tmp_path / by)
+        run_here(Pretrain, [*start, out, "--set", *sets, f"guard_by={by}"])
+        with open(os.path.join(out, "log.txt")) as f:
+            rates[by] = [json.loads(line)["itm_false_negatives"] for line in f]
+    assert max(rates["image"]) > 0 and rates["scene"] == [0.0, 0.0]
+    with pytest.raises(ValueError, match=r"'guard_by' is 'scene'.*real\.json.*no scene table"):
+        run_here(Pretrain, [*start, str(tmp_path / "shards"), "--set", *sets[:-1], "train_file=null",
+                            f"train_shards={root}/shards/real.json", "guard_by=scene"])
+
+
 @pytest.mark.slow
 @pytest.mark.skipif(not (shutil.which("npm") and shutil.which("apt-get")), reason="needs npm and apt-get")
 def test_the_real_packages_build_the_corpora_of_the_data_card(tmp_path):

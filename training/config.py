@@ -212,6 +212,10 @@ class PretrainConfig(_Objectives, TaskConfig):
                                                                     "(ALBEF)")
     guard_false_negatives: bool = key(False, "pairs of one image or with identical captions in a batch are "
                                              "ITC positives, never ITM negatives (not in the paper)")
+    guard_by: Literal["image", "scene"] = key(
+        "image", "what the guard takes as one image: image, the same image file; scene, the same entry of "
+                 "the scene table beside the data (scenes.json: the synthetic world's scenes, the real "
+                 "corpora's families of near-copies; not in the paper)")
     mlm_probability: float = key(0.15, "MLM masking rate (ALBEF: 0.15; GRIT-VLP: 0.5)", above=0, high=1)
     contrastive_loss: Literal["softmax", "sigmoid"] = key(
         "softmax", "ITC's form (models.losses): softmax, the paper's Eq. 1-2 (with lambda_cons, "
