@@ -8,7 +8,8 @@ config's; GRIT-VLP at the earlier tiny config's M/N = 768/8 = 96; random batches
 ALBEF_Base and ALBEF_Base50 (Tables 2 and 4's baselines); the batch-construction strategies B3, GCBS and
 random walk; HN-NCE on random and on GRIT batches; GRIT with S-ITC; SigLIP's sigmoid loss on GRIT and on
 random batches; FLIP's image-token dropout on GRIT and on random batches; the remedies for GRIT's stalled
-ITM (multinomial hard negatives, later grouping, a rank skip, a longer warm-up); and JEST's and RHO-LOSS's
+ITM (multinomial hard negatives, later grouping, a rank skip, a longer warm-up); the guard by scene (the
+real corpora's families) on GRIT and on random batches; and JEST's and RHO-LOSS's
 online selection at equal compute, with their reference model (REFERENCE). An arm with a
 hyper-parameter gets the same two-setting grid size as every other such arm, each setting swept with every
 learning rate.
@@ -58,6 +59,11 @@ ARMS = {'GRIT-VLP': [],  # the tiny config: N = 8, M = 120, L = 1440 (M/N = 15, 
         'GRIT-VLP later grouping': [],
         'GRIT-VLP rank skip': [],
         'GRIT-VLP long warm-up': [],
+        # The guard by scene (guard_by: scene; the real corpora's families): a family's near-copies are one
+        # image, ITC positives and never mined, on GRIT and on random batches. A diagnostic of what those
+        # near-copies do to the mined negatives: the labels it needs are not in a web corpus.
+        'GRIT-VLP + scene guard': ['guard_false_negatives=true', 'guard_by=scene'],
+        'random + scene guard': ['batching.strategy=random', 'guard_false_negatives=true', 'guard_by=scene'],
         # Online batch selection (issue 52; grit.strategies.jest, .rho), each step N = 8 of k x N = 40 random
         # candidates, scored by the learner and the frozen reference (REFERENCE), at equal compute with 12
         # epochs of plain batches: 31 epochs of 72 steps (tools.step_measure.equal_compute_epochs, with the
