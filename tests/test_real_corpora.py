@@ -594,8 +594,9 @@ def test_pretraining_on_the_built_corpora_from_json_and_shards_then_zero_shot_re
 
 def test_the_guard_by_scene_never_mines_a_family_member_and_needs_the_families(built, tmp_path):
     """guard_by: scene takes a family's drawings as one image: with the guard, no mined ITM negative is from
-    the anchor's family (itm_false_negatives 0 every epoch), where guard_by: image mines them; data without
-    families (the shards) is refused, naming the key."""
+    the anchor's family (itm_false_negatives 0 every epoch; the fixture's batches never hold one family only,
+    where the guard falls back to the diagonal), where guard_by: image mines them; data without families
+    (the shards) is refused, naming the key."""
     from conftest import run_here
 
     import Pretrain

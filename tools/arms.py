@@ -22,8 +22,9 @@ from collections.abc import Sequence
 from tools.runs import PRETRAIN_CONFIG, lr_overrides
 from training.config_resolve import resolve_config
 
-__all__ = ["ARMS", "GRIDS", "ONLINE_ARMS", "REFERENCE", "SELECTED_LR", "SELECTED_SETTING", "arm_overrides",
-           "arm_strategies", "grid_overrides", "selection", "setting_label"]
+__all__ = ["ARMS", "GRIDS", "ONLINE_ARMS", "REFERENCE", "SELECTED_LR", "SELECTED_LRS", "SELECTED_LR_REAL",
+           "SELECTED_SETTING", "arm_overrides", "arm_strategies", "grid_overrides", "selection",
+           "setting_label"]
 
 # The arms: name -> the overrides of the tiny pre-training config that make it.
 ARMS = {'GRIT-VLP': [],  # the tiny config: N = 8, M = 120, L = 1440 (M/N = 15, the paper's 1920/128)
@@ -130,13 +131,23 @@ SELECTED_SETTING = {'B3': 'p=2,m=20', 'GCBS': 'k=5', 'random walk': 'k=10,restar
                     'GRIT-VLP + S-ITC': 's=0.2'}
 
 
-def selection(arm: str) -> tuple[float, str | None]:
-    """An arm's selected learning rate and grid setting (SELECTED_LR, SELECTED_SETTING); ValueError when
-    its sweep has not selected one yet."""
-    if arm not in SELECTED_LR or (arm in GRIDS and arm not in SELECTED_SETTING):
-        raise ValueError(f'{arm!r} has no selection yet (tools.arms.SELECTED_LR and, for an arm with a '
-                         'grid, SELECTED_SETTING: run its sweep with tools.compare first)')
-    return SELECTED_LR[arm], SELECTED_SETTING.get(arm)
+# The real corpora's (tools.make_real; --corpus real): each arm's rate of best mean val R@1 over seeds 1-3,
+# the grid arms held at their synthetic settings (SELECTED_SETTING), by `python -m tools.compare --corpus real
+# --seeds 1 2 3 --lrs 2.5e-4 5e-4 1e-3 --selected_settings --arms GRIT-VLP "random batches" B3 GCBS
+# "GRIT-VLP + S-ITC"` (docs/real-corpora.md, docs/results/compare_real_sweep_seeds1-3.md, 2026-11-28).
+SELECTED_LR_REAL = {'GRIT-VLP': 2.5e-4, 'random batches': 5e-4, 'B3': 2.5e-4, 'GCBS': 2.5e-4, 'GRIT-VLP + S-ITC': 2.5e-4}  # TEMP
+SELECTED_LRS = {'synthetic': SELECTED_LR, 'real': SELECTED_LR_REAL}  # tools.runs.CORPORA's names
+
+
+def selection(arm: str, corpus: str = 'synthetic') -> tuple[float, str | None]:
+    """An arm's selected learning rate and grid setting on `corpus` (SELECTED_LRS, SELECTED_SETTING);
+    ValueError when its sweep on that corpus has not selected one yet."""
+    lrs = SELECTED_LRS[corpus]
+    if arm not in lrs or (arm in GRIDS and arm not in SELECTED_SETTING):
+        table = 'SELECTED_LR' if corpus == 'synthetic' else f'SELECTED_LR_{corpus.upper()}'
+        raise ValueError(f'{arm!r} has no selection yet on the {corpus} corpus (tools.arms.{table} and, for '
+                         'an arm with a grid, SELECTED_SETTING: run its sweep with tools.compare first)')
+    return lrs[arm], SELECTED_SETTING.get(arm)
 
 
 def arm_strategies(arms: Sequence[str], overrides: Sequence[str] = ()) -> dict[str, str]:
