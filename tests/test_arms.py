@@ -6,7 +6,16 @@ import os
 
 import pytest
 
-from tools.arms import ARMS, GRIDS, SELECTED_LR, SELECTED_SETTING, arm_overrides, grid_overrides, selection
+from tools.arms import (
+    ARMS,
+    GRIDS,
+    SELECTED_LR,
+    SELECTED_LR_REAL,
+    SELECTED_SETTING,
+    arm_overrides,
+    grid_overrides,
+    selection,
+)
 from tools.runs import PRETRAIN_CONFIG, lr_overrides, run_dir
 from training.config_resolve import resolve_config
 
@@ -52,6 +61,18 @@ def test_a_selection_is_the_rate_and_for_a_grid_arm_the_setting(monkeypatch):
         selection("GRIT-VLP + HN-NCE")
     monkeypatch.setitem(SELECTED_SETTING, "GRIT-VLP + HN-NCE", "beta=0.5")
     assert selection("GRIT-VLP + HN-NCE") == (5e-4, "beta=0.5")
+
+
+def test_each_corpus_has_its_own_selection(monkeypatch):
+    """--corpus real runs an arm at the real corpora's selection (SELECTED_LR_REAL) with its synthetic grid
+    setting; an arm the real sweep never ran is refused, naming that table."""
+    monkeypatch.setitem(SELECTED_LR_REAL, "B3", 1e-3)
+    monkeypatch.setitem(SELECTED_LR, "B3", 5e-4)
+    assert selection("B3", "real") == (1e-3, SELECTED_SETTING["B3"])
+    assert selection("B3") == selection("B3", "synthetic") == (5e-4, SELECTED_SETTING["B3"])
+    monkeypatch.delitem(SELECTED_LR_REAL, "random walk", raising=False)
+    with pytest.raises(ValueError, match=r"'random walk' has no selection yet on the real corpus.*_LR_REAL"):
+        selection("random walk", "real")
 
 
 def test_online_arms_run_at_equal_compute_with_plain_batches(monkeypatch):

@@ -324,6 +324,11 @@ def test_the_selected_runs_are_the_sweeps_own_folders_and_commands(tmp_path, mon
     assert len(sweep) == 4 and list(selected) == [("B3", 5e-4, "p=2,m=20", 1)]
     assert selected[("B3", 5e-4, "p=2,m=20", 1)] == sweep[("B3", 5e-4, "p=2,m=20", 1)]
     assert os.path.isfile(os.path.join(out, "compare.md"))
+    # --corpus real: the real corpora's own selection, not the synthetic one
+    monkeypatch.setitem(arms.SELECTED_LR_REAL, "B3", 1e-3)
+    compare.main(["--corpus", "real", "--seeds", "1", "--selected", "--arms", "B3", "--output_dir",
+                  str(tmp_path / "real")])
+    assert list(asked[-1]) == [("B3", 1e-3, "p=2,m=20", 1)]
 
 
 def test_merged_rows_are_read_not_run_and_a_foreign_record_is_named(tmp_path, monkeypatch):

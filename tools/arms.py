@@ -1,7 +1,7 @@
 """The arms the comparison tools run: what each is (ARMS: overrides of configs/tiny/Pretrain.yaml), the
-hyper-parameter grid of those that have one (GRIDS), and what each sweep selected on val (SELECTED_LR,
-SELECTED_SETTING). tools.compare sweeps and reports them; tools.efficiency, tools.downstream and `make demo`
-run them at their selection.
+hyper-parameter grid of those that have one (GRIDS), and what each sweep selected on val (SELECTED_LR;
+SELECTED_LR_REAL on the real corpora; SELECTED_SETTING). tools.compare sweeps and reports them;
+tools.efficiency, tools.downstream and `make demo` run them at their selection.
 
 The arms: GRIT-VLP at the paper's ratio of search space to batch, M/N = 120/8 = 15, which is the tiny
 config's; GRIT-VLP at the earlier tiny config's M/N = 768/8 = 96; random batches (batching.strategy=random);
@@ -135,7 +135,8 @@ SELECTED_SETTING = {'B3': 'p=2,m=20', 'GCBS': 'k=5', 'random walk': 'k=10,restar
 # the grid arms held at their synthetic settings (SELECTED_SETTING), by `python -m tools.compare --corpus real
 # --seeds 1 2 3 --lrs 2.5e-4 5e-4 1e-3 --selected_settings --arms GRIT-VLP "random batches" B3 GCBS
 # "GRIT-VLP + S-ITC"` (docs/real-corpora.md, docs/results/compare_real_sweep_seeds1-3.md, 2026-11-28).
-SELECTED_LR_REAL = {'GRIT-VLP': 2.5e-4, 'random batches': 5e-4, 'B3': 2.5e-4, 'GCBS': 2.5e-4, 'GRIT-VLP + S-ITC': 2.5e-4}  # TEMP
+SELECTED_LR_REAL = {'GRIT-VLP': 2.5e-4, 'random batches': 5e-4, 'B3': 2.5e-4, 'GCBS': 2.5e-4,
+                    'GRIT-VLP + S-ITC': 2.5e-4}
 SELECTED_LRS = {'synthetic': SELECTED_LR, 'real': SELECTED_LR_REAL}  # tools.runs.CORPORA's names
 
 

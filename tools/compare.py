@@ -249,8 +249,8 @@ def build_parser() -> Parser:
     p.add_argument('--lrs', type=float, nargs='+', default=None,
                    help='peak learning rates every arm is swept over (default: the config\'s, no sweep)')
     p.add_argument('--selected', action='store_true',
-                   help='each arm at its selection only (SELECTED_LR, and SELECTED_SETTING for an arm with a '
-                        'grid: the sweeps\' selections; no sweep)')
+                   help='each arm at its selection only (the --corpus\'s rate, SELECTED_LR(_REAL), '
+                        'and SELECTED_SETTING for an arm with a grid: the sweeps\' selections; no sweep)')
     p.add_argument('--selected_settings', action='store_true',
                    help='each grid arm at its selected setting (SELECTED_SETTING) with the rates swept: the '
                         'same number of runs for every arm (default: the rates times the arm\'s grid)')
@@ -289,7 +289,7 @@ def main(argv: Sequence[str] | None = None) -> dict:
     chosen = {}
     if args.selected or args.selected_settings:
         try:
-            chosen = {arm: selection(arm) for arm in args.arms}  # (lr, setting) per arm
+            chosen = {arm: selection(arm, args.corpus) for arm in args.arms}  # (lr, setting) per arm
         except ValueError as e:
             parser.error(f'--selected{"_settings" * args.selected_settings}: {e}')
     arm_lrs = {arm: [chosen[arm][0]] if args.selected else args.lrs or [None] for arm in args.arms}
