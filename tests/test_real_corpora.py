@@ -620,6 +620,16 @@ def test_the_guard_by_scene_never_mines_a_family_member_and_needs_the_families(b
                             f"train_shards={root}/shards/real.json", "guard_by=scene"])
 
 
+def test_guard_by_without_the_guard_is_refused_naming_both_keys():
+    """guard_by only says what the guard takes as one image: set without the guard it would change nothing,
+    so the config is refused, naming both keys; with the guard on it is accepted."""
+    from conftest import tiny_config
+
+    with pytest.raises(ConfigError, match="guard_by is scene but guard_false_negatives is false"):
+        tiny_config("pretrain", guard_by="scene", guard_false_negatives=False)
+    assert tiny_config("pretrain", guard_by="scene", guard_false_negatives=True).guard_by == "scene"
+
+
 @pytest.mark.slow
 @pytest.mark.skipif(not (shutil.which("npm") and shutil.which("apt-get")), reason="needs npm and apt-get")
 def test_the_real_packages_build_the_corpora_of_the_data_card(tmp_path):

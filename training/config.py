@@ -276,6 +276,9 @@ class PretrainConfig(_Objectives, TaskConfig):
         elif self.image_token_drop and self.unmasked_epochs >= self.max_epoch:
             out.append(f"unmasked_epochs ({self.unmasked_epochs}) is not below max_epoch ({self.max_epoch}): "
                        "image_token_drop would never drop a token")
+        if self.guard_by != "image" and not self.guard_false_negatives:
+            out.append(f"guard_by is {self.guard_by} but guard_false_negatives is false: it chooses what the "
+                       "guard takes as one image; drop it or set guard_false_negatives: true")
         if self.grouped and self.batching.group_from_epoch >= self.max_epoch:
             out.append(f"batching.group_from_epoch ({self.batching.group_from_epoch}) is not before the "
                        "run's end "
