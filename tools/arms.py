@@ -23,8 +23,8 @@ from tools.runs import PRETRAIN_CONFIG, lr_overrides
 from training.config_resolve import resolve_config
 
 __all__ = ["ARMS", "GRIDS", "ONLINE_ARMS", "REFERENCE", "SELECTED_LR", "SELECTED_LRS", "SELECTED_LR_REAL",
-           "SELECTED_SETTING", "arm_overrides", "arm_strategies", "grid_overrides", "selection",
-           "setting_label"]
+           "SELECTED_SETTING", "arm_overrides", "arm_setting", "arm_strategies", "grid_overrides",
+           "selection", "setting_label"]
 
 # The arms: name -> the overrides of the tiny pre-training config that make it.
 ARMS = {'GRIT-VLP': [],  # the tiny config: N = 8, M = 120, L = 1440 (M/N = 15, the paper's 1920/128)
@@ -149,6 +149,14 @@ def selection(arm: str, corpus: str = 'synthetic') -> tuple[float, str | None]:
         raise ValueError(f'{arm!r} has no selection yet on the {corpus} corpus (tools.arms.{table} and, for '
                          'an arm with a grid, SELECTED_SETTING: run its sweep with tools.compare first)')
     return lrs[arm], SELECTED_SETTING.get(arm)
+
+
+def arm_setting(arms: Sequence[str], lrs: Sequence[float] | None,
+                corpus: str = 'synthetic') -> dict[str, tuple[float, str | None]]:
+    """{arm: (lr, grid setting)}: `lrs` in `arms`' order, each arm at its selected setting, or without `lrs`
+    each arm's selection on `corpus` (selection)."""
+    return {arm: (lrs[k], SELECTED_SETTING.get(arm)) if lrs else selection(arm, corpus)
+            for k, arm in enumerate(arms)}
 
 
 def arm_strategies(arms: Sequence[str], overrides: Sequence[str] = ()) -> dict[str, str]:

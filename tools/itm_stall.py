@@ -25,25 +25,19 @@ import math
 import os
 
 from grit_io import InputFileError, read_json
-from tools.arms import ARMS, SELECTED_SETTING, selection
+from tools.arms import ARMS, arm_setting
 from tools.cli import add_output_dir, emit_record, tool_parser
 from tools.compare import itm_epoch
 from tools.runs import PRETRAIN_CONFIG, run_dir
 from training.cli import run_main
 from training.logger import current_names
 
-__all__ = ["METRICS", "add_probe", "arm_setting", "build_parser", "load_logs", "main", "markdown", "plot",
+__all__ = ["METRICS", "add_probe", "build_parser", "load_logs", "main", "markdown", "plot",
            "rank_correlations"]
 
 # The figures the mechanism is sought in, in the order they are shown (older runs lack the accuracies).
 METRICS = ("loss_itm", "itm_accuracy", "itm_match_accuracy", "probe", "hardness", "itm_false_negatives",
            "batch_same_scene")
-
-
-def arm_setting(arms: list[str], lrs: list[float] | None) -> dict[str, tuple[float, str | None]]:
-    """{arm: (lr, grid setting)}: --lrs in --arms' order with each arm's selected setting, or the arm's
-    selection (tools.arms)."""
-    return {arm: (lrs[k], SELECTED_SETTING.get(arm)) if lrs else selection(arm) for k, arm in enumerate(arms)}
 
 
 def load_logs(output_dir: str, arms: list[str], seeds: list[int],
