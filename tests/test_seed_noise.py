@@ -85,5 +85,24 @@ def test_command_line_writes_the_record_and_its_table(tmp_path, capsys):
     assert result['arms']['B3']['mean_r1']['seeds_needed'] == 4
     table = (tmp_path / 'out' / 'seed_noise.md').read_text()
     assert table == markdown(result)
-    assert '| B3 | mean_r1 | 3 | -2.00 | 1.00 | -2.00 | [-4.48, +0.48] | 0 / 3 | 4 |' in table
+    row = '| B3 | mean_r1 | 3 | -2.00 | 1.00 | -2.00 | [-4.48, +0.48] | 0 / 3 | 4 | [-6.97, +2.97] |'
+    assert row in table
     assert json.loads((tmp_path / 'out' / 'seed_noise.json').read_text())['baseline'] == 'GRIT-VLP'
+
+
+def test_fit_seeds_holds_the_other_seeds_out_and_counts_them_inside_each_interval():
+    rec = record()
+    rec['sweep']['GRIT-VLP']['0.0005']['4'] = {'mean_r1': 60.0, 'itc_mean_r1': 30.0, 'r_mean': 86.0}
+    # B3's seed 4 (gap +39) lies outside both intervals of seeds 1-3; random batches has no seed 4
+    out = noise(rec, 'GRIT-VLP', ['mean_r1'], fit_seeds=[1, 2, 3])
+    b3 = out['B3']['mean_r1']
+    assert b3['seeds'] == [1, 2, 3] and b3['held_out']['per_seed'] == {4: 39.0}
+    assert (b3['held_out']['inside_interval'], b3['held_out']['inside_prediction']) == (0, 0)
+    assert out['random batches']['mean_r1']['held_out']['per_seed'] == {}
+    low, high = stats.t.interval(0.95, 2, loc=-2.0, scale=1.0 * math.sqrt(1 + 1 / 3))
+    assert b3['prediction']['low'] == pytest.approx(low) and b3['prediction']['high'] == pytest.approx(high)
+    rec['sweep']['B3']['0.0005 p=2,m=20']['4']['mean_r1'] = 58.0  # gap -2: inside both
+    b3 = noise(rec, 'GRIT-VLP', ['mean_r1'], fit_seeds=[1, 2, 3])['B3']['mean_r1']
+    assert (b3['held_out']['inside_interval'], b3['held_out']['inside_prediction']) == (1, 1)
+    with pytest.raises(ValueError, match='fewer than two of --fit_seeds'):
+        noise(rec, 'GRIT-VLP', ['mean_r1'], fit_seeds=[1, 9])

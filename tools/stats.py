@@ -1,6 +1,6 @@
 """The per-seed statistics every comparison tool reports: mean and sample standard deviation, the spread
 (mean, std, median, min, max) of a figure over seeds, and the paired 95 % interval of a gap between two
-arms with the count of seeds on each side."""
+arms with the count of seeds on each side, and the prediction interval of one more seed's gap."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import math
 import statistics
 from collections.abc import Sequence
 
-__all__ = ["mean_std", "paired_interval", "spread"]
+__all__ = ["mean_std", "paired_interval", "prediction_interval", "spread"]
 
 
 def mean_std(values: Sequence[float]) -> tuple[float, float]:
@@ -41,3 +41,18 @@ def paired_interval(gaps: Sequence[float], level: float = 0.95) -> dict[str, flo
     mean, std = mean_std(gaps)
     half = float(t.ppf(0.5 + level / 2, n - 1)) * std / math.sqrt(n)
     return {'mean': mean, 'low': mean - half, 'high': mean + half, **counts}
+
+
+def prediction_interval(gaps: Sequence[float], level: float = 0.95) -> dict[str, float | int]:
+    """Where one more seed's gap should land: mean ± t(level, n - 1) · s · sqrt(1 + 1/n) of the per-seed
+    gaps (normal, exchangeable seeds), {'mean', 'low', 'high', 'n'}; nan bounds below two seeds or when a seed
+    lacks the figure. paired_interval bounds the mean gap, this a single new seed's, which is wider by about
+    sqrt(n + 1)."""
+    from scipy.stats import t
+
+    n = len(gaps)
+    if n < 2 or any(math.isnan(g) for g in gaps):
+        return {'mean': statistics.fmean(gaps) if n else math.nan, 'low': math.nan, 'high': math.nan, 'n': n}
+    mean, std = mean_std(gaps)
+    half = float(t.ppf(0.5 + level / 2, n - 1)) * std * math.sqrt(1 + 1 / n)
+    return {'mean': mean, 'low': mean - half, 'high': mean + half, 'n': n}
