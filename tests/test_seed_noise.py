@@ -104,5 +104,5 @@ def test_fit_seeds_holds_the_other_seeds_out_and_counts_them_inside_each_interva
     rec['sweep']['B3']['0.0005 p=2,m=20']['4']['mean_r1'] = 58.0  # gap -2: inside both
     b3 = noise(rec, 'GRIT-VLP', ['mean_r1'], fit_seeds=[1, 2, 3])['B3']['mean_r1']
     assert (b3['held_out']['inside_interval'], b3['held_out']['inside_prediction']) == (1, 1)
-    with pytest.raises(ValueError, match='fewer than two of --fit_seeds'):
-        noise(rec, 'GRIT-VLP', ['mean_r1'], fit_seeds=[1, 9])
+    with pytest.raises(ValueError, match=r'--fit_seeds \[9\]: B3 and GRIT-VLP are not both'):
+        noise(rec, 'GRIT-VLP', ['mean_r1'], fit_seeds=[1, 2, 9])

@@ -122,10 +122,14 @@ def setting_label(setting: float | tuple) -> str:
 # "GRIT-VLP + sigmoid" "random + sigmoid" --output_dir output/compare_sigmoid` (2026-11-28; both selections
 # inside the grid, docs/results/compare_sigmoid_sweep_seeds1-3.md), and the online selection arms by
 # `python -m tools.compare --seeds 1 2 3 --lrs 2.5e-4 5e-4 1e-3 --arms JEST RHO-LOSS --output_dir
-# output/compare_online` (2026-11-28; both inside the grid, docs/results/compare_online_sweep_seeds1-3.md).
+# output/compare_online` (2026-11-28; both inside the grid, docs/results/compare_online_sweep_seeds1-3.md),
+# and the remedy 'GRIT-VLP multinomial' by `python -m tools.compare --seeds 1 2 3 --lrs 2.5e-4 5e-4 1e-3
+# --arms "GRIT-VLP multinomial" --output_dir output/compare_remedy` (2026-11-29; inside the grid,
+# docs/results/compare_multinomial_sweep_seeds1-3.md).
 SELECTED_LR = {'GRIT-VLP': 5e-4, 'random batches': 2.5e-4, 'B3': 5e-4, 'GCBS': 5e-4, 'random walk': 5e-4,
                'random + HN-NCE': 2.5e-4, 'GRIT-VLP + HN-NCE': 5e-4, 'GRIT-VLP + S-ITC': 5e-4,
-               'GRIT-VLP + sigmoid': 2.5e-4, 'random + sigmoid': 1.25e-4, 'JEST': 5e-4, 'RHO-LOSS': 5e-4}
+               'GRIT-VLP + sigmoid': 2.5e-4, 'random + sigmoid': 1.25e-4, 'JEST': 5e-4, 'RHO-LOSS': 5e-4,
+               'GRIT-VLP multinomial': 5e-4}
 SELECTED_SETTING = {'B3': 'p=2,m=20', 'GCBS': 'k=5', 'random walk': 'k=10,restart=0.1',
                     'random + HN-NCE': 'beta=0.5', 'GRIT-VLP + HN-NCE': 'beta=0.5',
                     'GRIT-VLP + S-ITC': 's=0.2'}

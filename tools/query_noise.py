@@ -1,20 +1,23 @@
 """How much of an ordering's seed noise is the test split's finite size (issue 49, deliverable 4): the paired
-gap of two arms' test mean R@1 (ITM re-ranked) split into the part a larger test split would shrink and the
+gap of two arms' test mean R@1 (ITM re-ranked) split into the part more test scenes would shrink and the
 part only more seeds, or less noisy training, would.
 
-    python -m tools.query_noise --compare_dir output/compare_s1-10 --seeds 8 9 10 --arms GRIT-VLP B3 \
-        [--lrs 5e-4 5e-4] [--record docs/results/compare_strategies_seeds1-10.json] [--factors 2 4 10] \
+    python -m tools.query_noise --compare_dir output/compare_s1-10 --seeds 8 9 10 --arms GRIT-VLP B3 GCBS \
+        [--lrs 5e-4 5e-4 5e-4] [--record docs/results/compare_strategies_seeds1-10.json] [--factors 2 4 10] \
         [--output_dir DIR]
 
 It reads the per-query rankings (zeroshot/rankings_test.json) of the runs tools.compare left in
---compare_dir, the first arm the baseline, each at its selection (tools.arms) or at --lrs. Per direction
-(text retrieval: a query per image; image retrieval: a query per caption) the per-query difference of the two
-arms' hits at 1, d[q, s] (-1, 0 or 1), is a queries x seeds table. Its seed-by-query interaction, the residual
-of the two-way table, sigma^2 = sum r^2 / ((n - 1)(S - 1)), is the part of each seed's gap that depends on
-which queries the test split happens to hold: it adds Q = sigma^2 / n to the seed variance of the gap (both
-directions averaged, in points^2). A test split k times larger (new scenes of the same world) leaves the
-seed variance V - Q (1 - 1/k), where V is the gap's seed variance: these seeds', or with --record that of a
-tools.compare record's seeds (more of them), read at both arms' selections.
+--compare_dir, the first of --arms the baseline, each arm at its selection (tools.arms) or at --lrs. The
+unit is a test image: its text-retrieval hit at 1 and the image-retrieval hits of its captions, weighted as
+mean R@1 = (text R@1 + image R@1) / 2 weighs them, so that the mean of the images' values is mean R@1 and a
+scene's correlated queries (its captions, both directions) count once. For each arm the per-image
+difference from the baseline, y[i, s], is an images x seeds table. Its seed-by-image interaction, the
+residual of the two-way table, sigma^2 = sum r^2 / ((n - 1)(S - 1)), is the part of each seed's gap that
+depends on which scenes the test split happens to hold: it adds Q = sigma^2 / n to the gap's seed
+variance. Averaged over k test splits of this size (new scenes of the same world), the seed variance would
+be V - Q (1 - 1/k), where V is the gap's seed variance: these seeds', or with --record that of a
+tools.compare record's seeds (more of them), read at both arms' selections. (One split k times larger
+also has a k times larger gallery, which changes R@1 itself; the average of k splits does not.)
 
 Prints one JSON line; with --output_dir also writes query_noise.json and query_noise.md.
 """
@@ -35,21 +38,31 @@ from tools.runs import run_dir
 from tools.stats import mean_std
 from training.cli import Parser, run_main
 
-__all__ = ["build_parser", "hits", "interaction_variance", "main", "markdown", "decompose"]
+__all__ = ["build_parser", "decompose", "image_hits", "interaction_variance", "main", "markdown"]
 
 
-def hits(rankings: dict) -> dict[str, np.ndarray]:
-    """{'text': (images,), 'image': (captions,)}: 1.0 where the query's first-ranked candidate (ITM re-ranked)
-    is a match, in query-index order, from a rankings_test.json."""
-    i2t = sorted(rankings['image_to_text'], key=lambda q: q['image_index'])
-    t2i = sorted(rankings['text_to_image'], key=lambda q: q['text_index'])
-    return {'text': np.array([float(q['text_ids'][0] in q['gt_text_ids']) for q in i2t]),
-            'image': np.array([float(q['image_ids'][0] == q['gt_image_id']) for q in t2i])}
+def image_hits(rankings: dict) -> tuple[list[int], np.ndarray]:
+    """(image indices, (images,) values) of a rankings_test.json: each image's text-retrieval hit at 1 (ITM
+    re-ranked) over 2 plus its captions' image-retrieval hits over 2 x (captions / images), so that the
+    values' mean is mean R@1 (as a fraction)."""
+    images = sorted(q['image_index'] for q in rankings['image_to_text'])
+    row = {i: k for k, i in enumerate(images)}
+    text = np.zeros(len(images))
+    for q in rankings['image_to_text']:
+        text[row[q['image_index']]] = float(q['text_ids'][0] in q['gt_text_ids'])
+    captions = rankings['text_to_image']
+    image = np.zeros(len(images))
+    for q in captions:
+        if q['gt_image_id'] not in row:
+            raise ValueError(f"caption {q['text_index']} matches image {q['gt_image_id']}, which ranks no "
+                             "texts")
+        image[row[q['gt_image_id']]] += float(q['image_ids'][0] == q['gt_image_id'])
+    return images, text / 2 + image * len(images) / (2 * len(captions))
 
 
 def interaction_variance(d: np.ndarray) -> float:
-    """The seed-by-query interaction variance of a (queries n, seeds S) table: the two-way residual's sum of
-    squares over (n - 1)(S - 1); nan below two seeds."""
+    """The seed-by-unit interaction variance of a (units n, seeds S) table: the two-way residual's sum of
+    squares over (n - 1)(S - 1); nan below two seeds or two units."""
     n, s = d.shape
     if s < 2 or n < 2:
         return math.nan
@@ -57,34 +70,33 @@ def interaction_variance(d: np.ndarray) -> float:
     return float((r ** 2).sum() / ((n - 1) * (s - 1)))
 
 
-def decompose(base: list[dict[str, np.ndarray]], arm: list[dict[str, np.ndarray]],
+def decompose(base: Sequence[tuple[list[int], np.ndarray]], arm: Sequence[tuple[list[int], np.ndarray]],
               seed_gaps: Sequence[float] | None = None, factors: Sequence[float] = (2, 4, 10)) -> dict:
-    """The gap arm - base of mean R@1 (points) per seed (lists of hits(), one per seed, paired), its seed
-    variance V (of `seed_gaps` when given, else of these seeds), the test split's share Q of V and the seed
-    std of the gap with a test split `factors` times larger (sqrt(V - Q (1 - 1/k))) and an unbounded one."""
-    per_direction = {}
-    for direction in ('text', 'image'):
-        sizes = {len(h[direction]) for h in base + arm}
-        if len(sizes) != 1:
-            raise ValueError(f'the runs rank different numbers of {direction}-retrieval queries: '
-                             f'{sorted(sizes)}')
-        d = np.stack([a[direction] - b[direction] for a, b in zip(arm, base)], axis=1)  # (queries, seeds)
-        per_direction[direction] = {'queries': d.shape[0], 'interaction_variance': interaction_variance(d),
-                                    'gap': (100 * d.mean(0)).tolist()}
-    gaps = [(t + i) / 2 for t, i in zip(per_direction['text']['gap'], per_direction['image']['gap'])]
-    # The mean of the two directions' R@1, in points: each direction's interaction over its queries, halved.
-    q = sum(100 ** 2 * p['interaction_variance'] / p['queries'] for p in per_direction.values()) / 4
+    """The gap arm - base of mean R@1 (points) per seed (image_hits() of each seed's run, paired), its seed
+    variance V (of `seed_gaps` when given, else of these seeds), the test split's part Q of V, and the
+    gap's seed std averaged over `factors` test splits (sqrt(V - Q (1 - 1/k))) and over unboundedly many."""
+    if len(base) != len(arm):
+        raise ValueError(f'{len(base)} baseline runs against {len(arm)} of the arm: they pair seed by seed')
+    images = {tuple(i) for i, _ in [*base, *arm]}
+    if len(images) != 1:
+        raise ValueError('the runs rank different test images (a bad sample skipped in one run?): they '
+                         'cannot be paired query by query')
+    d = np.stack([a - b for (_, a), (_, b) in zip(arm, base)], axis=1)  # (images, seeds)
+    sigma2 = interaction_variance(d)
+    q = 100 ** 2 * sigma2 / d.shape[0]
+    gaps = (100 * d.mean(0)).tolist()
     variance_from = list(seed_gaps) if seed_gaps is not None else gaps
     v = mean_std(variance_from)[1] ** 2 if len(variance_from) > 1 else math.nan
-    return {'per_direction': per_direction, 'gaps': gaps, 'seed_variance': v,
+    return {'images': d.shape[0], 'interaction_variance': sigma2, 'gaps': gaps, 'seed_variance': v,
             'seed_std': math.sqrt(v), 'variance_from_seeds': len(variance_from),
             'test_split_variance': q, 'test_split_share': q / v if v else math.nan,
-            'std_with_larger_test': {f'{k:g}': math.sqrt(max(v - q * (1 - 1 / k), 0.0)) for k in factors},
+            'std_with_more_test': {f'{k:g}': math.sqrt(max(v - q * (1 - 1 / k), 0.0)) for k in factors},
             'std_floor': math.sqrt(max(v - q, 0.0))}
 
 
-def _load(compare_dir: str, arm: str, seeds: Sequence[int], lr: float, setting: str | None) -> list[dict]:
-    """hits() of each seed's run of `arm`; InputFileError naming a missing rankings file."""
+def _load(compare_dir: str, arm: str, seeds: Sequence[int], lr: float,
+          setting: str | None) -> list[tuple[list[int], np.ndarray]]:
+    """image_hits() of each seed's run of `arm`; InputFileError naming a missing rankings file."""
     out = []
     for seed in seeds:
         path = os.path.join(run_dir(compare_dir, arm, seed, lr, setting), 'zeroshot', 'rankings_test.json')
@@ -92,27 +104,47 @@ def _load(compare_dir: str, arm: str, seeds: Sequence[int], lr: float, setting: 
             where = f'lr {lr:g}' + (f', {setting}' if setting else '')
             raise InputFileError(f'no rankings of {arm!r} ({where}) seed {seed}: {path} is missing (run '
                                  'python -m tools.compare first)')
-        out.append(hits(read_json(path, 'rankings')))
+        try:
+            out.append(image_hits(read_json(path, 'rankings')))
+        except (KeyError, ValueError) as e:
+            raise InputFileError(f'{path}: not a rankings file tools.compare writes ({e})') from e
     return out
 
 
+def _record_gaps(path: str, baseline: str, arm: str, seeds: Sequence[int],
+                 gaps: Sequence[float]) -> list[float]:
+    """The record's per-seed gaps of mean_r1 (arm - baseline, both at their selections), checked against the
+    rankings' on the seeds both hold: the record must be of the same runs."""
+    record = compare_record(path)
+    if arm not in record['selected_lr'] or baseline not in record['selected_lr']:
+        raise InputFileError(f'--record {path}: it holds no selection of {arm!r} or {baseline!r}')
+    rows = [selected_rows(record, a) for a in (baseline, arm)]
+    paired = sorted(set(rows[0]) & set(rows[1]))
+    for seed, gap in zip(seeds, gaps):
+        if seed in paired and abs(rows[1][seed]['mean_r1'] - rows[0][seed]['mean_r1'] - gap) > 0.01:
+            raise InputFileError(f'--record {path}: {arm} - {baseline} on seed {seed} is '
+                                 f'{rows[1][seed]["mean_r1"] - rows[0][seed]["mean_r1"]:+.2f} there and '
+                                 f'{gap:+.2f} in the rankings: not the same runs')
+    return [rows[1][s]['mean_r1'] - rows[0][s]['mean_r1'] for s in paired]
+
+
 def markdown(result: dict) -> str:
-    """The record as a short markdown table."""
-    r = result['noise']
-    larger = ' | '.join(f'{s:.2f}' for s in r['std_with_larger_test'].values())
-    heads = ' | '.join(f'test x {k}' for k in r['std_with_larger_test'])
-    return '\n'.join([
-        f"{result['arms'][1]} minus {result['arms'][0]}, test mean R@1 re-ranked, per-query rankings of "
-        f"seeds "
-        f"{', '.join(map(str, result['seeds']))}; seed variance from {r['variance_from_seeds']} seeds. "
-        "Points; the interaction variance is per query (hits 0/1).", '',
-        f"| queries (text / image retrieval) | interaction variance (text / image) | seed std of the gap | "
-        f"test split's share of its variance | {heads} | unbounded test |",
-        '|---' * (5 + len(r['std_with_larger_test'])) + '|',
-        f"| {r['per_direction']['text']['queries']} / {r['per_direction']['image']['queries']} | "
-        f"{r['per_direction']['text']['interaction_variance']:.3f} / "
-        f"{r['per_direction']['image']['interaction_variance']:.3f} | {r['seed_std']:.2f} | "
-        f"{r['test_split_share']:.0%} | {larger} | {r['std_floor']:.2f} |"]) + '\n'
+    """The record as a markdown table, a row per arm."""
+    factors = list(next(iter(result['arms'].values()))['std_with_more_test'])
+    seeds = ', '.join(map(str, result['seeds']))
+    source = f" from the record's seeds ({result['record']})" if result['record'] else ''
+    head = ("| arm | seeds (std) | images | interaction variance | seed std of the gap | test split's share "
+            "| " + ' | '.join(f'k = {k}' for k in factors) + ' | unbounded |')
+    lines = [f"Each arm minus {result['baseline']}, test mean R@1 re-ranked (points), from the per-query "
+             f"rankings of seeds {seeds}, a test image and its captions as one unit; the gap's seed "
+             f"std{source}, the test split's share of its variance, and its std averaged over k test splits "
+             "of this size.", '', head, '|---' * (7 + len(factors)) + '|']
+    for arm, r in result['arms'].items():
+        more = ' | '.join(f'{s:.2f}' for s in r['std_with_more_test'].values())
+        lines.append(f"| {arm} | {r['variance_from_seeds']} | {r['images']} | "
+                     f"{r['interaction_variance']:.4f} | {r['seed_std']:.2f} | {r['test_split_share']:.0%} | "
+                     f"{more} | {r['std_floor']:.2f} |")
+    return '\n'.join(lines) + '\n'
 
 
 def build_parser() -> Parser:
@@ -120,37 +152,41 @@ def build_parser() -> Parser:
     p = tool_parser("tools.query_noise", __doc__.split("\n\n")[0])
     p.add_argument("--compare_dir", required=True, help="the --output_dir of a tools.compare run")
     p.add_argument("--seeds", type=int, nargs="+", required=True, help="the seeds whose rankings are read")
-    p.add_argument("--arms", nargs=2, choices=list(ARMS), default=["GRIT-VLP", "B3"],
-                   help="the baseline and the arm (default: GRIT-VLP B3)")
-    p.add_argument("--lrs", type=float, nargs=2, default=None,
-                   help="the two arms' learning rates (default: their selections, tools.arms)")
+    p.add_argument("--arms", nargs="+", choices=list(ARMS), default=["GRIT-VLP", "B3"],
+                   help="the baseline, then the arms paired with it (default: GRIT-VLP B3)")
+    p.add_argument("--lrs", type=float, nargs="+", default=None,
+                   help="the arms' learning rates, in --arms' order (default: their selections, tools.arms)")
     p.add_argument("--record", default=None,
-                   help="a tools.compare record whose seeds give the gap's seed variance (default: --seeds')")
+                   help="a tools.compare record of the same runs whose seeds give the gap's seed variance "
+                        "(default: --seeds')")
     p.add_argument("--factors", type=float, nargs="+", default=[2, 4, 10],
-                   help="test splits this many times larger to predict the gap's seed std at")
+                   help="numbers of test splits of this size to give the gap's seed std averaged over")
     add_output_dir(p, "query_noise.json and query_noise.md")
     return p
 
 
 def main(argv: Sequence[str] | None = None) -> dict:
     """Read the rankings; print the decomposition as one JSON line (and write it with --output_dir)."""
-    args = build_parser().parse_args(argv)
-    if len(args.seeds) < 2:
-        raise InputFileError("--seeds: the interaction needs at least two seeds")
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if len(args.seeds) < 2 or len(args.arms) < 2:
+        parser.error("--seeds and --arms: the interaction needs two seeds or more, and a baseline and an arm")
+    if args.lrs and len(args.lrs) != len(args.arms):
+        parser.error(f"--lrs gives {len(args.lrs)} rates for {len(args.arms)} arms")
     settings = arm_setting(args.arms, args.lrs)
-    base, arm = (_load(args.compare_dir, a, args.seeds, *settings[a]) for a in args.arms)
-    seed_gaps = None
-    if args.record:
-        record = compare_record(args.record)
-        rows = [selected_rows(record, a) for a in args.arms]
-        seeds = sorted(set(rows[0]) & set(rows[1]))
-        seed_gaps = [rows[1][s]['mean_r1'] - rows[0][s]['mean_r1'] for s in seeds]
-    try:
-        noise = decompose(base, arm, seed_gaps, args.factors)
-    except ValueError as e:
-        raise InputFileError(f'{args.compare_dir}: {e}') from e
-    result = {'compare_dir': args.compare_dir, 'seeds': args.seeds, 'arms': args.arms,
-              'lrs': {a: settings[a][0] for a in args.arms}, 'record': args.record, 'noise': noise}
+    baseline, *others = args.arms
+    base = _load(args.compare_dir, baseline, args.seeds, *settings[baseline])
+    arms = {}
+    for arm in others:
+        runs = _load(args.compare_dir, arm, args.seeds, *settings[arm])
+        try:
+            gaps = decompose(base, runs)['gaps']
+            seed_gaps = _record_gaps(args.record, baseline, arm, args.seeds, gaps) if args.record else None
+            arms[arm] = decompose(base, runs, seed_gaps, args.factors)
+        except ValueError as e:
+            raise InputFileError(f'{args.compare_dir}, {arm}: {e}') from e
+    result = {'compare_dir': args.compare_dir, 'seeds': args.seeds, 'baseline': baseline,
+              'lrs': {a: settings[a][0] for a in args.arms}, 'record': args.record, 'arms': arms}
     return emit_record(result, args.output_dir, 'query_noise', markdown(result))
 
 

@@ -72,9 +72,11 @@ def noise(record: dict, baseline: str, figures: Sequence[str], max_seeds: int = 
     for arm in (a for a in arms if a != baseline):
         rows = selected_rows(record, arm)
         paired = sorted(set(rows) & set(base))
+        unpaired = sorted(set(fit_seeds or ()) - set(paired))
+        if unpaired:
+            raise ValueError(f"--fit_seeds {unpaired}: {arm} and {baseline} are not both at their selection "
+                             f"on those seeds (paired seeds: {paired})")
         seeds = [s for s in paired if fit_seeds is None or s in fit_seeds]
-        if fit_seeds is not None and len(seeds) < 2:
-            raise ValueError(f"{arm}: fewer than two of --fit_seeds {list(fit_seeds)} are paired seeds")
         out[arm] = {}
         for figure in figures:
             missing = [s for s in paired if figure not in rows[s] or figure not in base[s]]

@@ -25,22 +25,28 @@ def spread(values: Sequence[float]) -> dict[str, float]:
             'max': max(values)}
 
 
+def _t_interval(values: Sequence[float], level: float, scale: float) -> tuple[float, float, float]:
+    """(mean, low, high): mean ± t(level, n - 1) · s · scale of per-seed values; nan bounds below two values
+    or when one is nan."""
+    from scipy.stats import t
+
+    n = len(values)
+    if n < 2 or any(math.isnan(v) for v in values):
+        return (statistics.fmean(values) if n else math.nan), math.nan, math.nan
+    mean, std = mean_std(values)
+    half = float(t.ppf(0.5 + level / 2, n - 1)) * std * scale
+    return mean, mean - half, mean + half
+
+
 def paired_interval(gaps: Sequence[float], level: float = 0.95) -> dict[str, float | int]:
     """The t interval of the mean of per-seed paired gaps (arm minus baseline on the same seed), mean ±
     t(level, n - 1) · s / sqrt(n), and how many seeds put the arm ahead, behind or level: {'mean', 'low',
     'high', 'ahead', 'behind', 'level', 'n'}; the bounds are nan below two seeds or when a seed lacks the
     figure."""
-    from scipy.stats import t
-
     n = len(gaps)
-    counts = {'ahead': sum(g > 0 for g in gaps), 'behind': sum(g < 0 for g in gaps),
-              'level': sum(g == 0 for g in gaps), 'n': n}
-    if n < 2 or any(math.isnan(g) for g in gaps):
-        mean = statistics.fmean(gaps) if n else math.nan
-        return {'mean': mean, 'low': math.nan, 'high': math.nan, **counts}
-    mean, std = mean_std(gaps)
-    half = float(t.ppf(0.5 + level / 2, n - 1)) * std / math.sqrt(n)
-    return {'mean': mean, 'low': mean - half, 'high': mean + half, **counts}
+    mean, low, high = _t_interval(gaps, level, 1 / math.sqrt(n) if n else math.nan)
+    return {'mean': mean, 'low': low, 'high': high, 'ahead': sum(g > 0 for g in gaps),
+            'behind': sum(g < 0 for g in gaps), 'level': sum(g == 0 for g in gaps), 'n': n}
 
 
 def prediction_interval(gaps: Sequence[float], level: float = 0.95) -> dict[str, float | int]:
@@ -48,11 +54,6 @@ def prediction_interval(gaps: Sequence[float], level: float = 0.95) -> dict[str,
     gaps (normal, exchangeable seeds), {'mean', 'low', 'high', 'n'}; nan bounds below two seeds or when a seed
     lacks the figure. paired_interval bounds the mean gap, this a single new seed's, which is wider by about
     sqrt(n + 1)."""
-    from scipy.stats import t
-
     n = len(gaps)
-    if n < 2 or any(math.isnan(g) for g in gaps):
-        return {'mean': statistics.fmean(gaps) if n else math.nan, 'low': math.nan, 'high': math.nan, 'n': n}
-    mean, std = mean_std(gaps)
-    half = float(t.ppf(0.5 + level / 2, n - 1)) * std * math.sqrt(1 + 1 / n)
-    return {'mean': mean, 'low': mean - half, 'high': mean + half, 'n': n}
+    mean, low, high = _t_interval(gaps, level, math.sqrt(1 + 1 / n) if n else math.nan)
+    return {'mean': mean, 'low': low, 'high': high, 'n': n}
