@@ -43,7 +43,7 @@ def test_every_other_arm_is_measured_against_albef_base_at_its_selection(monkeyp
     monkeypatch.setitem(arms.SELECTED_LR, "B3", 5e-4)
     monkeypatch.setitem(arms.SELECTED_SETTING, "B3", "p=2,m=20")
     assert efficiency.arm_run("B3") == (5e-4, "p=2,m=20")
-    assert efficiency.arm_run("ALBEF_Base") == (efficiency.ARM_LR["ALBEF_Base"], None)
+    assert efficiency.arm_run("ALBEF_Base") == (arms.SELECTED_LR["random batches"], None)
     monkeypatch.delitem(arms.SELECTED_SETTING, "B3")
     with pytest.raises(ValueError, match="'B3' has no selection yet"):  # its rate alone is not B3's selection
         efficiency.arm_run("B3")
@@ -214,7 +214,7 @@ def test_efficiency_micro_writes_table_figure_and_json(in_repo, tmp_path, monkey
         assert 0 < points[0]["seconds"] < points[1]["seconds"]
     # Every point read back from the run's own logs: the seconds summed over its pre-training epochs, the
     # recalls of each epoch's zero-shot evaluation (tools.compare's for the last one), both directions.
-    grit_dir = os.path.join(out, "seed1", "grit_vlp_lr" + f'{efficiency.ARM_LR["GRIT-VLP"]:g}')
+    grit_dir = os.path.join(out, "seed1", "grit_vlp_lr" + f'{efficiency.arm_run("GRIT-VLP")[0]:g}')
     with open(os.path.join(grit_dir, "pretrain", "log.txt")) as f:
         seconds = [json.loads(line)["epoch_seconds"] for line in f]
     for p, folder in zip(record["curves"]["GRIT-VLP"]["1"], ("zeroshot_e00", "zeroshot")):
@@ -240,8 +240,8 @@ def test_merged_curves_and_timings_are_read_not_run_and_a_foreign_record_is_name
     from grit_io import InputFileError
 
     monkeypatch.chdir(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    monkeypatch.setattr(efficiency, "prepare_pretraining", lambda overrides=(): None)
-    lrs = {"ALBEF_Base": efficiency.ARM_LR["ALBEF_Base"], "GRIT-VLP": efficiency.ARM_LR["GRIT-VLP"]}
+    monkeypatch.setattr(efficiency, "prepare_pretraining", lambda overrides=(), config=None: None)
+    lrs = {"ALBEF_Base": efficiency.arm_run("ALBEF_Base")[0], "GRIT-VLP": efficiency.arm_run("GRIT-VLP")[0]}
     timed = {"epoch_seconds": 12.0, "albef_base_epoch_seconds": 10.0, "ratio": 1.2, "sampler_seconds": 0.1}
     saved = {"seeds": [1], "learning_rates": lrs, "settings": {}, "micro": False, "timing_epochs": 3,
              "curves": {"ALBEF_Base": {"1": _curve([10, 20], 10.0)},
@@ -290,3 +290,39 @@ def test_merged_curves_and_timings_are_read_not_run_and_a_foreign_record_is_name
     earlier.write_text(json.dumps(saved))
     with pytest.raises(InputFileError, match="earlier.json: ran GRIT-VLP at"):
         efficiency.main([*args, "--arms", "GRIT-VLP"])
+    earlier.write_text(json.dumps(saved | {"corpus": "real"}))
+    with pytest.raises(InputFileError, match="earlier.json: made on the real corpus, this run on the synth"):
+        efficiency.main([*args, "--arms", "GRIT-VLP"])
+
+
+def test_the_real_corpora_run_on_their_configs_at_their_own_selections(monkeypatch, capsys):
+    """--corpus real: every run pre-trains configs/real/Pretrain.yaml at the real corpora's selections (the
+    ALBEF arms at random batches' real rate), evaluated on the real retrieval config; its epochs are that
+    config's, and the synthetic world's --micro preset is refused."""
+    from tools import arms
+    from tools.runs import CORPORA
+
+    monkeypatch.chdir(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    monkeypatch.setattr(efficiency, "prepare_pretraining", lambda overrides=(), config=None: None)
+    asked = []
+
+    def stop(spec, **kwargs):
+        asked.append((spec, kwargs["corpus"]))
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(efficiency, "run_pairs", stop)
+    with pytest.raises(KeyboardInterrupt):
+        efficiency.main(["--seeds", "1", "--corpus", "real", "--arms", "ALBEF_Base", "GRIT-VLP"])
+    (spec, corpus), = asked
+    assert corpus == CORPORA["real"]
+    for arm, rate_of in (("ALBEF_Base", "random batches"), ("GRIT-VLP", "GRIT-VLP")):
+        directory, command, _ = spec[(arm, 1)]
+        lr = arms.SELECTED_LR_REAL[rate_of]
+        assert directory.endswith(f"_lr{lr:g}") and f"optimizer.lr={lr!r}" in command
+    assert efficiency.arm_run("ALBEF_Base", "real") == (arms.SELECTED_LR_REAL["random batches"], None)
+    with pytest.raises(SystemExit):
+        efficiency.main(["--seeds", "1", "--corpus", "real", "--epochs", "7"])
+    assert "--epochs must lie in 1..6" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        efficiency.main(["--seeds", "1", "--corpus", "real", "--micro"])
+    assert "--micro is a preset of the synthetic world" in capsys.readouterr().err

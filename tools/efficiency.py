@@ -3,7 +3,7 @@ ALBEF_Base, ALBEF_Base50 and GRIT-VLP (or any of tools.arms' arms), per seed, an
 each arm reaches ALBEF_Base's final recall.
 
     python -m tools.efficiency --seeds 1 2 3 [--output_dir output/compare] [--epochs 1 2 4 ...] [--micro]
-        [--arms ALBEF_Base GRIT-VLP B3 ...] [--timing EPOCHS] [--merge EFFICIENCY_JSON ...]
+        [--arms ALBEF_Base GRIT-VLP B3 ...] [--timing EPOCHS] [--merge EFFICIENCY_JSON ...] [--corpus real]
 
 The arms are tools.arms' (ARMS): ALBEF_Base (random batches, 15 % masking, no consistency loss),
 ALBEF_Base50 (the same with 50 % masking) and GRIT-VLP (the tiny config: 50 % masking, GRIT at M/N = 15,
@@ -38,6 +38,8 @@ Written into --output_dir: efficiency.json (every point), efficiency.md (mean ±
 and the epochs, seconds and compute to reach ALBEF_Base's final R@1 per seed), efficiency.png (2 x 2:
 re-ranked and ITC-only R@1 against epochs and against seconds; mean over seeds with a band of ± one std).
 --micro runs the pipeline in about two minutes (tools.ablate's micro preset: 100 images, 2 epochs).
+--corpus real runs the same on tools.make_real's corpora (tools.runs.CORPORA: configs/real/, 6 epochs, the
+real corpora's selections, tools.arms.SELECTED_LR_REAL), evaluated on their test split.
 --merge reads curves and timed pairs from earlier efficiency.json records instead of running them (arms
 measured in parts, or kept after their run folders are gone): an asked arm's curve of a seed, and its timing
 with --timing of the same epoch count, are taken as they are when the file ran that arm at the same rate and
@@ -53,7 +55,7 @@ import statistics
 from collections.abc import Mapping, Sequence
 
 from tools.ablate import PRESETS, ensure_micro_data
-from tools.arms import ARMS, SELECTED_LR, arm_overrides, selection
+from tools.arms import ARMS, arm_overrides, selection
 from tools.cli import emit_record, tool_parser
 from tools.efficiency_tables import (
     BASELINE,
@@ -66,7 +68,9 @@ from tools.efficiency_tables import (
 from tools.launch import in_root, run_side_by_side
 from tools.records import merge_note, merged_curves
 from tools.runs import (
+    CORPORA,
     PRETRAIN_CONFIG,
+    Corpus,
     evaluation_commands,
     fresh,
     prepare_pretraining,
@@ -83,19 +87,21 @@ from training.cli import Parser, run_main
 from training.config import PretrainConfig
 from training.config_resolve import resolve_config
 
-__all__ = ["ARM_LR", "EFFICIENCY_ARMS", "add_timed_seconds", "arm_run", "build_parser", "curves_table",
+__all__ = ["ALBEF_RATE_OF", "EFFICIENCY_ARMS", "add_timed_seconds", "arm_run", "build_parser", "curves_table",
            "epoch_flops", "epoch_timing", "epochs_to_reach", "evaluate_epochs", "main", "plot", "point",
            "time_beside_baseline", "timing_table", "zeroshot_dir"]
 
 EFFICIENCY_ARMS = ('ALBEF_Base', 'ALBEF_Base50', 'GRIT-VLP')
-# Each arm's learning rate: GRIT-VLP's own selection, the random-batch arms' for ALBEF_Base(50).
-ARM_LR = {'ALBEF_Base': SELECTED_LR['random batches'], 'ALBEF_Base50': SELECTED_LR['random batches'],
-          'GRIT-VLP': SELECTED_LR['GRIT-VLP']}
+# The ALBEF arms are random-batch arms that were not swept apart: each runs at this arm's selected rate.
+ALBEF_RATE_OF = {'ALBEF_Base': 'random batches', 'ALBEF_Base50': 'random batches'}
 
 
-def arm_run(arm: str) -> tuple[float, str | None]:
-    """An arm's learning rate and grid setting: the ALBEF arms' (ARM_LR), else its selection on val."""
-    return (ARM_LR[arm], None) if arm in ARM_LR else selection(arm)
+def arm_run(arm: str, corpus: str = 'synthetic') -> tuple[float, str | None]:
+    """An arm's learning rate and grid setting on `corpus`: an ALBEF arm's that of ALBEF_RATE_OF, any other's
+    its own selection on val (tools.arms.selection)."""
+    if arm in ALBEF_RATE_OF:
+        return selection(ALBEF_RATE_OF[arm], corpus)[0], None
+    return selection(arm, corpus)
 
 
 def zeroshot_dir(directory: str, e: int, last: int) -> str:
@@ -105,7 +111,7 @@ def zeroshot_dir(directory: str, e: int, last: int) -> str:
 
 
 def evaluate_epochs(directory: str, epochs: Sequence[int], last: int, sets: Sequence[str],
-                    eval_sets: Sequence[str]) -> list[list[str]]:
+                    eval_sets: Sequence[str], corpus: Corpus = CORPORA['synthetic']) -> list[list[str]]:
     """The `Retrieval --evaluate` commands of a run's epochs (0-based) not yet evaluated."""
     commands = []
     for e in epochs:
@@ -114,7 +120,8 @@ def evaluate_epochs(directory: str, epochs: Sequence[int], last: int, sets: Sequ
         if os.path.isfile(log) and any('test_txt_r1' in r for r in read_log(log)):
             continue
         checkpoint = os.path.join(directory, 'pretrain', f'checkpoint_{e:02d}.pth')
-        commands.append(evaluation_commands(checkpoint, out, sets, eval_sets)[0])  # the retrieval, no probe
+        # the retrieval of val and test only: no further test split, no probe
+        commands.append(evaluation_commands(checkpoint, out, sets, eval_sets, corpus)[0])
     return commands
 
 
@@ -188,7 +195,7 @@ def add_timed_seconds(curves: dict[str, dict[int, list[dict]]], timing: dict[str
 
 
 def time_beside_baseline(runs: dict[str, tuple[float, str | None]], output_dir: str, epochs: int,
-                         base_sets: Sequence[str]) -> dict[str, dict]:
+                         base_sets: Sequence[str], config: str = PRETRAIN_CONFIG) -> dict[str, dict]:
     """Each arm's per-epoch time measured side by side with ALBEF_Base's: a fresh `epochs`-epoch pre-training
     of both (seed 1, one thread each, the same config as their curves' runs but for the epoch count) into
     output_dir/timing/<arm>/, on a machine nothing else uses; a pair already timed with the same commands
@@ -198,10 +205,10 @@ def time_beside_baseline(runs: dict[str, tuple[float, str | None]], output_dir: 
         pair = []
         for a in (BASELINE, arm):
             lr, setting = runs[a]
-            sets = arm_overrides(a, lr, setting) + list(base_sets) + [f'max_epoch={epochs}',
-                                                                      f'schedular.epochs={epochs}']
+            sets = arm_overrides(a, lr, setting, config) + list(base_sets) + [f'max_epoch={epochs}',
+                                                                              f'schedular.epochs={epochs}']
             directory = os.path.join(output_dir, 'timing', slug(arm), slug(a))
-            command = pretrain_command(directory, ['--seed', '1', '--set', *sets], clear=False)
+            command = pretrain_command(directory, ['--seed', '1', '--set', *sets], config, clear=False)
             pair.append((command, directory))
         # One record for the pair, reused as tools.compare reuses a run: its two commands joined.
         pair_dir, both = os.path.join(output_dir, 'timing', slug(arm)), pair[0][0] + pair[1][0]
@@ -210,8 +217,8 @@ def time_beside_baseline(runs: dict[str, tuple[float, str | None]], output_dir: 
             timing[arm] = saved['timing']
             continue
         # The arm's (last) sets: with image-token dropout its masked and unmasked epochs are timed apart.
-        config = resolve_config('pretrain', PRETRAIN_CONFIG, sets, check_paths=False)
-        masked = config.max_epoch - config.unmasked_epochs if config.image_token_drop else None
+        resolved = resolve_config('pretrain', config, sets, check_paths=False)
+        masked = resolved.max_epoch - resolved.unmasked_epochs if resolved.image_token_drop else None
         if masked is not None and masked < 2:
             raise ValueError(f'--timing {epochs}: {arm} drops image tokens in {masked} of those epochs, none '
                              'after the first; time more epochs')
@@ -241,6 +248,9 @@ def build_parser() -> Parser:
                    help=f'also time each arm\'s epochs side by side with {BASELINE}\'s: fresh EPOCHS-epoch '
                         'pre-trainings of both, one thread each, on an otherwise idle machine (default: 0, '
                         'none)')
+    p.add_argument('--corpus', choices=list(CORPORA), default='synthetic',
+                   help='what the runs pre-train on and are evaluated on (tools.runs.CORPORA; real: '
+                        'python -m tools.make_real first; default: synthetic)')
     p.add_argument('--micro', action='store_true',
                    help='tools.ablate\'s micro preset: 100 images, 2 epochs, evaluated on the same 100')
     p.add_argument('--merge', nargs='+', default=[], metavar='EFFICIENCY_JSON',
@@ -260,48 +270,52 @@ def main(argv: Sequence[str] | None = None) -> dict:
     eval_sets = list(micro.retrieval_set) if args.micro else []
     if args.timing and (args.timing < 2 or BASELINE not in args.arms):
         parser.error(f'--timing needs at least 2 epochs and {BASELINE} in --arms (timed beside each arm)')
+    if args.micro and args.corpus != 'synthetic':
+        parser.error('--micro is a preset of the synthetic world: drop it or --corpus')
+    corpus = CORPORA[args.corpus]
     with in_root():
-        prepare_pretraining(base_sets)
+        prepare_pretraining(base_sets, corpus.pretrain)
         if args.micro:
             ensure_micro_data()
-        max_epoch = resolve_config('pretrain', PRETRAIN_CONFIG, base_sets, check_paths=False).max_epoch
+        max_epoch = resolve_config('pretrain', corpus.pretrain, base_sets, check_paths=False).max_epoch
         epochs = sorted({e - 1 for e in args.epochs}) if args.epochs else list(range(max_epoch))
         if epochs[0] < 0 or epochs[-1] >= max_epoch:
             parser.error(f'--epochs must lie in 1..{max_epoch} (the pre-training\'s max_epoch)')
         try:
-            runs = {arm: arm_run(arm) for arm in args.arms}
+            runs = {arm: arm_run(arm, args.corpus) for arm in args.arms}
         except ValueError as e:
             parser.error(f'--arms: {e}')
         if BASELINE not in runs:
             print(f'tools.efficiency: without {BASELINE} in --arms there is no final recall to reach; '
                   'only the curves are written', flush=True)
         merged, merged_timing = merged_curves([os.path.abspath(m) for m in args.merge], runs,
-                                              [e + 1 for e in epochs], args.micro, args.timing)
+                                              [e + 1 for e in epochs], args.micro, args.timing, args.corpus)
         spec = {}
         for seed in args.seeds:
             for arm, (lr, setting) in runs.items():
                 if (arm, seed) in merged:
                     continue
-                sets = arm_overrides(arm, lr, setting) + base_sets
+                sets = arm_overrides(arm, lr, setting, corpus.pretrain) + base_sets
                 spec[(arm, seed)] = (run_dir(output_dir, arm, seed, lr, setting),
                                      ['--seed', str(seed), '--set', *sets], [])
         probe_args = ['--limit', str(micro.limit)] if args.micro else []
         if spec:
-            run_pairs(spec, reuse=True, eval_overrides=eval_sets, probe_args=probe_args)
+            run_pairs(spec, reuse=True, eval_overrides=eval_sets, probe_args=probe_args, corpus=corpus)
         commands = [(c, os.path.join(c[c.index('--output_dir') + 1], 'stdout.txt'))
                     for d, _, sets in spec.values()
-                    for c in evaluate_epochs(d, epochs, max_epoch - 1, sets, eval_sets)]
+                    for c in evaluate_epochs(d, epochs, max_epoch - 1, sets, eval_sets, corpus)]
         for start in range(0, len(commands), 2):
             run_side_by_side(commands[start:start + 2])
         # Each arm's step counted once (its model on a synthetic batch): the FLOPs its epochs execute.
-        configs = {arm: resolve_config('pretrain', PRETRAIN_CONFIG,
-                                       arm_overrides(arm, lr, setting) + base_sets, check_paths=False)
+        configs = {arm: resolve_config('pretrain', corpus.pretrain,
+                                       arm_overrides(arm, lr, setting, corpus.pretrain) + base_sets,
+                                       check_paths=False)
                    for arm, (lr, setting) in runs.items()}
         flops = {arm: epoch_flops(config) for arm, config in configs.items()}
         timing = {}
         if args.timing:
             to_time = {a: r for a, r in runs.items() if a not in merged_timing}
-            timed = time_beside_baseline(to_time, output_dir, args.timing, base_sets)
+            timed = time_beside_baseline(to_time, output_dir, args.timing, base_sets, corpus.pretrain)
             timing = {a: merged_timing[a] if a in merged_timing else timed[a] for a in runs if a != BASELINE}
     curves: dict[str, dict[int, list[dict]]] = {}
     for arm in runs:
@@ -339,7 +353,8 @@ def main(argv: Sequence[str] | None = None) -> dict:
     figure = plot(curves, args.seeds, os.path.join(output_dir, 'efficiency.png'), clock)
     print(text)
     print(f'written: {output_dir}/efficiency.md, {figure}, {output_dir}/efficiency.json')
-    record = {'seeds': args.seeds, 'learning_rates': {a: lr for a, (lr, _) in runs.items()},
+    record = {'seeds': args.seeds, 'corpus': args.corpus,
+              'learning_rates': {a: lr for a, (lr, _) in runs.items()},
               'settings': {a: st for a, (_, st) in runs.items() if st}, 'micro': args.micro,
               'curves': {arm: {str(s): c for s, c in per.items()} for arm, per in curves.items()},
               'reach_albef_base_final': {k: {a: {str(s): v for s, v in per.items()} for a, per in r.items()}

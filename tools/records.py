@@ -62,13 +62,13 @@ def merged_rows(paths: Sequence[str], overrides: Sequence[str], corpus: str = 's
 
 
 def merged_curves(paths: Sequence[str], runs: dict[str, tuple[float, str | None]],
-                  epochs: Sequence[int] | None, micro: bool,
-                  timing_epochs: int) -> tuple[Curves, dict[str, dict]]:
+                  epochs: Sequence[int] | None, micro: bool, timing_epochs: int,
+                  corpus: str = 'synthetic') -> tuple[Curves, dict[str, dict]]:
     """({(arm, seed): curve}, {arm: timing}) of earlier efficiency.json records, for the arms of `runs` (arm
     -> its rate and setting) the files ran the same way, at these 1-based epochs; a timing only when the file
     timed pairs of timing_epochs epochs (epochs None: whatever epochs each file evaluated). InputFileError
-    naming the file when it is not an efficiency record, ran an arm at another rate or setting, other epochs
-    or --micro, or differs from another file's."""
+    naming the file when it is not an efficiency record, ran an arm at another rate or setting, other epochs,
+    --micro or corpus (a record without one is the synthetic world's), or differs from another file's."""
     curves: Curves = {}
     timing: dict[str, dict] = {}
     source: dict = {}
@@ -76,6 +76,9 @@ def merged_curves(paths: Sequence[str], runs: dict[str, tuple[float, str | None]
         saved = _record(path, 'tools.efficiency', 'curves')
         if bool(saved.get('micro')) != micro:
             raise InputFileError(f'{path}: made with micro={saved.get("micro")}, this run with micro={micro}')
+        if saved.get('corpus', 'synthetic') != corpus:
+            made = saved.get('corpus', 'synthetic')
+            raise InputFileError(f'{path}: made on the {made} corpus, this run on the {corpus} one')
         for arm in [a for a in saved['curves'] if a in runs]:
             made = (saved.get('learning_rates', {}).get(arm), saved.get('settings', {}).get(arm))
             if made != runs[arm]:
