@@ -77,3 +77,21 @@ def test_probe_on_every_epoch_checkpoint(in_repo, tmp_path):
     os.remove(os.path.join(run_dir(root, "GRIT-VLP", 1, 5e-4), "pretrain", "checkpoint_03.pth"))
     with pytest.raises(InputFileError, match="checkpoint_03.pth is missing"):
         itm_stall.main(["--compare_dir", root, "--seeds", "1", "--probe_limit", "2"])
+
+
+def test_corpus_real_reads_the_runs_at_the_real_selections(tmp_path, monkeypatch):
+    """Without --lrs, --corpus real reads each arm's run at the real corpora's selection (SELECTED_LR_REAL);
+    the probe, which only the synthetic world has, is refused there."""
+    from tools import arms
+
+    monkeypatch.setitem(arms.SELECTED_LR_REAL, "GRIT-VLP", 2.5e-4)
+    monkeypatch.setitem(arms.SELECTED_LR, "GRIT-VLP", 5e-4)
+    root = str(tmp_path / "compare")
+    _write_runs(root, "GRIT-VLP", 2.5e-4, {1: 3})
+    record = itm_stall.main(["--compare_dir", root, "--seeds", "1", "--arms", "GRIT-VLP", "--corpus", "real"])
+    assert record["itm_epoch"] == {"GRIT-VLP": {1: 3}}
+    with pytest.raises(InputFileError, match=r"lr 0\.0005.*seed 1"):  # the synthetic selection's folder
+        itm_stall.main(["--compare_dir", root, "--seeds", "1", "--arms", "GRIT-VLP"])
+    with pytest.raises(InputFileError, match="the real corpus has no compositional probe"):
+        itm_stall.main(["--compare_dir", root, "--seeds", "1", "--arms", "GRIT-VLP", "--corpus", "real",
+                        "--probe_limit", "5"])

@@ -2,7 +2,7 @@
 arm and per seed, side by side.
 
     python -m tools.itm_stall --compare_dir output/compare_strategies --seeds 1 2 3 4 5 6 \
-        [--arms GRIT-VLP "random batches"] [--lrs 5e-4 2.5e-4] [--output_dir DIR]
+        [--arms GRIT-VLP "random batches"] [--lrs 5e-4 2.5e-4] [--corpus real] [--output_dir DIR]
 
 It reads the runs `python -m tools.compare` left in its --output_dir, --compare_dir here (each arm at its
 selection, tools.arms, or at --lrs, one per arm) and prints, per metric, a table of (arm, seed) rows by
@@ -28,7 +28,7 @@ from grit_io import InputFileError, read_json
 from tools.arms import ARMS, arm_setting
 from tools.cli import add_output_dir, emit_record, tool_parser
 from tools.compare import itm_epoch
-from tools.runs import PRETRAIN_CONFIG, run_dir
+from tools.runs import CORPORA, PRETRAIN_CONFIG, run_dir
 from training.cli import run_main
 from training.logger import current_names
 
@@ -40,11 +40,12 @@ METRICS = ("loss_itm", "itm_accuracy", "itm_match_accuracy", "probe", "hardness"
            "batch_same_scene")
 
 
-def load_logs(output_dir: str, arms: list[str], seeds: list[int],
-              lrs: list[float] | None = None) -> dict[str, dict[int, list[dict]]]:
-    """{arm: {seed: per-epoch log rows}} of the runs tools.compare made in output_dir."""
+def load_logs(output_dir: str, arms: list[str], seeds: list[int], lrs: list[float] | None = None,
+              corpus: str = "synthetic") -> dict[str, dict[int, list[dict]]]:
+    """{arm: {seed: per-epoch log rows}} of the runs tools.compare made in output_dir, each arm at --lrs or
+    at its selection on `corpus`."""
     out: dict[str, dict[int, list[dict]]] = {}
-    for arm, (lr, setting) in arm_setting(arms, lrs).items():
+    for arm, (lr, setting) in arm_setting(arms, lrs, corpus).items():
         out[arm] = {}
         for seed in seeds:
             path = os.path.join(run_dir(output_dir, arm, seed, lr, setting), "result.json")
@@ -149,6 +150,9 @@ def build_parser():
                    help="the arms (default: GRIT-VLP and random batches)")
     p.add_argument("--lrs", type=float, nargs="+", default=None,
                    help="each arm's learning rate, in --arms' order (default: its selection, tools.arms)")
+    p.add_argument("--corpus", choices=list(CORPORA), default="synthetic",
+                   help="whose selections the runs are at without --lrs (tools.arms.SELECTED_LRS; default: "
+                        "synthetic)")
     p.add_argument("--probe_limit", type=int, default=0,
                    help="N > 0: the ITM probe on every epoch's checkpoint, first N probe images (default: 0, "
                         "off; synthetic world only)")
@@ -161,7 +165,9 @@ def main(argv: list[str] | None = None) -> dict:
     args = build_parser().parse_args(argv)
     if args.lrs and len(args.lrs) != len(args.arms):
         raise InputFileError(f"--lrs gives {len(args.lrs)} rates for {len(args.arms)} arms")
-    logs = load_logs(args.compare_dir, args.arms, args.seeds, args.lrs)
+    if args.probe_limit > 0 and not CORPORA[args.corpus].probe:
+        raise InputFileError(f"--probe_limit: the {args.corpus} corpus has no compositional probe")
+    logs = load_logs(args.compare_dir, args.arms, args.seeds, args.lrs, args.corpus)
     if args.probe_limit > 0:
         add_probe(logs, args.compare_dir, args.arms, args.lrs, args.probe_limit)
     table = markdown(logs)
