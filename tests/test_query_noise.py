@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from grit_io import InputFileError
-from tools.query_noise import decompose, image_hits, interaction_variance, main
+from tools.query_noise import decompose, image_hits, interaction_variance, main, paired_table
 from tools.runs import run_dir
 
 
@@ -56,7 +56,7 @@ def test_no_interaction_means_no_test_split_share():
     images = list(range(40))
     base = [(images, base_values)] * 3
     arm = [(images, base_values + (np.arange(40) < 10) * 0.1)] * 3
-    r = decompose(base, arm, seed_gaps=[1.0, 3.0, 5.0])
+    r = decompose(paired_table(base, arm), seed_gaps=[1.0, 3.0, 5.0])
     assert r['test_split_variance'] == pytest.approx(0.0)
     assert r['seed_std'] == pytest.approx(2.0) and r['std_floor'] == pytest.approx(2.0)
     assert r['variance_from_seeds'] == 3
@@ -74,7 +74,7 @@ def test_pure_scene_noise_is_all_test_split():
         # one text query and four captions per image: mean R@1's weights 1/2 and 1/8
         return images, (rng.random(n) < p) / 2 + rng.binomial(4, p, size=n) / 8
 
-    r = decompose([run() for _ in range(seeds)], [run() for _ in range(seeds)], factors=(4,))
+    r = decompose(paired_table([run() for _ in range(seeds)], [run() for _ in range(seeds)]), factors=(4,))
     expected = 100 ** 2 * 2 * p * (1 - p) * (1 / 4 + 4 / 64) / n  # both arms' Bernoulli variances
     assert r['test_split_variance'] == pytest.approx(expected, rel=0.05)
     assert 0.7 < r['test_split_share'] < 1.3
@@ -84,9 +84,9 @@ def test_pure_scene_noise_is_all_test_split():
 def test_runs_that_cannot_be_paired_are_refused():
     a = ([0, 1, 2], np.ones(3))
     with pytest.raises(ValueError, match='different test images'):
-        decompose([a, a], [a, ([0, 1, 3], np.ones(3))])
+        paired_table([a, a], [a, ([0, 1, 3], np.ones(3))])
     with pytest.raises(ValueError, match='2 baseline runs against 1'):
-        decompose([a, a], [a])
+        paired_table([a, a], [a])
 
 
 def _write_runs(root: str, runs: dict) -> None:

@@ -158,7 +158,9 @@ def selection(arm: str, corpus: str = 'synthetic') -> tuple[float, str | None]:
 def arm_setting(arms: Sequence[str], lrs: Sequence[float] | None,
                 corpus: str = 'synthetic') -> dict[str, tuple[float, str | None]]:
     """{arm: (lr, grid setting)}: `lrs` in `arms`' order, each arm at its selected setting, or without `lrs`
-    each arm's selection on `corpus` (selection)."""
+    each arm's selection on `corpus` (selection); ValueError when `lrs` is not one rate per arm."""
+    if lrs and len(lrs) != len(arms):
+        raise ValueError(f'{len(lrs)} rates for {len(arms)} arms: give one per arm, in their order')
     return {arm: (lrs[k], SELECTED_SETTING.get(arm)) if lrs else selection(arm, corpus)
             for k, arm in enumerate(arms)}
 

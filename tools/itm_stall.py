@@ -163,8 +163,10 @@ def build_parser():
 def main(argv: list[str] | None = None) -> dict:
     """Read the runs, print the tables, return (and with --report_dir write) the record."""
     args = build_parser().parse_args(argv)
-    if args.lrs and len(args.lrs) != len(args.arms):
-        raise InputFileError(f"--lrs gives {len(args.lrs)} rates for {len(args.arms)} arms")
+    try:
+        arm_setting(args.arms, args.lrs, args.corpus)
+    except ValueError as e:
+        raise InputFileError(f"--lrs or --arms: {e}") from e
     if args.probe_limit > 0 and not CORPORA[args.corpus].probe:
         raise InputFileError(f"--probe_limit: the {args.corpus} corpus has no compositional probe")
     logs = load_logs(args.compare_dir, args.arms, args.seeds, args.lrs, args.corpus)

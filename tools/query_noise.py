@@ -38,7 +38,8 @@ from tools.runs import run_dir
 from tools.stats import mean_std
 from training.cli import Parser, run_main
 
-__all__ = ["build_parser", "decompose", "image_hits", "interaction_variance", "main", "markdown"]
+__all__ = ["build_parser", "decompose", "image_hits", "interaction_variance", "main", "markdown",
+           "paired_table"]
 
 
 def image_hits(rankings: dict) -> tuple[list[int], np.ndarray]:
@@ -70,18 +71,24 @@ def interaction_variance(d: np.ndarray) -> float:
     return float((r ** 2).sum() / ((n - 1) * (s - 1)))
 
 
-def decompose(base: Sequence[tuple[list[int], np.ndarray]], arm: Sequence[tuple[list[int], np.ndarray]],
-              seed_gaps: Sequence[float] | None = None, factors: Sequence[float] = (2, 4, 10)) -> dict:
-    """The gap arm - base of mean R@1 (points) per seed (image_hits() of each seed's run, paired), its seed
-    variance V (of `seed_gaps` when given, else of these seeds), the test split's part Q of V, and the
-    gap's seed std averaged over `factors` test splits (sqrt(V - Q (1 - 1/k))) and over unboundedly many."""
+def paired_table(base: Sequence[tuple[list[int], np.ndarray]],
+                 arm: Sequence[tuple[list[int], np.ndarray]]) -> np.ndarray:
+    """(images, seeds): the per-image difference arm - base of image_hits() values, seed by seed; ValueError
+    when the runs cannot be paired (another count of seeds, other test images)."""
     if len(base) != len(arm):
         raise ValueError(f'{len(base)} baseline runs against {len(arm)} of the arm: they pair seed by seed')
     images = {tuple(i) for i, _ in [*base, *arm]}
     if len(images) != 1:
         raise ValueError('the runs rank different test images (a bad sample skipped in one run?): they '
                          'cannot be paired query by query')
-    d = np.stack([a - b for (_, a), (_, b) in zip(arm, base)], axis=1)  # (images, seeds)
+    return np.stack([a - b for (_, a), (_, b) in zip(arm, base)], axis=1)
+
+
+def decompose(d: np.ndarray, seed_gaps: Sequence[float] | None = None,
+              factors: Sequence[float] = (2, 4, 10)) -> dict:
+    """Of a paired_table d (images, seeds): the gap of mean R@1 (points) per seed, its seed variance V (of
+    `seed_gaps` when given, else of these seeds), the test split's part Q of V, and the gap's seed std
+    averaged over `factors` test splits (sqrt(V - Q (1 - 1/k))) and over unboundedly many."""
     sigma2 = interaction_variance(d)
     q = 100 ** 2 * sigma2 / d.shape[0]
     gaps = (100 * d.mean(0)).tolist()
@@ -171,18 +178,20 @@ def main(argv: Sequence[str] | None = None) -> dict:
     args = parser.parse_args(argv)
     if len(args.seeds) < 2 or len(args.arms) < 2:
         parser.error("--seeds and --arms: the interaction needs two seeds or more, and a baseline and an arm")
-    if args.lrs and len(args.lrs) != len(args.arms):
-        parser.error(f"--lrs gives {len(args.lrs)} rates for {len(args.arms)} arms")
-    settings = arm_setting(args.arms, args.lrs)
+    try:
+        settings = arm_setting(args.arms, args.lrs)
+    except ValueError as e:
+        parser.error(f"--lrs or --arms: {e}")
     baseline, *others = args.arms
     base = _load(args.compare_dir, baseline, args.seeds, *settings[baseline])
     arms = {}
     for arm in others:
         runs = _load(args.compare_dir, arm, args.seeds, *settings[arm])
         try:
-            gaps = decompose(base, runs)['gaps']
+            d = paired_table(base, runs)
+            gaps = (100 * d.mean(0)).tolist()
             seed_gaps = _record_gaps(args.record, baseline, arm, args.seeds, gaps) if args.record else None
-            arms[arm] = decompose(base, runs, seed_gaps, args.factors)
+            arms[arm] = decompose(d, seed_gaps, args.factors)
         except ValueError as e:
             raise InputFileError(f'{args.compare_dir}, {arm}: {e}') from e
     result = {'compare_dir': args.compare_dir, 'seeds': args.seeds, 'baseline': baseline,

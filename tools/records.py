@@ -76,9 +76,8 @@ def merged_curves(paths: Sequence[str], runs: dict[str, tuple[float, str | None]
         saved = _record(path, 'tools.efficiency', 'curves')
         if bool(saved.get('micro')) != micro:
             raise InputFileError(f'{path}: made with micro={saved.get("micro")}, this run with micro={micro}')
-        if saved.get('corpus', 'synthetic') != corpus:
-            made = saved.get('corpus', 'synthetic')
-            raise InputFileError(f'{path}: made on the {made} corpus, this run on the {corpus} one')
+        if (made_on := saved.get('corpus', 'synthetic')) != corpus:
+            raise InputFileError(f'{path}: made on the {made_on} corpus, this run on the {corpus} one')
         for arm in [a for a in saved['curves'] if a in runs]:
             made = (saved.get('learning_rates', {}).get(arm), saved.get('settings', {}).get(arm))
             if made != runs[arm]:
