@@ -199,6 +199,26 @@ def test_a_reused_run_is_read_back_and_keeps_its_log(tmp_path, monkeypatch):
     assert runs._placeless(spelled) == runs._placeless(joined) == runs._placeless(command)
 
 
+def test_a_run_is_the_same_whatever_the_order_of_its_distinct_overrides(tmp_path):
+    # 'GRIT-VLP long warm-up' puts its warm-up before the rate, `--arms GRIT-VLP --set
+    # schedular.warmup_steps=363` after it: the same run, reused. A repeated key is order-sensitive (the
+    # last one wins), so such commands are compared as given.
+    from tools import runs
+
+    arm_first = ["Pretrain", "--config", "c.yaml", "--output_dir", "a", "--seed", "1", "--set",
+                 "schedular.warmup_steps=363", "optimizer.lr=0.0005"]
+    set_last = ["Pretrain", "--config", "c.yaml", "--output_dir", "b", "--seed", "1", "--set",
+                "optimizer.lr=0.0005", "schedular.warmup_steps=363"]
+    (tmp_path / "result.json").write_text(json.dumps({"command": arm_first}))
+    assert runs.saved_result(str(tmp_path), set_last)["command"] == arm_first
+    assert runs.saved_result(str(tmp_path), [*set_last[:-1], "schedular.warmup_steps=726"]) is None
+    assert runs.saved_result(str(tmp_path), [*set_last[:7], "--set", "optimizer.lr=0.0005"]) is None
+    repeated = [*arm_first[:8], "optimizer.lr=0.001", "optimizer.lr=0.0005"]
+    assert runs._placeless(repeated)[-2:] == ["optimizer.lr=0.001", "optimizer.lr=0.0005"]
+    assert runs._placeless(repeated) != runs._placeless([*arm_first[:8], "optimizer.lr=0.0005",
+                                                         "optimizer.lr=0.001"])
+
+
 def _grid_sweep(seeds: list[int], **figures: float) -> dict:
     """Stub summary rows: GRIT-VLP, random batches, and B3 with two settings, of which (5e-4, p=2) is best
     on test and (2.5e-4, p=10) on val (val decides); `figures` replace the other columns' 0.5."""

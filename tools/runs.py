@@ -178,7 +178,9 @@ def run_dir(output_dir: str, arm: str, seed: int, lr: float | None, setting: str
 def _placeless(command: Sequence[str]) -> list[str]:
     """A command without its output folder (--output_dir X, --output-dir X or either with =X): where a
     run's folder is, not what the run was; --set items in the batching block's spelling (new_spelling), so
-    that a run made with `grit.enabled=false` is the run `batching.strategy=random` asks for."""
+    that a run made with `grit.enabled=false` is the run `batching.strategy=random` asks for, and in key
+    order when no key repeats: the config applies distinct keys alike in any order, so an arm's own key
+    (`GRIT-VLP long warm-up`) and the same key given by --set are one run."""
     out, skip = [], False
     for arg in command:
         if skip:
@@ -190,6 +192,12 @@ def _placeless(command: Sequence[str]) -> list[str]:
             out.append('--output_dir')
         else:
             out.append(new_spelling(arg))
+    if '--set' in out:
+        start = out.index('--set') + 1
+        end = next((k for k in range(start, len(out)) if out[k].startswith('--')), len(out))
+        items = out[start:end]
+        if len({item.split('=', 1)[0] for item in items}) == len(items):
+            out[start:end] = sorted(items)
     return out
 
 
