@@ -125,10 +125,10 @@ def setting_label(setting: float | tuple) -> str:
 # output/compare_online` (2026-11-28; both inside the grid, docs/results/compare_online_sweep_seeds1-3.md),
 # and the remedy 'GRIT-VLP multinomial' by `python -m tools.compare --seeds 1 2 3 --lrs 2.5e-4 5e-4 1e-3
 # --arms "GRIT-VLP multinomial" --output_dir output/compare_remedy` (2026-11-29; inside the grid,
-# docs/results/compare_multinomial_sweep_seeds1-3.md), 'GRIT-VLP later grouping' and 'GRIT-VLP long warm-up' by the
-# same command with --arms "GRIT-VLP later grouping" (--output_dir output/compare_later) and "GRIT-VLP long
-# warm-up" (output/compare_warmup) (2026-11-29; both at 5e-4, inside the grid, and the shorter setting of their
-# grids; docs/results/compare_later_sweep_seeds1-3.md, compare_warmup_sweep_seeds1-3.md).
+# docs/results/compare_multinomial_sweep_seeds1-3.md), 'GRIT-VLP later grouping' and 'GRIT-VLP long
+# warm-up' by the same command with --arms "GRIT-VLP later grouping" (--output_dir output/compare_later) and
+# "GRIT-VLP long warm-up" (output/compare_warmup) (2026-11-29; both at 5e-4, inside the grid, and the shorter
+# setting of their grids; docs/results/compare_later_sweep_seeds1-3.md, compare_warmup_sweep_seeds1-3.md).
 SELECTED_LR = {'GRIT-VLP': 5e-4, 'random batches': 2.5e-4, 'B3': 5e-4, 'GCBS': 5e-4, 'random walk': 5e-4,
                'random + HN-NCE': 2.5e-4, 'GRIT-VLP + HN-NCE': 5e-4, 'GRIT-VLP + S-ITC': 5e-4,
                'GRIT-VLP + sigmoid': 2.5e-4, 'random + sigmoid': 1.25e-4, 'JEST': 5e-4, 'RHO-LOSS': 5e-4,
