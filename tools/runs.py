@@ -21,6 +21,7 @@ from dataclasses import dataclass
 
 from grit_io import InputFileError, read_json
 from tools.launch import run_side_by_side
+from training.config_files import split_override
 from training.config_resolve import known_keys, new_spelling, resolve_config
 from training.logger import current_names
 
@@ -196,7 +197,7 @@ def _placeless(command: Sequence[str]) -> list[str]:
         start = out.index('--set') + 1
         end = next((k for k in range(start, len(out)) if out[k].startswith('--')), len(out))
         items = out[start:end]
-        if len({item.split('=', 1)[0] for item in items}) == len(items):
+        if len({split_override(item)[0] for item in items}) == len(items):
             out[start:end] = sorted(items)
     return out
 
