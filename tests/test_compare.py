@@ -217,6 +217,11 @@ def test_a_run_is_the_same_whatever_the_order_of_its_distinct_overrides(tmp_path
     assert runs._placeless(repeated)[-2:] == ["optimizer.lr=0.001", "optimizer.lr=0.0005"]
     assert runs._placeless(repeated) != runs._placeless([*arm_first[:8], "optimizer.lr=0.0005",
                                                          "optimizer.lr=0.001"])
+    # Two commands joined into one record (tools.efficiency's timing pairs): each --set group ends where
+    # the next command's program begins, and each is put in key order on its own.
+    joined = runs._placeless([*arm_first, *set_last])
+    assert joined == runs._placeless([*set_last, *arm_first]) == [*runs._placeless(set_last)] * 2
+    assert joined[7:10] == ["optimizer.lr=0.0005", "schedular.warmup_steps=363", "Pretrain"]
 
 
 def _grid_sweep(seeds: list[int], **figures: float) -> dict:

@@ -193,9 +193,11 @@ def _placeless(command: Sequence[str]) -> list[str]:
             out.append('--output_dir')
         else:
             out.append(new_spelling(arg))
-    if '--set' in out:
-        start = out.index('--set') + 1
-        end = next((k for k in range(start, len(out)) if out[k].startswith('--')), len(out))
+    # Every --set group: its items run up to the first argument that is not key=value (the next option,
+    # or the next command's program where a record joins two commands, as tools.efficiency's pairs do).
+    for start in [k + 1 for k, arg in enumerate(out) if arg == '--set']:
+        end = next((k for k in range(start, len(out)) if out[k].startswith('-') or '=' not in out[k]),
+                   len(out))
         items = out[start:end]
         if len({split_override(item)[0] for item in items}) == len(items):
             out[start:end] = sorted(items)
