@@ -40,6 +40,8 @@ def test_tables_epochs_and_correlations(tmp_path, capsys):
     out = capsys.readouterr().out
     assert "### itm_match_accuracy" in out and "| GRIT-VLP | 3 | 5 | 0.000 | 0.000 | 0.000 | 0.000 |" in out
     assert all(os.path.isfile(os.path.join(report, f"itm_stall.{ext}")) for ext in ("md", "json"))
+    # without --probe_limit no log has `probe`: no empty table or panel for it
+    assert record["metrics"] == [m for m in itm_stall.METRICS if m != "probe"] and "### probe" not in out
 
 
 def test_missing_run_is_named(tmp_path):
@@ -74,6 +76,7 @@ def test_probe_on_every_epoch_checkpoint(in_repo, tmp_path):
     record = itm_stall.main(["--compare_dir", root, "--seeds", "1", "--probe_limit", "2"])
     probes = [r["probe"] for runs in record["logs"].values() for r in runs[1]]
     assert len(probes) == 8 and len(set(probes)) == 1 and 0 <= probes[0] <= 1
+    assert "probe" in record["metrics"]
     os.remove(os.path.join(run_dir(root, "GRIT-VLP", 1, 5e-4), "pretrain", "checkpoint_03.pth"))
     with pytest.raises(InputFileError, match="checkpoint_03.pth is missing"):
         itm_stall.main(["--compare_dir", root, "--seeds", "1", "--probe_limit", "2"])

@@ -32,7 +32,7 @@ from tools.runs import CORPORA, PRETRAIN_CONFIG, run_dir
 from training.cli import run_main
 from training.logger import current_names
 
-__all__ = ["METRICS", "add_probe", "build_parser", "load_logs", "main", "markdown", "plot",
+__all__ = ["METRICS", "add_probe", "build_parser", "load_logs", "logged_metrics", "main", "markdown", "plot",
            "rank_correlations"]
 
 # The figures the mechanism is sought in, in the order they are shown (older runs lack the accuracies).
@@ -96,11 +96,17 @@ def rank_correlations(logs: dict[int, list[dict]], epoch: int = 1) -> dict[str, 
     return out
 
 
+def logged_metrics(logs: dict[str, dict[int, list[dict]]]) -> list[str]:
+    """The METRICS some run's log has (`probe` only with --probe_limit): the tables' and panels' list."""
+    return [name for name in METRICS
+            if any(name in row for runs in logs.values() for rows in runs.values() for row in rows)]
+
+
 def markdown(logs: dict[str, dict[int, list[dict]]]) -> str:
-    """Per metric, a table of (arm, seed) rows by epoch, with each run's itm_epoch."""
+    """Per logged metric, a table of (arm, seed) rows by epoch, with each run's itm_epoch."""
     epochs = max(len(rows) for runs in logs.values() for rows in runs.values())
     lines = []
-    for name in METRICS:
+    for name in logged_metrics(logs):
         lines += [f"### {name}", "", "| arm | seed | itm_epoch | " + " | ".join(str(e) for e in range(epochs))
                   + " |", "|---|---|---|" + "---|" * epochs]
         for arm, runs in logs.items():
@@ -112,16 +118,18 @@ def markdown(logs: dict[str, dict[int, list[dict]]]) -> str:
 
 
 def plot(logs: dict[str, dict[int, list[dict]]], path: str) -> str | None:
-    """One panel per metric, a line per run (colour: arm; dashed: ITM at chance past half the run)."""
+    """One panel per logged metric, a line per run (colour: arm; dashed: ITM at chance past half the run)."""
     try:
         import matplotlib
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
     except ImportError:
         return None
-    fig, axes = plt.subplots(2, 4, figsize=(20, 8))
+    names = logged_metrics(logs)
+    columns = max(1, math.ceil(len(names) / 2))
+    fig, axes = plt.subplots(2, columns, figsize=(5 * columns, 8), squeeze=False)
     colours = plt.rcParams["axes.prop_cycle"].by_key()["color"]
-    for ax, name in zip(axes.flat, METRICS):
+    for ax, name in zip(axes.flat, names):
         for c, (arm, runs) in enumerate(logs.items()):
             for k, rows in enumerate(runs.values()):
                 points = [(r["epoch"], r[name]) for r in rows if name in r]
@@ -131,7 +139,7 @@ def plot(logs: dict[str, dict[int, list[dict]]], path: str) -> str | None:
                             linestyle="--" if late else "-", label=arm if k == 0 else None)
         ax.set_title(name)
         ax.set_xlabel("epoch")
-    for ax in axes.flat[len(METRICS):]:
+    for ax in axes.flat[len(names):]:
         ax.axis("off")
     axes.flat[0].legend()
     fig.tight_layout()
@@ -177,6 +185,7 @@ def main(argv: list[str] | None = None) -> dict:
     record = {"compare_dir": args.compare_dir, "seeds": args.seeds,
               "itm_epoch": {arm: {s: itm_epoch(rows) for s, rows in runs.items()}
                             for arm, runs in logs.items()},
+              "metrics": logged_metrics(logs),
               "rank_correlation_epoch1": {arm: rank_correlations(runs) for arm, runs in logs.items()},
               "logs": {arm: {s: [{k: r[k] for k in ("epoch", *METRICS) if k in r} for r in rows]
                              for s, rows in runs.items()} for arm, runs in logs.items()}}
