@@ -130,12 +130,16 @@ def setting_label(setting: float | tuple) -> str:
 # "GRIT-VLP long warm-up" (output/compare_warmup) (2026-11-29; both at 5e-4, inside the grid, and the shorter
 # setting of their grids; docs/results/compare_later_sweep_seeds1-3.md, compare_warmup_sweep_seeds1-3.md),
 # and 'GRIT-VLP rank skip' with --arms "GRIT-VLP rank skip" --output_dir output/compare_rankskip
-# (2026-11-29; 5e-4, skip=2, inside the grid; docs/results/compare_rankskip_sweep_seeds1-3.md).
+# (2026-11-29; 5e-4, skip=2, inside the grid; docs/results/compare_rankskip_sweep_seeds1-3.md), and
+# 'GRIT-VLP drop 0.5' by `python -m tools.compare --seeds 1 2 3 --lrs 2.5e-4 5e-4 1e-3 --arms "GRIT-VLP drop
+# 0.5" "GRIT-VLP drop 0.75" "random drop 0.5" --output_dir output/compare_drop` (2026-11-29; 5e-4, inside
+# the grid; docs/results/compare_drop_sweep_seeds1-3.md; the other two chose the grid's lower edge, 2.5e-4,
+# and wait for the grid's extension to 1.25e-4).
 SELECTED_LR = {'GRIT-VLP': 5e-4, 'random batches': 2.5e-4, 'B3': 5e-4, 'GCBS': 5e-4, 'random walk': 5e-4,
                'random + HN-NCE': 2.5e-4, 'GRIT-VLP + HN-NCE': 5e-4, 'GRIT-VLP + S-ITC': 5e-4,
                'GRIT-VLP + sigmoid': 2.5e-4, 'random + sigmoid': 1.25e-4, 'JEST': 5e-4, 'RHO-LOSS': 5e-4,
                'GRIT-VLP multinomial': 5e-4, 'GRIT-VLP later grouping': 5e-4, 'GRIT-VLP long warm-up': 5e-4,
-               'GRIT-VLP rank skip': 5e-4}
+               'GRIT-VLP rank skip': 5e-4, 'GRIT-VLP drop 0.5': 5e-4}
 SELECTED_SETTING = {'B3': 'p=2,m=20', 'GCBS': 'k=5', 'random walk': 'k=10,restart=0.1',
                     'random + HN-NCE': 'beta=0.5', 'GRIT-VLP + HN-NCE': 'beta=0.5',
                     'GRIT-VLP + S-ITC': 's=0.2', 'GRIT-VLP later grouping': 'from=2',
