@@ -168,13 +168,38 @@ class BertEncoder(nn.Module):
             if isinstance(module, BertSelfAttention):
                 module.fused = bool(enable)
 
-    def _run_layer(self, layer: BertLayer, *args: Tensor | None) -> Tensor:
-        """layer(*args), checkpointed when the switch is on and a backward can follow."""
+    def _run_layer(self, layer: BertLayer, *args: Tensor | None, **kwargs: Any) -> Tensor:
+        """layer(*args, **kwargs), checkpointed when the switch is on and a backward can follow."""
         if self.grad_checkpointing and self.training and torch.is_grad_enabled():
             # Keeps only the layer's inputs; the forward is rerun in backward with the RNG state it
             # had (torch's default), so dropout draws the same masks and the gradients are unchanged.
-            return checkpoint(layer, *args, use_reentrant=False)
-        return layer(*args)
+            return checkpoint(layer, *args, use_reentrant=False, **kwargs)
+        return layer(*args, **kwargs)
+
+    def _last_layer_split(self, layer: BertLayer, x: Tensor, mask: Tensor | None, context: Tensor,
+                          context_mask: Tensor | None, context_index: Tensor | None,
+                          cls_rows: int) -> tuple[Tensor, Tensor]:
+        """The last fusion layer, its first cls_rows rows at [CLS] only -> ((cls_rows,H), (R-cls_rows,L,H)).
+
+        Those rows' other positions are never read (the ITM head reads [CLS]), so the layer computes
+        their [CLS] query alone: its self-attention still reads every position's keys and values, and
+        the [CLS] state is the one the full layer computes. With context_index the image keys and values
+        are computed once for both row groups.
+        """
+        n = cls_rows
+        kv = None if context_index is None else layer.crossattention.self.context_kv(context)
+
+        def rows(t: Tensor | None, part: slice) -> Tensor | None:
+            return None if t is None else t[part]
+
+        def group(part: slice, queries: int | None) -> Tensor:
+            own = rows(context, part) if context_index is None else context
+            return self._run_layer(layer, x[part], rows(mask, part), own, rows(context_mask, part),
+                                   rows(context_index, part), queries=queries, context_kv=kv)
+
+        head = group(slice(None, n), 1)[:, 0]
+        rest = group(slice(n, None), None) if n < x.shape[0] else x[n:]
+        return head, rest
 
     def forward(
         self,
@@ -185,7 +210,9 @@ class BertEncoder(nn.Module):
         encoder_hidden_states: Tensor | Sequence[Tensor] | None = None,
         encoder_attention_mask: Tensor | Sequence[Tensor] | None = None,
         context_index: Tensor | None = None,
-    ) -> Tensor:
+        cls_rows: int = 0,
+        text_index: Tensor | None = None,
+    ) -> Tensor | tuple[Tensor, Tensor]:
         """Run the text part, the fusion part or both; returns hidden states (B,L,H).
 
         input_ids (B,L) for 'text'/'multimodal'; hidden_states (B,L,H) (text-mode output) for 'fusion';
@@ -195,6 +222,14 @@ class BertEncoder(nn.Module):
         encoder_hidden_states tensor of Bc images (Bc,N,Dv) and no encoder_attention_mask: row b attends
         to image context_index[b], and each cross-attention layer computes its keys and values once per
         image (the same result as encoder_hidden_states[context_index], with fewer FLOPs).
+        cls_rows > 0 ('fusion'/'multimodal'): the first cls_rows rows are read at [CLS] only (ITM), and the
+        last layer computes just that position for them (config key itm_cls_only): returns ([CLS] states
+        (cls_rows,H), the other rows' states (B-cls_rows,L,H)), the same numbers as the full forward's.
+        text_index (R,) long (mode 'fusion'): hidden_states and attention_mask hold U distinct texts (U,L,.)
+        and row r is text text_index[r]: the first fusion layer's self-attention, which reads the text
+        alone, runs once per text (config key share_caption_attention); the R rows go on from there. The
+        same numbers as the pass on hidden_states[text_index] (in training with dropout, the rows of one
+        text share that sub-layer's dropout draw).
         """
         if mode not in _MODES:
             raise ValueError(f"BertEncoder mode must be one of {_MODES}, got {mode!r}")
@@ -215,10 +250,24 @@ class BertEncoder(nn.Module):
         if any(i >= self.cross_from for i in range(start, stop)):
             contexts, context_masks = _contexts(mode, encoder_hidden_states, encoder_attention_mask,
                                                 context_index, dtype)
+        if cls_rows and (mode == "text" or stop - 1 < self.cross_from):
+            raise ValueError("cls_rows needs a forward that ends in a fusion layer (mode 'fusion' or "
+                             "'multimodal')")
+        if text_index is not None and (mode != "fusion" or start < self.cross_from or start == stop - 1):
+            raise ValueError("text_index needs mode 'fusion', cross-attention from the first fusion layer "
+                             "and at least two fusion layers")
         for i in range(start, stop):
             layer = self.layers[i]
             if i >= self.cross_from:
                 k = (i - self.fusion_layer) % len(contexts)
+                if cls_rows and i == stop - 1:
+                    return self._last_layer_split(layer, x, self_mask, contexts[k], context_masks[k],
+                                                  context_index, cls_rows)
+                if text_index is not None and i == start:
+                    x = self._run_layer(layer, x, self_mask, contexts[k], context_masks[k], context_index,
+                                        rows=text_index)
+                    self_mask = None if self_mask is None else self_mask.index_select(0, text_index)
+                    continue
                 x = self._run_layer(layer, x, self_mask, contexts[k], context_masks[k], context_index)
             else:
                 x = self._run_layer(layer, x, self_mask)

@@ -83,21 +83,34 @@ class BertSelfAttention(nn.Module):
         out = F.linear(x, weight, bias).unflatten(-1, (len(linears), self.num_heads, self.head_dim))
         return list(out.permute(2, 0, 3, 1, 4).unbind(0))
 
-    def forward(self, x: Tensor, context: Tensor, mask: Tensor | None,
-                context_index: Tensor | None = None) -> Tensor:
-        """x (B,L,H), context (B,N,Dk) -> (B,L,H); mask bool or additive, broadcastable to (B,heads,L,N).
+    def context_kv(self, context: Tensor) -> tuple[Tensor, Tensor]:
+        """context (Bc,N,Dk) -> its keys and values (Bc,heads,N,head_dim) each (computed once, shared)."""
+        key, value = self._project(context, (self.key, self.value))
+        return key, value
 
+    def forward(self, x: Tensor, context: Tensor, mask: Tensor | None,
+                context_index: Tensor | None = None,
+                kv: tuple[Tensor, Tensor] | None = None) -> Tensor:
+        """x (B,Lq,H) queries, context (B,N,Dk) keys/values -> (B,Lq,H); mask bool or additive, broadcastable
+        to (B,heads,Lq,N).
+
+        Self-attention: context is x, or the full rows (B,N,H) of which x holds the first Lq positions (the
+        last fusion layer at [CLS] only: queries there, keys and values everywhere).
         context_index (B,) long (cross-attention only): context holds Bc distinct contexts (Bc,N,Dk) and
         row b attends to context[context_index[b]]. Keys and values are then computed once per context
-        and gathered, not once per row: ITM and MLM pair the same B images with 4B texts.
+        and gathered, not once per row: ITM and MLM pair the same B images with 4B texts. kv: those keys
+        and values already computed (context_kv), for row groups that share them.
         """
         if self.cross:
             query, = self._project(x, (self.query,))
-            key, value = self._project(context, (self.key, self.value))
+            key, value = self.context_kv(context) if kv is None else kv
             if context_index is not None:  # index_select: its backward (index_add_) is ~8x a scatter's
                 key, value = key.index_select(0, context_index), value.index_select(0, context_index)
-        else:
+        elif context is x:
             query, key, value = self._project(x, (self.query, self.key, self.value))
+        else:
+            query, = self._project(x, (self.query,))
+            key, value = self._project(context, (self.key, self.value))
         out = F.scaled_dot_product_attention(
             query, key, value, attn_mask=mask, dropout_p=self.dropout_p if self.training else 0.0,
         )
@@ -127,9 +140,11 @@ class BertAttention(nn.Module):
         self.output = BertSelfOutput(config, config.hidden_size)
 
     def forward(self, x: Tensor, context: Tensor, mask: Tensor | None,
-                context_index: Tensor | None = None) -> Tensor:
-        """x (B,L,H), context (B,N,Dk) (or (Bc,N,Dk) with context_index (B,)) -> (B,L,H)."""
-        return self.output(self.self(x, context, mask, context_index), x)
+                context_index: Tensor | None = None,
+                kv: tuple[Tensor, Tensor] | None = None) -> Tensor:
+        """x (B,Lq,H), context (B,N,Dk) (or (Bc,N,Dk) with context_index (B,); kv its keys and values)
+        -> (B,Lq,H)."""
+        return self.output(self.self(x, context, mask, context_index, kv), x)
 
 
 class BertIntermediate(nn.Module):
@@ -177,11 +192,26 @@ class BertLayer(nn.Module):
         context: Tensor | None = None,
         context_mask: Tensor | None = None,
         context_index: Tensor | None = None,
+        *,
+        queries: int | None = None,
+        context_kv: tuple[Tensor, Tensor] | None = None,
+        rows: Tensor | None = None,
     ) -> Tensor:
-        """x (B,L,H), context (B,N,Dv) (or (Bc,N,Dv) with context_index (B,) long) or None -> (B,L,H)."""
-        x = self.attention(x, x, mask)
+        """x (B,L,H), context (B,N,Dv) (or (Bc,N,Dv) with context_index (B,) long) or None -> (B,Lq,H).
+
+        queries: compute only the first Lq = queries positions (the ITM head reads [CLS] alone), whose
+        self-attention still reads every position; None: all L. context_kv: the cross-attention's keys
+        and values of `context`, already computed (BertSelfAttention.context_kv). rows (R,) long: x holds
+        U distinct texts (U,L,H) (mask (U,..)) and the output's row r continues text rows[r]: the
+        self-attention, which reads the text alone, runs once per text, and cross-attention and
+        feed-forward once per row -> (R,Lq,H).
+        """
+        q = x if queries is None else x[:, :queries]
+        x = self.attention(q, x, mask)
+        if rows is not None:  # index_select: its backward (index_add_) sums the rows' gradients per text
+            x = x.index_select(0, rows)
         if context is not None:
-            x = self.crossattention(x, context, context_mask, context_index)
+            x = self.crossattention(x, context, context_mask, context_index, context_kv)
         return self.output(self.intermediate(x), x)
 
 

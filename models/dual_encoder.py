@@ -48,6 +48,9 @@ class ImageTextModel(nn.Module):
         self.itm_negatives = config.itm_negatives
         self.hard_sampling = config.hard_sampling
         self.share_image_kv = config.share_image_kv
+        # The ITM head reads the last fusion layer at [CLS]: that layer computes it alone for ITM's pairs
+        # (not in ALBEF, which computes every position; the logits are the same up to rounding).
+        self.itm_cls_only = config.itm_cls_only
 
         self.visual_encoder = build_vision_encoder(config)
         self.text_encoder = build_text_encoder(config, tokenizer, mlm_head=mlm_head)
@@ -94,24 +97,37 @@ class ImageTextModel(nn.Module):
         return image_feat.float(), text_feat.float()
 
     def fuse(self, text_embeds: Tensor, text_mask: Tensor, image_embeds: Tensor,
-             image_index: Tensor | None = None) -> Tensor:
+             image_index: Tensor | None = None, cls_rows: int = 0,
+             text_index: Tensor | None = None) -> Tensor | tuple[Tensor, Tensor]:
         """Fusion layers over text states (R,L,H), mask (R,L) and image tokens -> fused states (R,L,H).
 
         image_embeds (R,1+P,Dv), one image per row; or, with image_index (R,) long, Bi images (Bi,1+P,Dv)
         and row r paired with image image_index[r]. share_image_kv: each cross-attention layer computes
         its keys and values once per image and gathers them; off (ALBEF), once per row, on the gathered
-        image_embeds[image_index]. The numbers are the same.
+        image_embeds[image_index]. The numbers are the same. cls_rows > 0: the first cls_rows rows only at
+        [CLS] -> ((cls_rows,H), (R-cls_rows,L,H)) (models.bert.BertEncoder.forward). text_index (R,): the
+        text states and masks hold U distinct texts and row r is text text_index[r] (BertEncoder.forward).
         """
         if image_index is not None and not self.share_image_kv:
             image_embeds, image_index = image_embeds.index_select(0, image_index), None
         return self.text_encoder(mode="fusion", hidden_states=text_embeds, attention_mask=text_mask,
-                                 encoder_hidden_states=image_embeds, context_index=image_index)
+                                 encoder_hidden_states=image_embeds, context_index=image_index,
+                                 cls_rows=cls_rows, text_index=text_index)
+
+    def fused_cls(self, text_embeds: Tensor, text_mask: Tensor, image_embeds: Tensor,
+                  image_index: Tensor | None = None) -> Tensor:
+        """Pairs as fuse -> the last fusion layer's [CLS] states (R,H), which ITM reads; itm_cls_only: that
+        layer computes [CLS] alone."""
+        if self.itm_cls_only:
+            rows = text_embeds.shape[0]
+            return self.fuse(text_embeds, text_mask, image_embeds, image_index, cls_rows=rows)[0]
+        return self.fuse(text_embeds, text_mask, image_embeds, image_index)[:, 0]
 
     def itm_logits(self, text_embeds: Tensor, text_mask: Tensor, image_embeds: Tensor,
                    image_index: Tensor | None = None) -> Tensor:
         """Pairs: text hidden (R,L,H), mask (R,L), image tokens (R,1+P,Dv) (or Bi images and image_index (R,),
         as fuse) -> ITM logits (R,2) (1 = match)."""
-        return self.itm_head(self.fuse(text_embeds, text_mask, image_embeds, image_index)[:, 0])
+        return self.itm_head(self.fused_cls(text_embeds, text_mask, image_embeds, image_index))
 
     @staticmethod
     def itm_pairs(text_embeds: Tensor, attention_mask: Tensor, neg_text_idx: Tensor,

@@ -52,6 +52,11 @@ class ALBEF_Base(ImageTextModel):  # noqa: N801 (the paper's name)
         self.register_buffer("caption_constants", odd_constants(positions), persistent=False)
         self.mlm_probability = config.mlm_probability
         self.mlm_masked_only = config.mlm_masked_only
+        # ITM's three pairs of a sample share captions, and the first fusion layer's self-attention reads the
+        # caption alone: it runs once per caption (not in ALBEF; with share_image_kv, whose one fusion pass
+        # it shares). The same numbers; in training with dropout, pairs of one caption share that
+        # sub-layer's dropout draw.
+        self.share_caption_attention = config.share_caption_attention
 
         self.vocab_size = self.text_encoder.config.vocab_size
         self.mask_token_id = tokenizer.mask_token_id
@@ -162,7 +167,9 @@ class ALBEF_Base(ImageTextModel):  # noqa: N801 (the paper's name)
         every step). Off (ALBEF): logits at every position (R = B*L), the masked ones used.
         """
         if self.mlm_masked_only:
-            positions, labels = select_masked(labels, mlm_capacity(labels.numel(), self.mlm_probability))
+            # [CLS] (each row's first token) is never masked: B*(L-1) positions can be.
+            maskable = labels.numel() - labels.shape[0]
+            positions, labels = select_masked(labels, mlm_capacity(maskable, self.mlm_probability))
             hidden = hidden.flatten(0, 1).index_select(0, positions)
         else:
             hidden, labels = hidden.flatten(0, 1), labels.flatten()
@@ -254,20 +261,37 @@ class ALBEF_Base(ImageTextModel):  # noqa: N801 (the paper's name)
         if not (self.use_itm or self.use_mlm):
             return {}
         batch = input_ids.shape[0]
-        rows, masks, images = [], [], []
-        if self.use_itm:
-            pairs = self.itm_pairs(text_embeds, attention_mask, out["neg_text_idx"], out["neg_image_idx"])
-            rows, masks, images = [pairs[0]], [pairs[1]], [pairs[2]]
-        if self.use_mlm:
-            rows.append(mlm[0])
-            masks.append(attention_mask)
-            images.append(torch.arange(batch, device=input_ids.device))
-        fused = self.fuse(torch.cat(rows), torch.cat(masks), image_embeds, torch.cat(images))
+        own = torch.arange(batch, device=input_ids.device)
+        text_index = None
+        if self.use_itm and self.share_caption_attention:
+            # The B captions (and the B masked ones) once each; every row names its caption, so the first
+            # fusion layer's self-attention runs on 2B texts, not 4B rows (ITM's three pairs share captions).
+            texts = [text_embeds] + ([mlm[0]] if self.use_mlm else [])
+            rows, masks = torch.cat(texts), attention_mask.repeat(len(texts), 1)
+            text_index = torch.cat([own, out["neg_text_idx"], own] + ([own + batch] if self.use_mlm else []))
+            images = torch.cat([own, own, out["neg_image_idx"]] + ([own] if self.use_mlm else []))
+        else:
+            rows, masks, images = [], [], []
+            if self.use_itm:
+                pairs = self.itm_pairs(text_embeds, attention_mask, out["neg_text_idx"], out["neg_image_idx"])
+                rows, masks, images = [pairs[0]], [pairs[1]], [pairs[2]]
+            if self.use_mlm:
+                rows.append(mlm[0])
+                masks.append(attention_mask)
+                images.append(own)
+            rows, masks, images = torch.cat(rows), torch.cat(masks), torch.cat(images)
+        itm_rows = 3 * batch if self.use_itm else 0
+        if itm_rows and self.itm_cls_only:  # ITM's rows at [CLS] only in the last layer; MLM's at all
+            itm_cls, fused = self.fuse(rows, masks, image_embeds, images, cls_rows=itm_rows,
+                                       text_index=text_index)
+        else:
+            fused = self.fuse(rows, masks, image_embeds, images, text_index=text_index)
+            itm_cls, fused = fused[:itm_rows, 0], fused[itm_rows:]
         found = {}
         if self.use_itm:
-            found["itm_logits"] = self.itm_head(fused[:3 * batch, 0])
+            found["itm_logits"] = self.itm_head(itm_cls)
         if self.use_mlm:
-            found |= self.mlm_outputs(fused[-batch:], mlm[1])
+            found |= self.mlm_outputs(fused, mlm[1])
         return found
 
     def _fuse_separate(self, image_embeds: Tensor, input_ids: Tensor, text_embeds: Tensor,

@@ -11,6 +11,7 @@ from typing import Any
 import timm
 import torch
 from timm.layers import PatchDropout
+from timm.models import checkpoint_seq
 from timm.models.vision_transformer import VisionTransformer
 from torch import Tensor, nn
 from torch.nn import functional as F
@@ -39,6 +40,46 @@ class VisionEncoder(VisionTransformer):
     @grad_checkpointing.setter
     def grad_checkpointing(self, enable: bool) -> None:
         self._grad_checkpointing = bool(enable)
+
+    def forward_features(self, x: Tensor, attn_mask: Tensor | None = None, is_causal: bool = False) -> Tensor:
+        """Images (B,3,H,W) -> tokens (B,1+P,D), or (B,1+K,D) while the patch dropout drops (FLIP).
+
+        While it drops and the stem is the linear patch projection, only the K kept patches are projected
+        (not in timm, which projects all P and then drops): the projection and the positional embedding act
+        on each patch alone, so the tokens are timm's, from the same draw of the global generator, at
+        K/P of the stem's FLOPs. Otherwise timm's forward_features.
+        """
+        drop = self.patch_drop
+        if (attn_mask is not None or is_causal or not self._projects_kept_only(drop)
+                or tuple(x.shape[-2:]) != tuple(self.patch_embed.img_size)):  # timm says what is wrong
+            return super().forward_features(x, attn_mask=attn_mask, is_causal=is_causal)
+        proj = self.patch_embed.proj
+        p = proj.kernel_size[0]
+        patches = x.unfold(2, p, p).unfold(3, p, p)  # (B,C,gh,gw,p,p)
+        patches = patches.permute(0, 2, 3, 1, 4, 5).flatten(3).flatten(1, 2)  # (B,P,C*p*p), kernel's order
+        batch, count = patches.shape[:2]
+        keep = max(1, int(count * (1.0 - drop.prob)))  # timm's patch_dropout_forward: its draw, its count
+        index = torch.argsort(torch.randn(batch, count, device=x.device), dim=-1)[:, :keep]
+        if drop.ordered:
+            index = index.sort(dim=-1).values
+        kept = patches.gather(1, index[..., None].expand(-1, -1, patches.shape[-1]))
+        tokens = self.patch_embed.norm(F.linear(kept, proj.weight.flatten(1), proj.bias))
+        pos = self.pos_embed[0, 1:].index_select(0, index.flatten()).view(batch, keep, -1)
+        cls = (self.cls_token + self.pos_embed[:, :1]).expand(batch, -1, -1)
+        x = self.norm_pre(self.pos_drop(torch.cat([cls, tokens + pos], dim=1)))
+        x = checkpoint_seq(self.blocks, x) if self.grad_checkpointing else self.blocks(x)
+        return self.norm(x)
+
+    def _projects_kept_only(self, drop: nn.Module) -> bool:
+        """Whether forward_features can project the kept patches alone: a dropping PatchDropout and timm's
+        plain layout (a non-overlapping linear stem, one [CLS], absolute positions including it)."""
+        proj = getattr(self.patch_embed, "proj", None)
+        return (isinstance(drop, PatchDropout) and drop.training and drop.prob > 0
+                and isinstance(proj, nn.Conv2d) and proj.kernel_size == proj.stride
+                and proj.padding == (0, 0) and proj.dilation == (1, 1) and proj.groups == 1
+                and self.patch_embed.flatten and not self.dynamic_img_size and self.cls_token is not None
+                and self.reg_token is None and not self.no_embed_class and self.pos_embed is not None
+                and drop.num_prefix_tokens == 1)
 
 
 # The vision_init value naming the ViT pre-trained on the synthetic world (dataset/synthetic_vit.py).

@@ -15,6 +15,7 @@ from torch import nn
 
 from models.losses import WithObjectives
 from models.pretrain import ALBEF_Base
+from models.vit import VisionEncoder, VisionTransformer, build_vision_encoder, patch_dropout
 from tools.step_measure import count_flops
 from training.config_files import ConfigError
 
@@ -30,16 +31,19 @@ def tokenizer(tmp_path_factory):
 
 
 def vision_tokens(model: ALBEF_Base, image: torch.Tensor, text: dict, seed: int = 3) -> list[tuple]:
-    """One seeded forward of the whole model -> what every call of the patch dropout received and returned
-    (tokens (B,1+P,D) -> (B,1+K,D)) and the image tokens every call of the fusion layers received."""
+    """One seeded forward of the whole model -> for every call of the ViT's blocks, every patch's embedded
+    token (B,1+P,D) and the tokens the blocks received (B,1+K,D); the image tokens every call of the fusion
+    layers received."""
     seen: list = []
-    handles = [model.visual_encoder.patch_drop.register_forward_hook(
-        lambda m, args, out: seen.append(("drop", args[0], out)))]
+    vit = model.visual_encoder
+    with torch.no_grad():  # every patch's token as timm embeds it, before any is dropped
+        every = vit._pos_embed(vit.patch_embed(image))
+    handles = [vit.blocks.register_forward_pre_hook(lambda m, args: seen.append(("drop", every, args[0])))]
     fuse = model.fuse
 
-    def spy(text_embeds, text_mask, image_embeds, image_index=None):
+    def spy(text_embeds, text_mask, image_embeds, image_index=None, **kwargs):
         seen.append(("fuse", image_embeds))
-        return fuse(text_embeds, text_mask, image_embeds, image_index)
+        return fuse(text_embeds, text_mask, image_embeds, image_index, **kwargs)
 
     model.fuse = spy
     try:
@@ -63,7 +67,8 @@ def test_kept_tokens_are_a_seeded_fixed_size_subset_per_image_shared_by_every_ob
     assert before.shape[1] == 1 + PATCHES and after.shape == (8, 1 + PATCHES // 2, before.shape[2])
     assert torch.equal(after[:, 0], before[:, 0])  # [CLS] kept
     # Each kept token is one of its own image's patches, none twice; the subsets differ between images.
-    match = (after[:, 1:, None, :] == before[:, None, 1:, :]).all(-1)  # (B, K, P)
+    # (B, K, P); the kept patches alone are projected (models.vit), so equal up to rounding
+    match = (after[:, 1:, None, :] - before[:, None, 1:, :]).abs().amax(-1) < 1e-12
     assert (match.sum(-1) == 1).all()
     kept = match.float().argmax(-1).sort(-1).values
     assert (kept[:, 1:] != kept[:, :-1]).all()
@@ -75,6 +80,34 @@ def test_kept_tokens_are_a_seeded_fixed_size_subset_per_image_shared_by_every_ob
     again = [s for s in vision_tokens(model, image.double(), text) if s[0] == "drop"][0][2]
     other = [s for s in vision_tokens(model, image.double(), text, seed=4) if s[0] == "drop"][0][2]
     assert torch.equal(again, after) and not torch.equal(other, after)
+
+
+@pytest.mark.parametrize("ordered", [False, True])
+def test_projecting_the_kept_patches_alone_equals_timms_project_then_drop(ordered):
+    """models.vit.VisionEncoder projects only the kept patches: its tokens and gradients equal timm's
+    forward (every patch projected, then PatchDropout) from the same draw."""
+    config = pretrain_config(image_token_drop=0.5)
+    torch.manual_seed(0)
+    vit = build_vision_encoder(config).double().train()
+    vit.patch_drop = patch_dropout(vit, 0.5)
+    vit.patch_drop.ordered = ordered
+    image = torch.randn(3, 3, 32, 32, dtype=torch.float64)
+    results = []
+    for forward in (VisionTransformer.forward_features, VisionEncoder.forward_features):
+        vit.zero_grad(set_to_none=True)
+        torch.manual_seed(5)
+        out = forward(vit, image)
+        (out * torch.linspace(-1, 1, out.shape[-1], dtype=out.dtype)).sum().backward()
+        results.append((out.detach(), {n: p.grad.clone() for n, p in vit.named_parameters()
+                                       if p.grad is not None}))
+    (timm_out, timm_grads), (out, grads) = results
+    assert out.shape == (3, 1 + PATCHES // 2, vit.embed_dim)
+    torch.testing.assert_close(out, timm_out, rtol=0, atol=1e-12)
+    assert grads.keys() == timm_grads.keys()
+    for name, grad in timm_grads.items():
+        torch.testing.assert_close(grads[name], grad, rtol=0, atol=1e-11, msg=name)
+    vit.eval()  # evaluation: every token, timm's path
+    assert vit.forward_features(image).shape[1] == 1 + PATCHES
 
 
 def test_the_unmasked_epochs_and_a_zero_rate_are_the_papers_step_bit_for_bit(tokenizer):
@@ -135,22 +168,26 @@ def step_flops(tokenizer, drop: float, **overrides) -> tuple[int, ALBEF_Base, tu
 def test_the_steps_flops_fall_by_a_closed_form_in_the_kept_tokens(tokenizer, share_image_kv):
     """Forward + backward: every product that touches image tokens costs 3x its forward (the backward
     computes the input's and the weight's gradients), attention 3.5x (torch's formula for the fused
-    kernels' backward, 2.5x, recomputes the scores)."""
+    kernels' backward, 2.5x, recomputes the scores), the patch projection 2x (the image needs no
+    gradient), and only of the kept patches (models.vit). The last fusion layer's cross-attention has one
+    query, [CLS], for each of ITM's 3B pairs (itm_cls_only) and L for each of MLM's B captions."""
     full, model, text = step_flops(tokenizer, 0.0, share_image_kv=share_image_kv)
     vit, bert = model.visual_encoder, model.text_encoder.config
     D, H, depth = vit.embed_dim, bert.hidden_size, len(vit.blocks)
     fusion_layers = bert.num_hidden_layers - bert.fusion_layer
     B, L = IMAGE_KEYS.numel(), text["input_ids"].shape[1]
     rows = 4 * B  # ITM's 3B pairs and MLM's B captions attend to the image tokens
+    pixels = 3 * vit.patch_embed.proj.kernel_size[0] ** 2  # one patch's inputs to the linear stem
+    queries = (fusion_layers - 1) * rows * L + 3 * B + B * L  # text queries of the image tokens, all layers
 
     def image_token_flops(T: int) -> int:
-        """FLOPs of one step that scale with the T image tokens."""
+        """FLOPs of one step that scale with the T image tokens ([CLS] and T - 1 patches)."""
         images = B if share_image_kv else rows  # whose keys and values are computed
         # ViT blocks: q, k, v and the output projection 8TD^2, the MLP 16TD^2; fusion layers: keys, values.
         products = B * depth * 24 * T * D * D + fusion_layers * images * 4 * T * D * H
-        # Scores and their weighted sum: ViT self-attention, and the cross-attention of L text tokens.
-        attention = B * depth * 4 * T * T * D + fusion_layers * rows * 4 * L * T * H
-        return 3 * products + 7 * attention // 2
+        # Scores and their weighted sum: ViT self-attention, and the cross-attention of the text queries.
+        attention = B * depth * 4 * T * T * D + queries * 4 * T * H
+        return 3 * products + 7 * attention // 2 + 2 * B * 2 * (T - 1) * pixels * D
 
     for drop in (0.5, 0.75):
         got, _, _ = step_flops(tokenizer, drop, share_image_kv=share_image_kv)

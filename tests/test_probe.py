@@ -229,6 +229,11 @@ class TrueCaptionTagger(nn.Module):
             tag = torch.tensor([4.0 if t in self.true_captions else -4.0 for t in texts])
         else:
             tag = hidden_states[:, 0, 0]
+        if isinstance(out, tuple):  # cls_rows (itm_cls_only): the rows' [CLS] states, then the others'
+            head, rest = out[0].clone(), out[1].clone()
+            head[:, 0] = tag[:head.shape[0]]
+            rest[:, 0, 0] = tag[head.shape[0]:]
+            return head, rest
         out = out.clone()
         out[:, 0, 0] = tag
         return out

@@ -99,14 +99,16 @@ def test_flops_match_an_independent_count(result):
         assert v["flops_per_sample"] == flops / BATCH
         assert any("attention" in op for op in v["flops_share_by_op"])  # attention is counted
         assert v["config_changes"] == {}
-    # Model FLOPs: ALBEF's step, each fusion layer's image keys and values once per row and MLM logits at
-    # every position; the shipped step executes less of it.
-    albef = independent_count(share_image_kv=False, fused_qkv=False, mlm_masked_only=False)
+    # Model FLOPs: ALBEF's step, each fusion layer's image keys and values once per row, MLM logits at every
+    # position, ITM's last fusion layer at every position; the shipped step executes less of it.
+    albef = independent_count(share_image_kv=False, fused_qkv=False, mlm_masked_only=False,
+                              itm_cls_only=False, share_caption_attention=False)
     assert result["model_flops_per_sample"] == albef / BATCH
     assert result["variants"]["albef"]["flops_per_sample"] == albef / BATCH
     assert flops < albef
     assert result["variants"]["albef"]["config_changes"] == {
-        "share_image_kv": False, "fused_qkv": False, "mlm_masked_only": False, "amp_layer_norm": "float32"}
+        "share_image_kv": False, "fused_qkv": False, "mlm_masked_only": False, "itm_cls_only": False,
+        "share_caption_attention": False, "amp_layer_norm": "float32"}
 
 
 def test_variants_are_switches_joined_by_plus():

@@ -27,7 +27,7 @@ CAPTIONS = ["a red dog on the grass", "the blue cat", "a big ball left of the ca
             "a red dog on the grass", "the cat right of a blue ball on the grass", "big red ball", "a cat"]
 # Pairs 0 and 3 show one image and pairs 0 and 4 share a caption: the guard has something to exclude.
 IMAGE_KEYS = torch.tensor([0, 1, 2, 0, 4, 5, 6, 7])
-SWITCHES = ("share_image_kv", "fused_qkv", "mlm_masked_only")
+SWITCHES = ("share_image_kv", "fused_qkv", "mlm_masked_only", "itm_cls_only", "share_caption_attention")
 
 
 @pytest.fixture(scope="module")
@@ -199,6 +199,87 @@ def test_context_index_gathers_keys_and_values_of_the_right_image(tokenizer):
     with pytest.raises(ValueError, match="context_index"):
         encoder(mode="fusion", hidden_states=states, attention_mask=mask, encoder_hidden_states=images,
                 encoder_attention_mask=torch.ones(3, 17), context_index=index)
+
+
+@pytest.mark.parametrize("checkpointed", [False, True])
+@pytest.mark.parametrize("shared_images", [True, False])
+def test_cls_rows_compute_the_full_passs_cls_and_leave_the_other_rows_whole(tokenizer, shared_images,
+                                                                            checkpointed):
+    """BertEncoder's fusion pass with cls_rows (itm_cls_only): the leading rows' [CLS] and the other rows'
+    states equal the full pass's, values and gradients; the ITM logits with the switch equal those without."""
+    torch.manual_seed(0)
+    model = ALBEF_Base(pretrain_config(), tokenizer).double().train()
+    encoder = model.text_encoder
+    encoder.set_grad_checkpointing(checkpointed)
+    states = torch.randn(6, 5, 64, dtype=torch.float64, requires_grad=True)
+    mask = torch.ones(6, 5, dtype=torch.long)
+    mask[1, 3:] = 0
+    mask[5, 2:] = 0
+    images = torch.randn(3, 17, 64, dtype=torch.float64, requires_grad=True)
+    index = torch.tensor([2, 0, 1, 1, 2, 0])
+    weights = torch.randn(6, 5, 64, dtype=torch.float64)
+
+    def run(cls_rows):
+        states.grad = images.grad = None
+        context = dict(encoder_hidden_states=images, context_index=index) if shared_images else dict(
+            encoder_hidden_states=images[index])
+        out = encoder(mode="fusion", hidden_states=states, attention_mask=mask, cls_rows=cls_rows, **context)
+        if cls_rows:  # the loss reads what ITM reads of the leading rows, and all of the others
+            head, rest = out
+            loss = (head * weights[:cls_rows, 0]).sum() + (rest * weights[cls_rows:]).sum()
+        else:
+            loss = (out[:4, 0] * weights[:4, 0]).sum() + (out[4:] * weights[4:]).sum()
+        loss.backward()
+        return out, states.grad.clone(), images.grad.clone()
+
+    full, full_grad, full_image_grad = run(0)
+    (head, rest), grad, image_grad = run(4)
+    assert head.shape == (4, 64) and rest.shape == (2, 5, 64)
+    torch.testing.assert_close(head, full[:4, 0], rtol=0, atol=1e-12)
+    torch.testing.assert_close(rest, full[4:], rtol=0, atol=1e-12)
+    torch.testing.assert_close(grad, full_grad, rtol=0, atol=1e-12)
+    torch.testing.assert_close(image_grad, full_image_grad, rtol=0, atol=1e-12)
+    all_cls, _, _ = run(6)  # every row at [CLS] (ITM alone, retrieval's re-ranking)
+    torch.testing.assert_close(all_cls[0], full[:, 0], rtol=0, atol=1e-12)
+    assert all_cls[1].shape == (0, 5, 64)
+    with pytest.raises(ValueError, match="cls_rows"):
+        encoder(torch.zeros(2, 5, dtype=torch.long), torch.ones(2, 5), mode="text", cls_rows=1)
+    with torch.no_grad():
+        model.eval()
+        text = encoder(torch.tensor([[2, 5, 6, 3, 0]] * 3), mask[:3], mode="text")
+        plain = model.itm_logits(text, mask[:3], images, index[:3])
+        model.itm_cls_only = False
+        torch.testing.assert_close(model.itm_logits(text, mask[:3], images, index[:3]), plain, rtol=0,
+                                   atol=1e-12)
+
+
+def test_text_index_runs_the_first_fusion_self_attention_once_per_text(tokenizer):
+    """A fusion pass over U distinct texts and each row's text index equals the pass over the gathered
+    rows, values and gradients (share_caption_attention); refused where the first layer is not fusion."""
+    torch.manual_seed(0)
+    model = ALBEF_Base(pretrain_config(), tokenizer).double().train()
+    encoder = model.text_encoder
+    texts = torch.randn(3, 5, 64, dtype=torch.float64, requires_grad=True)
+    mask = torch.ones(3, 5, dtype=torch.long)
+    mask[2, 3:] = 0
+    rows = torch.tensor([0, 2, 0, 1, 2, 2, 1])
+    images = torch.randn(3, 17, 64, dtype=torch.float64)
+    image_index = torch.tensor([0, 0, 1, 2, 2, 1, 0])
+    weights = torch.randn(7, 5, 64, dtype=torch.float64)
+    outs = []
+    for gathered in (True, False):
+        texts.grad = None
+        hidden, hmask = (texts[rows], mask[rows]) if gathered else (texts, mask)
+        out = encoder(mode="fusion", hidden_states=hidden, attention_mask=hmask, encoder_hidden_states=images,
+                      context_index=image_index, text_index=None if gathered else rows)
+        (out * weights).sum().backward()
+        outs.append((out.detach(), texts.grad.clone()))
+    (expected, expected_grad), (got, grad) = outs
+    torch.testing.assert_close(got, expected, rtol=0, atol=1e-12)
+    torch.testing.assert_close(grad, expected_grad, rtol=0, atol=1e-12)
+    with pytest.raises(ValueError, match="text_index"):
+        encoder(torch.zeros(3, 5, dtype=torch.long), mask, mode="multimodal", encoder_hidden_states=images,
+                context_index=image_index[:3], text_index=rows[:3])
 
 
 # ------------------------------------------------------------------------- fused q/k/v, MLM selection

@@ -67,7 +67,7 @@ TARGETS = {'bf16_mfu_min': 0.45, 'batch128_checkpointed_memory_max_bytes': 24 * 
 # --quick: the step as shipped, ALBEF's, each change of issue 33 off alone, checkpointing; then compiled.
 # Each change of issue 33 off alone (its effect: the shipped step's samples/s over this one's).
 QUICK_CHANGES_OFF = ('bf16+albef', 'bf16+no_share_image_kv', 'bf16+no_fused_qkv', 'bf16+no_mlm_masked_only',
-                     'bf16+fp32_layer_norm')
+                     'bf16+no_itm_cls_only', 'bf16+no_share_caption_attention', 'bf16+fp32_layer_norm')
 # Image-token dropout (issue 51): the masked step's speed-up over the shipped one.
 QUICK_DROPS = ('bf16+drop50', 'bf16+drop75')
 QUICK_EAGER = ('bf16', *QUICK_CHANGES_OFF, 'bf16+grad_checkpointing', *QUICK_DROPS)

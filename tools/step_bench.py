@@ -22,6 +22,9 @@ Each runs in a fresh subprocess (the tool re-invokes itself with --one_variant),
   no_share_image_kv   share_image_kv: false (each fusion layer's image keys and values once per row)
   no_fused_qkv        fused_qkv: false (separate query, key and value products)
   no_mlm_masked_only  mlm_masked_only: false (MLM vocabulary logits at every position)
+  no_itm_cls_only     itm_cls_only: false (the last fusion layer at every position of ITM's pairs)
+  no_share_caption_attention  share_caption_attention: false (the first fusion layer's self-attention once
+                      per ITM pair, not once per caption)
   fp32_layer_norm     amp_layer_norm: float32 (torch's autocast default; acts only with bf16)
   drop50, drop75      image_token_drop: 0.5 / 0.75 (FLIP's image-token dropout: half / a quarter of each
                       image's patch tokens kept)
@@ -65,12 +68,15 @@ from training.reporting import peak_memory_bytes
 # Image-token dropout's rates (issue 51): what the step costs with FLIP's masking, beside the speed changes.
 DROPS = {'drop50': 0.5, 'drop75': 0.75}
 SWITCHES = ('bf16', 'grad_checkpointing', 'compile', 'cudagraphs', 'albef', 'no_share_image_kv',
-            'no_fused_qkv', 'no_mlm_masked_only', 'fp32_layer_norm', *DROPS)
+            'no_fused_qkv', 'no_mlm_masked_only', 'no_itm_cls_only', 'no_share_caption_attention',
+            'fp32_layer_norm', *DROPS)
 ALIASES = {'default': '', 'bf16_compile': 'bf16+compile'}
 # Each speed change of the step (docs/speed-and-scale.md) as the config keys that turn it off.
 CHANGES_OFF: dict[str, dict] = {
     'no_share_image_kv': {'share_image_kv': False}, 'no_fused_qkv': {'fused_qkv': False},
-    'no_mlm_masked_only': {'mlm_masked_only': False}, 'fp32_layer_norm': {'amp_layer_norm': 'float32'},
+    'no_mlm_masked_only': {'mlm_masked_only': False}, 'no_itm_cls_only': {'itm_cls_only': False},
+    'no_share_caption_attention': {'share_caption_attention': False},
+    'fp32_layer_norm': {'amp_layer_norm': 'float32'},
 }
 DEFAULT_VARIANTS = ('default', 'bf16', 'grad_checkpointing', 'compile')
 
@@ -366,7 +372,8 @@ def main(argv: Sequence[str] | None = None) -> dict:
                         'Python and torch: baseline_rss_bytes; and compilation for compile)'),
         'model_flops_per_sample': model,
         'model_flops': "ALBEF_Base's step as the paper defines it: the albef variant (share_image_kv, "
-                       'fused_qkv and mlm_masked_only off), fp32, no checkpointing, counted the same way; '
+                       'fused_qkv, mlm_masked_only, itm_cls_only and share_caption_attention off), fp32, no '
+                       'checkpointing, counted the same way; '
                        'mfu divides it per second by matmul_peak_flops, mfu_executed the variant\'s own',
         'variants': variants,
         **({'baseline': baseline} if baseline else {}),

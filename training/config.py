@@ -194,6 +194,9 @@ class _Objectives:
     share_image_kv: bool = key(True, "each fusion layer's cross-attention keys and values computed once "
                                      "per image and gathered for ITM's (and MLM's) rows; false: once per "
                                      "row, as ALBEF (the same numbers, ~14 % more FLOPs in pre-training)")
+    itm_cls_only: bool = key(True, "ITM's pairs run the last fusion layer at [CLS] only, the one state the "
+                                   "ITM head reads (its self-attention still reads every position; the same "
+                                   "logits); false: every position, as ALBEF")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -226,6 +229,10 @@ class PretrainConfig(_Objectives, TaskConfig):
     itc_smoothing: float = key(0.0, "MAFA's S-ITC: ITC targets smoothed towards uniform by this much; 0: the "
                                     "paper's one-hot targets", low=0, high=0.99)
     itc_smoothing_epoch: int = key(0, "the first epoch S-ITC smooths (before it: the paper's targets)", low=0)
+    share_caption_attention: bool = key(True, "with share_image_kv: the first fusion layer's self-attention "
+                                              "once per caption, not once per ITM pair (it reads the caption "
+                                              "alone; the same numbers; with dropout, pairs of one caption "
+                                              "share that sub-layer's draw); false: once per pair, as ALBEF")
     mlm_masked_only: bool = key(True, "MLM vocabulary logits only at the masked positions (a fixed-size "
                                       "selection, no host sync); false: at every position, as ALBEF")
     image_token_drop: float = key(0.0, "share of each image's patch tokens dropped in every training step "
