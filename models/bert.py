@@ -224,7 +224,8 @@ class BertEncoder(nn.Module):
         image (the same result as encoder_hidden_states[context_index], with fewer FLOPs).
         cls_rows > 0 ('fusion'/'multimodal'): the first cls_rows rows are read at [CLS] only (ITM), and the
         last layer computes just that position for them (config key itm_cls_only): returns ([CLS] states
-        (cls_rows,H), the other rows' states (B-cls_rows,L,H)), the same numbers as the full forward's.
+        (cls_rows,H), the other rows' states (R-cls_rows,L,H); R = B, or text_index's length), the same
+        numbers as the full forward's.
         text_index (R,) long (mode 'fusion'): hidden_states and attention_mask hold U distinct texts (U,L,.)
         and row r is text text_index[r]: the first fusion layer's self-attention, which reads the text
         alone, runs once per text (config key share_caption_attention); the R rows go on from there. The
@@ -253,9 +254,19 @@ class BertEncoder(nn.Module):
         if cls_rows and (mode == "text" or stop - 1 < self.cross_from):
             raise ValueError("cls_rows needs a forward that ends in a fusion layer (mode 'fusion' or "
                              "'multimodal')")
-        if text_index is not None and (mode != "fusion" or start < self.cross_from or start == stop - 1):
-            raise ValueError("text_index needs mode 'fusion', cross-attention from the first fusion layer "
-                             "and at least two fusion layers")
+        if text_index is not None and (mode != "fusion" or start < self.cross_from):
+            raise ValueError("text_index needs mode 'fusion' and cross-attention from the first fusion layer")
+        if (cls_rows or text_index is not None) and self.is_decoder:
+            raise ValueError("cls_rows and text_index are for the bidirectional fusion encoder, not for a "
+                             "decoder")
+        if text_index is not None and cls_rows and start == stop - 1:
+            # one fusion layer, which is also the [CLS]-only one: the rows are gathered first (not shared)
+            x = x.index_select(0, text_index)
+            self_mask = None if self_mask is None else self_mask.index_select(0, text_index)
+            text_index = None
+        rows = x.shape[0] if text_index is None else text_index.shape[0]
+        if not 0 <= cls_rows <= rows:
+            raise ValueError(f"cls_rows must be in [0, {rows}] (the rows), got {cls_rows}")
         for i in range(start, stop):
             layer = self.layers[i]
             if i >= self.cross_from:

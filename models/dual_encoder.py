@@ -36,7 +36,8 @@ class ImageTextModel(nn.Module):
         """Build the encoders and heads.
 
         config: the resolved task config (training.config.PretrainConfig or RetrievalConfig); reads
-        embed_dim, temp, lambda_cons, itm, itm_negatives, hard_sampling, share_image_kv, vision_width and
+        embed_dim, temp, lambda_cons, itm, itm_negatives, hard_sampling, share_image_kv, itm_cls_only,
+        vision_width and
         what build_vision_encoder / build_text_encoder read. tokenizer: its length is the vocabulary size.
         mlm_head: keep BERT's MLM head (pre-training) or not (retrieval).
         """
@@ -118,8 +119,8 @@ class ImageTextModel(nn.Module):
                   image_index: Tensor | None = None) -> Tensor:
         """Pairs as fuse -> the last fusion layer's [CLS] states (R,H), which ITM reads; itm_cls_only: that
         layer computes [CLS] alone."""
-        if self.itm_cls_only:
-            rows = text_embeds.shape[0]
+        rows = text_embeds.shape[0]
+        if self.itm_cls_only and rows:  # cls_rows=0 would mean every position
             return self.fuse(text_embeds, text_mask, image_embeds, image_index, cls_rows=rows)[0]
         return self.fuse(text_embeds, text_mask, image_embeds, image_index)[:, 0]
 

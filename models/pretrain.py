@@ -30,8 +30,9 @@ class ALBEF_Base(ImageTextModel):  # noqa: N801 (the paper's name)
 
         config: the resolved pre-training config (training.config.PretrainConfig); reads itc, itm, mlm,
         itm_negatives, hard_sampling, itc_gather, guard_false_negatives, mlm_probability, mlm_masked_only,
-        share_image_kv, image_token_drop, unmasked_epochs, max_epoch, embed_dim, temp, the encoders' keys and
-        what the objectives read (lambda_cons, contrastive_loss, itc_hn_beta, itc_smoothing(_epoch)).
+        share_image_kv, itm_cls_only, share_caption_attention, image_token_drop, unmasked_epochs, max_epoch,
+        embed_dim, temp, the encoders' keys and what the objectives read (lambda_cons, contrastive_loss,
+        itc_hn_beta, itc_smoothing(_epoch)).
         tokenizer: vocabulary size and MLM special tokens.
         """
         super().__init__(config, tokenizer, mlm_head=True)

@@ -72,14 +72,18 @@ class VisionEncoder(VisionTransformer):
 
     def _projects_kept_only(self, drop: nn.Module) -> bool:
         """Whether forward_features can project the kept patches alone: a dropping PatchDropout and timm's
-        plain layout (a non-overlapping linear stem, one [CLS], absolute positions including it)."""
+        plain layout (a non-overlapping linear stem, one [CLS], absolute positions including it, no dropout
+        of the positional embeddings)."""
         proj = getattr(self.patch_embed, "proj", None)
         return (isinstance(drop, PatchDropout) and drop.training and drop.prob > 0
                 and isinstance(proj, nn.Conv2d) and proj.kernel_size == proj.stride
                 and proj.padding == (0, 0) and proj.dilation == (1, 1) and proj.groups == 1
-                and self.patch_embed.flatten and not self.dynamic_img_size and self.cls_token is not None
+                and self.patch_embed.flatten and not self.dynamic_img_size
+                and not getattr(self.patch_embed, "dynamic_img_pad", False) and self.cls_token is not None
                 and self.reg_token is None and not self.no_embed_class and self.pos_embed is not None
-                and drop.num_prefix_tokens == 1)
+                and drop.num_prefix_tokens == 1
+                # timm's pos_drop acts before the draw, on every token: with p > 0 the orders would differ
+                and not (isinstance(self.pos_drop, nn.Dropout) and self.pos_drop.p > 0))
 
 
 # The vision_init value naming the ViT pre-trained on the synthetic world (dataset/synthetic_vit.py).

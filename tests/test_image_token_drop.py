@@ -92,15 +92,18 @@ def test_projecting_the_kept_patches_alone_equals_timms_project_then_drop(ordere
     vit.patch_drop = patch_dropout(vit, 0.5)
     vit.patch_drop.ordered = ordered
     image = torch.randn(3, 3, 32, 32, dtype=torch.float64)
-    results = []
+    assert vit._projects_kept_only(vit.patch_drop)  # the kept-patch path is the one under test
+    results, generator_after = [], []
     for forward in (VisionTransformer.forward_features, VisionEncoder.forward_features):
         vit.zero_grad(set_to_none=True)
         torch.manual_seed(5)
         out = forward(vit, image)
+        generator_after.append(torch.get_rng_state())  # the same draws: a resumed run stays exact
         (out * torch.linspace(-1, 1, out.shape[-1], dtype=out.dtype)).sum().backward()
         results.append((out.detach(), {n: p.grad.clone() for n, p in vit.named_parameters()
                                        if p.grad is not None}))
     (timm_out, timm_grads), (out, grads) = results
+    assert torch.equal(*generator_after)
     assert out.shape == (3, 1 + PATCHES // 2, vit.embed_dim)
     torch.testing.assert_close(out, timm_out, rtol=0, atol=1e-12)
     assert grads.keys() == timm_grads.keys()

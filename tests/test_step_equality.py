@@ -1,7 +1,9 @@
 """The pre-training step's speed switches compute ALBEF's step: image keys and values once per image
-(share_image_kv), fused q/k/v products (fused_qkv) and MLM logits at the masked positions only
-(mlm_masked_only) equal to the plain computation; LayerNorm in bf16 (amp_layer_norm) within bf16's
-tolerance of fp32; text padded to a static length; the step compiled as one graph."""
+(share_image_kv), fused q/k/v products (fused_qkv), MLM logits at the masked positions only
+(mlm_masked_only), ITM's last fusion layer at [CLS] only (itm_cls_only) and the first fusion layer's
+self-attention once per caption (share_caption_attention) equal to the plain computation; LayerNorm in
+bf16 (amp_layer_norm) within bf16's tolerance of fp32; text padded to a static length; the step compiled
+as one graph."""
 
 from __future__ import annotations
 
@@ -151,8 +153,11 @@ class Reference(torch.nn.Module):
 
 
 ALL_OFF = {k: False for k in SWITCHES}
+# share_caption_attention acts only in share_image_kv's one fusion pass: alone it would test nothing.
 SETTINGS = {"all on": {k: True for k in SWITCHES}, "all off": ALL_OFF,
-            **{f"{k} alone": {**ALL_OFF, k: True} for k in SWITCHES}}
+            **{f"{k} alone": {**ALL_OFF, k: True} for k in SWITCHES if k != "share_caption_attention"},
+            **{f"share_image_kv + {k}": {**ALL_OFF, "share_image_kv": True, k: True}
+               for k in ("itm_cls_only", "share_caption_attention")}}
 CASES = {"guard": {}, "bad sample": {}, "no guard": {"guard_false_negatives": False},
          "itm only": {"mlm": False}, "mlm only": {"itm": False, "itm_negatives": "random"},
          "no consistency": {"lambda_cons": 0.0}}
@@ -280,6 +285,31 @@ def test_text_index_runs_the_first_fusion_self_attention_once_per_text(tokenizer
     with pytest.raises(ValueError, match="text_index"):
         encoder(torch.zeros(3, 5, dtype=torch.long), mask, mode="multimodal", encoder_hidden_states=images,
                 context_index=image_index[:3], text_index=rows[:3])
+    with pytest.raises(ValueError, match=r"cls_rows must be in \[0, 7\]"):
+        encoder(mode="fusion", hidden_states=texts, attention_mask=mask, encoder_hidden_states=images,
+                context_index=image_index, text_index=rows, cls_rows=8)
+    # One fusion layer, both [CLS]-only and first: the rows are gathered before it, the same numbers.
+    encoder.fusion_layer = len(encoder.layers) - 1
+    with torch.no_grad():
+        full = encoder(mode="fusion", hidden_states=texts[rows], attention_mask=mask[rows],
+                       encoder_hidden_states=images, context_index=image_index)
+        head, rest = encoder(mode="fusion", hidden_states=texts, attention_mask=mask,
+                             encoder_hidden_states=images, context_index=image_index, text_index=rows,
+                             cls_rows=4)
+    torch.testing.assert_close(head, full[:4, 0], rtol=0, atol=1e-12)
+    torch.testing.assert_close(rest, full[4:], rtol=0, atol=1e-12)
+
+
+def test_mlm_keeps_logits_for_the_capacity_of_the_maskable_positions(tokenizer):
+    """mlm_masked_only: the vocabulary logits have mlm_capacity(B * (L - 1), p) rows, [CLS] never masked."""
+    torch.manual_seed(0)
+    model = ALBEF_Base(pretrain_config(), tokenizer).train()
+    image, text = batch(tokenizer)
+    torch.manual_seed(1)
+    out = model(image, text, image_key=IMAGE_KEYS)
+    b, length = text["input_ids"].shape
+    assert out["mlm_logits"].shape[0] == mlm_capacity(b * (length - 1), 0.5) < b * length
+    assert ((out["mlm_labels"] != -100).sum() > 0) and (out["mlm_labels"][-1] == -100)
 
 
 # ------------------------------------------------------------------------- fused q/k/v, MLM selection
