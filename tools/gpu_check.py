@@ -66,8 +66,10 @@ TINY_PRETRAIN, TINY_RETRIEVAL = 'configs/tiny/Pretrain.yaml', 'configs/tiny/Retr
 TARGETS = {'bf16_mfu_min': 0.45, 'batch128_checkpointed_memory_max_bytes': 24 * GB, 'grit_share_max': 0.01}
 # --quick: the step as shipped, ALBEF's, each change of issue 33 off alone, checkpointing; then compiled.
 # Each change of issue 33 off alone (its effect: the shipped step's samples/s over this one's).
+# itm_cls_only and share_caption_attention (2026-12-03) are off only in bf16+albef: two more variants would
+# take step_eager past what a lent machine's minutes allow (tests/test_gpu_check.py bounds the parts).
 QUICK_CHANGES_OFF = ('bf16+albef', 'bf16+no_share_image_kv', 'bf16+no_fused_qkv', 'bf16+no_mlm_masked_only',
-                     'bf16+no_itm_cls_only', 'bf16+no_share_caption_attention', 'bf16+fp32_layer_norm')
+                     'bf16+fp32_layer_norm')
 # Image-token dropout (issue 51): the masked step's speed-up over the shipped one.
 QUICK_DROPS = ('bf16+drop50', 'bf16+drop75')
 QUICK_EAGER = ('bf16', *QUICK_CHANGES_OFF, 'bf16+grad_checkpointing', *QUICK_DROPS)
@@ -175,7 +177,7 @@ def quick_parts(args) -> list[tuple[str, list[str], int]]:
              '--warmup', str(args.warmup), '--device', args.device]
     return [
         ('step_eager', ['-m', 'tools.step_bench', *bench, '--variants', ','.join(QUICK_EAGER),
-                        '--output_dir', os.path.join(out, 'step_eager')], 290),  # 11 variants, ~235 s
+                        '--output_dir', os.path.join(out, 'step_eager')], 240),
         ('step_compiled', ['-m', 'tools.step_bench', *bench, '--variants', ','.join(QUICK_COMPILED),
                            '--output_dir', os.path.join(out, 'step_compiled')], 260),
         ('attention', ['-m', 'tools.attention_bench', '--config', args.config, '--batch_size',
