@@ -176,6 +176,22 @@ class BertEncoder(nn.Module):
             return checkpoint(layer, *args, use_reentrant=False, **kwargs)
         return layer(*args, **kwargs)
 
+    def _check_row_options(self, mode: str, start: int, stop: int, batch: int, cls_rows: int,
+                           text_index: Tensor | None) -> None:
+        """ValueError unless forward's cls_rows and text_index can act on layers start..stop-1 of `batch`
+        rows (text_index's length rows when given)."""
+        if cls_rows and (mode == "text" or stop - 1 < self.cross_from):
+            raise ValueError("cls_rows needs a forward that ends in a fusion layer (mode 'fusion' or "
+                             "'multimodal')")
+        if text_index is not None and (mode != "fusion" or start < self.cross_from):
+            raise ValueError("text_index needs mode 'fusion' and cross-attention from the first fusion layer")
+        if (cls_rows or text_index is not None) and self.is_decoder:
+            raise ValueError("cls_rows and text_index are for the bidirectional fusion encoder, not for a "
+                             "decoder")
+        rows = batch if text_index is None else text_index.shape[0]
+        if not 0 <= cls_rows <= rows:
+            raise ValueError(f"cls_rows must be in [0, {rows}] (the rows), got {cls_rows}")
+
     def _last_layer_split(self, layer: BertLayer, x: Tensor, mask: Tensor | None, context: Tensor,
                           context_mask: Tensor | None, context_index: Tensor | None,
                           cls_rows: int) -> tuple[Tensor, Tensor]:
@@ -251,23 +267,21 @@ class BertEncoder(nn.Module):
         if any(i >= self.cross_from for i in range(start, stop)):
             contexts, context_masks = _contexts(mode, encoder_hidden_states, encoder_attention_mask,
                                                 context_index, dtype)
-        if cls_rows and (mode == "text" or stop - 1 < self.cross_from):
-            raise ValueError("cls_rows needs a forward that ends in a fusion layer (mode 'fusion' or "
-                             "'multimodal')")
-        if text_index is not None and (mode != "fusion" or start < self.cross_from):
-            raise ValueError("text_index needs mode 'fusion' and cross-attention from the first fusion layer")
-        if (cls_rows or text_index is not None) and self.is_decoder:
-            raise ValueError("cls_rows and text_index are for the bidirectional fusion encoder, not for a "
-                             "decoder")
+        self._check_row_options(mode, start, stop, x.shape[0], cls_rows, text_index)
+        return self._run_layers(x, self_mask, range(start, stop), contexts, context_masks, context_index,
+                                cls_rows, text_index)
+
+    def _run_layers(self, x: Tensor, self_mask: Tensor | None, layers: range, contexts: list[Tensor] | None,
+                    context_masks: list[Tensor | None] | None, context_index: Tensor | None, cls_rows: int,
+                    text_index: Tensor | None) -> Tensor | tuple[Tensor, Tensor]:
+        """forward's layers `layers` over x (B,L,H) with its additive mask -> its return value."""
+        start, stop = layers.start, layers.stop
         if text_index is not None and cls_rows and start == stop - 1:
             # one fusion layer, which is also the [CLS]-only one: the rows are gathered first (not shared)
             x = x.index_select(0, text_index)
             self_mask = None if self_mask is None else self_mask.index_select(0, text_index)
             text_index = None
-        rows = x.shape[0] if text_index is None else text_index.shape[0]
-        if not 0 <= cls_rows <= rows:
-            raise ValueError(f"cls_rows must be in [0, {rows}] (the rows), got {cls_rows}")
-        for i in range(start, stop):
+        for i in layers:
             layer = self.layers[i]
             if i >= self.cross_from:
                 k = (i - self.fusion_layer) % len(contexts)
