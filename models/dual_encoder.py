@@ -131,11 +131,18 @@ class ImageTextModel(nn.Module):
         return self.itm_head(self.fused_cls(text_embeds, text_mask, image_embeds, image_index))
 
     @staticmethod
-    def itm_pairs(text_embeds: Tensor, attention_mask: Tensor, neg_text_idx: Tensor,
+    def itm_pair_index(neg_text_idx: Tensor, neg_image_idx: Tensor) -> tuple[Tensor, Tensor]:
+        """Mined indices (B,) each -> ITM's 3B pairs [positives, (image, negative text), (negative image,
+        text)] as each pair's text index (3B,) and image index (3B,) into the batch's B texts and images."""
+        own = torch.arange(neg_text_idx.shape[0], device=neg_text_idx.device)
+        return torch.cat([own, neg_text_idx, own]), torch.cat([own, own, neg_image_idx])
+
+    @classmethod
+    def itm_pairs(cls, text_embeds: Tensor, attention_mask: Tensor, neg_text_idx: Tensor,
                   neg_image_idx: Tensor) -> tuple[Tensor, Tensor, Tensor]:
-        """ITM's 3B pairs [positives, (image, negative text), (negative image, text)]: text states (3B,L,H),
-        masks (3B,L) and each pair's image index (3B,) into the batch's B images."""
-        own = torch.arange(text_embeds.shape[0], device=text_embeds.device)
+        """ITM's 3B pairs (itm_pair_index's order): text states (3B,L,H), masks (3B,L) and each pair's image
+        index (3B,) into the batch's B images."""
+        _, image_index = cls.itm_pair_index(neg_text_idx, neg_image_idx)
         return (torch.cat([text_embeds, text_embeds.index_select(0, neg_text_idx), text_embeds]),
                 torch.cat([attention_mask, attention_mask.index_select(0, neg_text_idx), attention_mask]),
-                torch.cat([own, own, neg_image_idx]))
+                image_index)

@@ -269,8 +269,9 @@ class ALBEF_Base(ImageTextModel):  # noqa: N801 (the paper's name)
             # fusion layer's self-attention runs on 2B texts, not 4B rows (ITM's three pairs share captions).
             texts = [text_embeds] + ([mlm[0]] if self.use_mlm else [])
             rows, masks = torch.cat(texts), attention_mask.repeat(len(texts), 1)
-            text_index = torch.cat([own, out["neg_text_idx"], own] + ([own + batch] if self.use_mlm else []))
-            images = torch.cat([own, own, out["neg_image_idx"]] + ([own] if self.use_mlm else []))
+            text_index, images = self.itm_pair_index(out["neg_text_idx"], out["neg_image_idx"])
+            if self.use_mlm:  # MLM's rows: the masked captions, each with its own image
+                text_index, images = torch.cat([text_index, own + batch]), torch.cat([images, own])
         else:
             rows, masks, images = [], [], []
             if self.use_itm:
