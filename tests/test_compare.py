@@ -354,6 +354,15 @@ def test_the_selected_runs_are_the_sweeps_own_folders_and_commands(tmp_path, mon
     compare.main(["--corpus", "real", "--seeds", "1", "--selected", "--arms", "B3", "--output_dir",
                   str(tmp_path / "real")])
     assert list(asked[-1]) == [("B3", 1e-3, "p=2,m=20", 1)]
+    # --selected_settings sweeps the rates at the selected setting: it needs no selected rate yet
+    monkeypatch.delitem(arms.SELECTED_LR_REAL, "B3")
+    compare.main(["--corpus", "real", "--seeds", "1", "--lrs", "2.5e-4", "5e-4", "--selected_settings",
+                  "--arms", "B3", "--output_dir", str(tmp_path / "real_sweep")])
+    assert sorted(asked[-1]) == [("B3", 2.5e-4, "p=2,m=20", 1), ("B3", 5e-4, "p=2,m=20", 1)]
+    monkeypatch.delitem(arms.SELECTED_SETTING, "B3")
+    with pytest.raises(SystemExit):  # but a grid arm's setting must have been selected
+        compare.main(["--seeds", "1", "--lrs", "2.5e-4", "--selected_settings", "--arms", "B3",
+                      "--output_dir", str(tmp_path / "no_setting")])
 
 
 def test_merged_rows_are_read_not_run_and_a_foreign_record_is_named(tmp_path, monkeypatch):

@@ -24,7 +24,7 @@ from training.config_resolve import resolve_config
 
 __all__ = ["ARMS", "GRIDS", "ONLINE_ARMS", "REFERENCE", "SELECTED_LR", "SELECTED_LRS", "SELECTED_LR_REAL",
            "SELECTED_SETTING", "arm_overrides", "arm_setting", "arm_strategies", "grid_overrides",
-           "selection", "setting_label"]
+           "selected_setting", "selection", "setting_label"]
 
 # The arms: name -> the overrides of the tiny pre-training config that make it.
 ARMS = {'GRIT-VLP': [],  # the tiny config: N = 8, M = 120, L = 1440 (M/N = 15, the paper's 1920/128)
@@ -52,6 +52,9 @@ ARMS = {'GRIT-VLP': [],  # the tiny config: N = 8, M = 120, L = 1440 (M/N = 15, 
         'GRIT-VLP drop 0.5': ['image_token_drop=0.5', 'unmasked_epochs=1'],
         'GRIT-VLP drop 0.75': ['image_token_drop=0.75', 'unmasked_epochs=1'],
         'random drop 0.5': ['batching.strategy=random', 'image_token_drop=0.5', 'unmasked_epochs=1'],
+        # Issue 51's combination: GRIT-VLP + S-ITC (the comparison's best arm) with dropping 0.5, its
+        # smoothing held at GRIT-VLP + S-ITC's selection (SELECTED_SETTING) and its rate swept.
+        'GRIT-VLP + S-ITC drop 0.5': ['itc_smoothing_epoch=1', 'image_token_drop=0.5', 'unmasked_epochs=1'],
         'random + sigmoid': ['batching.strategy=random', 'contrastive_loss=sigmoid', 'lambda_cons=0.0'],
         # Remedies for the ITM that stays at chance on some seeds (issue 49; docs/batch-construction.md,
         # 'The stalled ITM'), each one switch away from GRIT-VLP: ALBEF's multinomial hard negatives,
@@ -86,6 +89,7 @@ GRIDS = {'B3': ['p=2,m=20', 'p=10,m=30'],  # B3's paper: skip the top p, link th
          'random + HN-NCE': ['beta=0.5', 'beta=1'],
          'GRIT-VLP + HN-NCE': ['beta=0.5', 'beta=1'],
          'GRIT-VLP + S-ITC': ['s=0.2', 's=0.5'],  # 0.5: MAFA's own value
+         'GRIT-VLP + S-ITC drop 0.5': ['s=0.2', 's=0.5'],  # swept at 's=0.2' only (--selected_settings)
          'GRIT-VLP later grouping': ['from=2', 'from=4'],  # the first grouped epoch (the paper's: 1)
          'GRIT-VLP rank skip': ['skip=2', 'skip=10'],  # B3's grid of p
          'GRIT-VLP long warm-up': ['warmup=363', 'warmup=726']}  # one and two epochs of the tiny config
@@ -145,6 +149,8 @@ SELECTED_LR = {'GRIT-VLP': 5e-4, 'random batches': 2.5e-4, 'B3': 5e-4, 'GCBS': 5
 SELECTED_SETTING = {'B3': 'p=2,m=20', 'GCBS': 'k=5', 'random walk': 'k=10,restart=0.1',
                     'random + HN-NCE': 'beta=0.5', 'GRIT-VLP + HN-NCE': 'beta=0.5',
                     'GRIT-VLP + S-ITC': 's=0.2', 'GRIT-VLP later grouping': 'from=2',
+                    # held at GRIT-VLP + S-ITC's, not swept (its sweep ran with --selected_settings)
+                    'GRIT-VLP + S-ITC drop 0.5': 's=0.2',
                     'GRIT-VLP long warm-up': 'warmup=363', 'GRIT-VLP rank skip': 'skip=2'}
 
 
@@ -166,6 +172,16 @@ def selection(arm: str, corpus: str = 'synthetic') -> tuple[float, str | None]:
         raise ValueError(f'{arm!r} has no selection yet on the {corpus} corpus (tools.arms.{table} and, for '
                          'an arm with a grid, SELECTED_SETTING: run its sweep with tools.compare first)')
     return lrs[arm], SELECTED_SETTING.get(arm)
+
+
+def selected_setting(arm: str) -> str | None:
+    """An arm's selected grid setting (SELECTED_SETTING; None for an arm without a grid), whether or not a
+    rate has been selected: what --selected_settings holds while the rates are swept; ValueError for a grid
+    arm whose settings have not been selected yet."""
+    if arm in GRIDS and arm not in SELECTED_SETTING:
+        raise ValueError(f'{arm!r} has a grid but no selected setting yet (tools.arms.SELECTED_SETTING: run '
+                         'its sweep over the grid with tools.compare first)')
+    return SELECTED_SETTING.get(arm)
 
 
 def arm_setting(arms: Sequence[str], lrs: Sequence[float] | None,

@@ -50,6 +50,7 @@ from tools.arms import (
     REFERENCE,
     SELECTED_LR,
     arm_overrides,
+    selected_setting,
     selection,
     setting_label,
 )
@@ -288,8 +289,9 @@ def main(argv: Sequence[str] | None = None) -> dict:
     corpus = CORPORA[args.corpus]
     chosen = {}
     if args.selected or args.selected_settings:
-        try:
-            chosen = {arm: selection(arm, args.corpus) for arm in args.arms}  # (lr, setting) per arm
+        try:  # (lr, setting) per arm; a sweep of the rates needs the setting only
+            chosen = {arm: selection(arm, args.corpus) if args.selected else (None, selected_setting(arm))
+                      for arm in args.arms}
         except ValueError as e:
             parser.error(f'--selected{"_settings" * args.selected_settings}: {e}')
     arm_lrs = {arm: [chosen[arm][0]] if args.selected else args.lrs or [None] for arm in args.arms}
