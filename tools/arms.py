@@ -139,13 +139,19 @@ def setting_label(setting: float | tuple) -> str:
 # (2026-11-29; 5e-4, skip=2, inside the grid; docs/results/compare_rankskip_sweep_seeds1-3.md), and
 # 'GRIT-VLP drop 0.5' by `python -m tools.compare --seeds 1 2 3 --lrs 2.5e-4 5e-4 1e-3 --arms "GRIT-VLP drop
 # 0.5" "GRIT-VLP drop 0.75" "random drop 0.5" --output_dir output/compare_drop` (2026-11-29; 5e-4, inside
-# the grid; docs/results/compare_drop_sweep_seeds1-3.md; the other two chose the grid's lower edge, 2.5e-4,
-# and wait for the grid's extension to 1.25e-4).
+# the grid; docs/results/compare_drop_sweep_seeds1-3.md; the other two chose the grid's lower edge, 2.5e-4),
+# and those two on today's code by `python -m tools.compare --seeds 1 2 3 --lrs 6.25e-5 1.25e-4 2.5e-4 5e-4
+# --arms "GRIT-VLP drop 0.75" "random drop 0.5" --output_dir output/compare_drop` (2026-12-03; 1.25e-4 and
+# 2.5e-4, both inside the grid; docs/results/compare_drop_sweep_ext_seeds1-3.md), and 'GRIT-VLP + S-ITC drop
+# 0.5' by `python -m tools.compare --seeds 1 2 3 --lrs 2.5e-4 5e-4 1e-3 --selected_settings --arms "GRIT-VLP
+# + S-ITC drop 0.5" --output_dir output/compare_drop_sitc` (2026-12-03; 5e-4, inside the grid, s held at 0.2;
+# docs/results/compare_drop_sitc_sweep_seeds1-3.md).
 SELECTED_LR = {'GRIT-VLP': 5e-4, 'random batches': 2.5e-4, 'B3': 5e-4, 'GCBS': 5e-4, 'random walk': 5e-4,
                'random + HN-NCE': 2.5e-4, 'GRIT-VLP + HN-NCE': 5e-4, 'GRIT-VLP + S-ITC': 5e-4,
                'GRIT-VLP + sigmoid': 2.5e-4, 'random + sigmoid': 1.25e-4, 'JEST': 5e-4, 'RHO-LOSS': 5e-4,
                'GRIT-VLP multinomial': 5e-4, 'GRIT-VLP later grouping': 5e-4, 'GRIT-VLP long warm-up': 5e-4,
-               'GRIT-VLP rank skip': 5e-4, 'GRIT-VLP drop 0.5': 5e-4}
+               'GRIT-VLP rank skip': 5e-4, 'GRIT-VLP drop 0.5': 5e-4, 'GRIT-VLP drop 0.75': 1.25e-4,
+               'random drop 0.5': 2.5e-4, 'GRIT-VLP + S-ITC drop 0.5': 5e-4}
 SELECTED_SETTING = {'B3': 'p=2,m=20', 'GCBS': 'k=5', 'random walk': 'k=10,restart=0.1',
                     'random + HN-NCE': 'beta=0.5', 'GRIT-VLP + HN-NCE': 'beta=0.5',
                     'GRIT-VLP + S-ITC': 's=0.2', 'GRIT-VLP later grouping': 'from=2',
