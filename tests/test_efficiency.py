@@ -45,10 +45,11 @@ def test_every_other_arm_is_measured_against_albef_base_at_its_selection(monkeyp
     assert efficiency.arm_run("B3") == (5e-4, "p=2,m=20")
     assert efficiency.arm_run("ALBEF_Base") == (arms.SELECTED_LR["random batches"], None)
     monkeypatch.delitem(arms.SELECTED_SETTING, "B3")
-    with pytest.raises(ValueError, match="'B3' has no selection yet"):  # its rate alone is not B3's selection
+    # its rate alone is not B3's selection
+    with pytest.raises(ValueError, match="'B3' has a grid but no selected setting yet"):
         efficiency.arm_run("B3")
     monkeypatch.delitem(arms.SELECTED_LR, "B3")
-    with pytest.raises(ValueError, match="'B3' has no selection yet"):
+    with pytest.raises(ValueError, match="'B3' has no selected rate yet"):
         efficiency.arm_run("B3")
 
 

@@ -173,11 +173,11 @@ def selection(arm: str, corpus: str = 'synthetic') -> tuple[float, str | None]:
     """An arm's selected learning rate and grid setting on `corpus` (SELECTED_LRS, SELECTED_SETTING);
     ValueError when its sweep on that corpus has not selected one yet."""
     lrs = SELECTED_LRS[corpus]
-    if arm not in lrs or (arm in GRIDS and arm not in SELECTED_SETTING):
+    if arm not in lrs:
         table = 'SELECTED_LR' if corpus == 'synthetic' else f'SELECTED_LR_{corpus.upper()}'
-        raise ValueError(f'{arm!r} has no selection yet on the {corpus} corpus (tools.arms.{table} and, for '
-                         'an arm with a grid, SELECTED_SETTING: run its sweep with tools.compare first)')
-    return lrs[arm], SELECTED_SETTING.get(arm)
+        raise ValueError(f'{arm!r} has no selected rate yet on the {corpus} corpus (tools.arms.{table}: '
+                         'run its sweep with tools.compare first)')
+    return lrs[arm], selected_setting(arm)
 
 
 def selected_setting(arm: str) -> str | None:
