@@ -332,13 +332,18 @@ def test_the_selected_runs_are_the_sweeps_own_folders_and_commands(tmp_path, mon
     monkeypatch.setattr(compare, "prepare_pretraining", lambda overrides=(), config=None: None)
     asked = []
 
-    def fake_pairs(runs, reuse=False, corpus=None):
+    def fake_pairs(runs, reuse=False, corpus=None):  # the results in the reverse order, as reuse may give
         asked.append(runs)
-        return {key: _run(0.4, 6.0, 4.0, 0.9) for key in runs}
+        return {key: _run(0.4, 6.0, 4.0, 0.9) for key in reversed(list(runs))}
 
     monkeypatch.setattr(compare, "run_pairs", fake_pairs)
     out = str(tmp_path / "cmp")
-    compare.main(["--seeds", "1", "--lrs", "2.5e-4", "5e-4", "--arms", "B3", "--output_dir", out])
+    record = compare.main(["--seeds", "2", "1", "--lrs", "5e-4", "2.5e-4", "--arms", "B3", "--output_dir",
+                           out])
+    # the record's sweep by rate, then grid order, its seeds ascending, whatever order the runs came back in
+    assert list(record["sweep"]["B3"]) == [
+        "0.00025 p=2,m=20", "0.00025 p=10,m=30", "0.0005 p=2,m=20", "0.0005 p=10,m=30"]
+    assert all(list(rows) == [1, 2] for rows in record["sweep"]["B3"].values())
     monkeypatch.setitem(arms.SELECTED_LR, "B3", 5e-4)
     monkeypatch.delitem(arms.SELECTED_SETTING, "B3", raising=False)
     with pytest.raises(SystemExit):  # the rate alone is not B3's selection
@@ -346,7 +351,7 @@ def test_the_selected_runs_are_the_sweeps_own_folders_and_commands(tmp_path, mon
     monkeypatch.setitem(arms.SELECTED_SETTING, "B3", "p=2,m=20")
     compare.main(["--seeds", "1", "--selected", "--arms", "B3", "--output_dir", out])
     sweep, selected = asked[0], asked[-1]
-    assert len(sweep) == 4 and list(selected) == [("B3", 5e-4, "p=2,m=20", 1)]
+    assert len(sweep) == 8 and list(selected) == [("B3", 5e-4, "p=2,m=20", 1)]
     assert selected[("B3", 5e-4, "p=2,m=20", 1)] == sweep[("B3", 5e-4, "p=2,m=20", 1)]
     assert os.path.isfile(os.path.join(out, "compare.md"))
     # --corpus real: the real corpora's own selection, not the synthetic one

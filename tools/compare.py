@@ -65,7 +65,7 @@ from training.cli import Parser, run_main
 from training.config_resolve import resolve_config
 
 __all__ = ["COLUMNS", "ITM_CHANCE", "STRATEGY_BENCH", "build_parser", "itm_epoch", "main", "report",
-           "select_lr", "side_by_side", "summary_row", "sweep_key"]
+           "select_lr", "side_by_side", "summary_row", "sweep_key", "sweep_order"]
 
 STRATEGY_BENCH = 'docs/results/strategy_bench.json'  # the strategies' measured cost (tools.strategy_bench)
 ITM_CHANCE = 0.637  # ITM's loss when it says p(match) = 1/3 (one positive, two mined negatives per pair)
@@ -277,6 +277,14 @@ def build_parser() -> Parser:
     return p
 
 
+def sweep_order(arm: str, key: float | tuple) -> tuple[float, int]:
+    """Where a sweep key (a rate, or (rate, grid setting)) of `arm` sorts: by rate, then by the setting's
+    place in the arm's grid (GRIDS)."""
+    lr, setting = key if isinstance(key, tuple) else (key, None)
+    grid = GRIDS.get(arm, [])
+    return lr, grid.index(setting) if setting in grid else -1
+
+
 def main(argv: Sequence[str] | None = None) -> dict:
     """Sweep, select on val, report test; returns the JSON record (sweep, selected_lr, summary, gaps)."""
     parser = build_parser()
@@ -332,7 +340,11 @@ def main(argv: Sequence[str] | None = None) -> dict:
             log = with_batch_scenes(log, pre_dir)
         key = sweep_key(lr if lr is not None else base.optimizer.lr, setting)
         sweep.setdefault(arm, {}).setdefault(key, {})[seed] = summary_row(log, retrieval, probe)
-    sweep = {arm: sweep[arm] for arm in args.arms}  # the arms in the order asked for
+    # The arms in the order asked for, each arm's settings by rate then grid order and its seeds ascending,
+    # whichever order the runs finished or were reused in (the record and its sweep table read in order).
+    sweep = {arm: {key: dict(sorted(sweep[arm][key].items()))
+                   for key in sorted(sweep[arm], key=lambda key, arm=arm: sweep_order(arm, key))}
+             for arm in args.arms}
     merged_from = {arm: merged_from[arm] for arm in args.arms if arm in merged_from}
     text, record = report(sweep, args.seeds)
     print(text)
