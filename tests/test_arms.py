@@ -10,6 +10,7 @@ from tools.arms import (
     ARMS,
     GRIDS,
     SELECTED_LR,
+    SELECTED_LR_24,
     SELECTED_LR_REAL,
     SELECTED_SETTING,
     arm_overrides,
@@ -73,6 +74,23 @@ def test_each_corpus_has_its_own_selection(monkeypatch):
     monkeypatch.delitem(SELECTED_LR_REAL, "random walk", raising=False)
     with pytest.raises(ValueError, match=r"'random walk' has no selected rate yet on the real corpus"):
         selection("random walk", "real")
+
+
+def test_a_longer_schedule_has_its_own_selection(monkeypatch):
+    """At 24 epochs an arm runs at the 24-epoch sweep's rate (SELECTED_LR_24), at the corpus config's own
+    epochs at SELECTED_LR's; a schedule no sweep selected at is refused naming it, never given the 12-epoch
+    rate."""
+    monkeypatch.setitem(SELECTED_LR_24, "B3", 1.25e-4)
+    monkeypatch.setitem(SELECTED_LR, "B3", 5e-4)
+    assert selection("B3", "synthetic", 24) == (1.25e-4, SELECTED_SETTING["B3"])
+    assert selection("B3", "synthetic", 12) == selection("B3") == (5e-4, SELECTED_SETTING["B3"])
+    monkeypatch.delitem(SELECTED_LR_24, "GCBS", raising=False)
+    with pytest.raises(ValueError, match=r"'GCBS' has no selected rate yet on the synthetic corpus at 24 "
+                                         r"epochs \(tools.arms.SELECTED_LRS_LONGER\[\('synthetic', 24\)\]"):
+        selection("GCBS", "synthetic", 24)
+    with pytest.raises(ValueError, match="'GRIT-VLP' has no selected rate yet on the synthetic corpus at 18"):
+        selection("GRIT-VLP", "synthetic", 18)
+    assert selection("GRIT-VLP", "real", 6) == selection("GRIT-VLP", "real")  # configs/real: six epochs
 
 
 def test_online_arms_run_at_equal_compute_with_plain_batches(monkeypatch):

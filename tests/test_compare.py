@@ -354,6 +354,17 @@ def test_the_selected_runs_are_the_sweeps_own_folders_and_commands(tmp_path, mon
     assert len(sweep) == 8 and list(selected) == [("B3", 5e-4, "p=2,m=20", 1)]
     assert selected[("B3", 5e-4, "p=2,m=20", 1)] == sweep[("B3", 5e-4, "p=2,m=20", 1)]
     assert os.path.isfile(os.path.join(out, "compare.md"))
+    # --set max_epoch=24: the 24-epoch sweep's selection (SELECTED_LR_24), never the 12-epoch one
+    monkeypatch.setitem(arms.SELECTED_LR_24, "B3", 2.5e-4)
+    longer = ["max_epoch=24", "schedular.epochs=24"]
+    compare.main(["--seeds", "1", "--selected", "--arms", "B3", "--output_dir", str(tmp_path / "e24"),
+                  "--set", *longer])
+    assert list(asked[-1]) == [("B3", 2.5e-4, "p=2,m=20", 1)]
+    assert asked[-1][("B3", 2.5e-4, "p=2,m=20", 1)][1][-2:] == longer
+    monkeypatch.delitem(arms.SELECTED_LR_24, "B3")
+    with pytest.raises(SystemExit):
+        compare.main(["--seeds", "1", "--selected", "--arms", "B3", "--output_dir", str(tmp_path / "e24"),
+                      "--set", *longer])
     # --corpus real: the real corpora's own selection, not the synthetic one
     monkeypatch.setitem(arms.SELECTED_LR_REAL, "B3", 1e-3)
     compare.main(["--corpus", "real", "--seeds", "1", "--selected", "--arms", "B3", "--output_dir",
@@ -409,7 +420,7 @@ def test_merged_rows_are_read_not_run_and_a_foreign_record_is_named(tmp_path, mo
         os.path.join(out, "compare.md")).read()
     with pytest.raises(InputFileError, match="compare.json: made with --set"):
         compare.main(["--seeds", "1", "--selected", "--arms", "GRIT-VLP", "--output_dir", out,
-                      "--merge", earlier, "--set", "queue_size=64"])
+                      "--merge", earlier, "--set", "schedular.warmup_steps=40"])
     saved["sweep"]["GRIT-VLP"]["0.0005"]["1"]["txt_r1"] = 1.0
     other = tmp_path / "other.json"
     other.write_text(json.dumps(saved))

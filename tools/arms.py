@@ -1,7 +1,7 @@
 """The arms the comparison tools run: what each is (ARMS: overrides of configs/tiny/Pretrain.yaml), the
 hyper-parameter grid of those that have one (GRIDS), and what each sweep selected on val (SELECTED_LR;
-SELECTED_LR_REAL on the real corpora; SELECTED_SETTING). tools.compare sweeps and reports them;
-tools.efficiency, tools.downstream and `make demo` run them at their selection.
+SELECTED_LR_REAL on the real corpora; SELECTED_LR_24 at 24 epochs; SELECTED_SETTING). tools.compare sweeps
+and reports them; tools.efficiency, tools.downstream and `make demo` run them at their selection.
 
 The arms: GRIT-VLP at the paper's ratio of search space to batch, M/N = 120/8 = 15, which is the tiny
 config's; GRIT-VLP at the earlier tiny config's M/N = 768/8 = 96; random batches (batching.strategy=random);
@@ -19,12 +19,13 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from tools.runs import PRETRAIN_CONFIG, lr_overrides
+from tools.launch import in_root
+from tools.runs import CORPORA, PRETRAIN_CONFIG, lr_overrides
 from training.config_resolve import resolve_config
 
-__all__ = ["ARMS", "GRIDS", "ONLINE_ARMS", "REFERENCE", "SELECTED_LR", "SELECTED_LRS", "SELECTED_LR_REAL",
-           "SELECTED_SETTING", "arm_overrides", "arm_setting", "arm_strategies", "grid_overrides",
-           "selected_setting", "selection", "setting_label"]
+__all__ = ["ARMS", "GRIDS", "ONLINE_ARMS", "REFERENCE", "SELECTED_LR", "SELECTED_LRS", "SELECTED_LRS_LONGER",
+           "SELECTED_LR_24", "SELECTED_LR_REAL", "SELECTED_SETTING", "arm_overrides", "arm_setting",
+           "arm_strategies", "grid_overrides", "selected_setting", "selection", "setting_label"]
 
 # The arms: name -> the overrides of the tiny pre-training config that make it.
 ARMS = {'GRIT-VLP': [],  # the tiny config: N = 8, M = 120, L = 1440 (M/N = 15, the paper's 1920/128)
@@ -168,16 +169,36 @@ SELECTED_LR_REAL = {'GRIT-VLP': 2.5e-4, 'random batches': 5e-4, 'B3': 2.5e-4, 'G
                     'GRIT-VLP + S-ITC': 2.5e-4}
 SELECTED_LRS = {'synthetic': SELECTED_LR, 'real': SELECTED_LR_REAL}  # tools.runs.CORPORA's names
 
+# The synthetic world at 24 epochs (issue 49's protocol, max_epoch=24 schedular.epochs=24, being adopted):
+# each arm's rate of best mean val R@1 over seeds 1-3 at its 12-epoch grid setting (--selected_settings),
+# GRIT-VLP and B3 by `python -m tools.compare --seeds 1 2 3 --lrs 1.25e-4 2.5e-4 5e-4 1e-3
+# --selected_settings --arms GRIT-VLP B3 --set max_epoch=24 schedular.epochs=24 --output_dir
+# output/compare24` (2026-12-03; both inside the grid; docs/results/compare24_sweep_grit_b3_seeds1-3.md).
+SELECTED_LR_24 = {'GRIT-VLP': 2.5e-4, 'B3': 2.5e-4}
+# Selections at a schedule other than the corpus config's own (12 epochs synthetic, 6 real): (corpus, epochs).
+SELECTED_LRS_LONGER = {('synthetic', 24): SELECTED_LR_24}
 
-def selection(arm: str, corpus: str = 'synthetic') -> tuple[float, str | None]:
-    """An arm's selected learning rate and grid setting on `corpus` (SELECTED_LRS, SELECTED_SETTING);
-    ValueError when its sweep on that corpus has not selected one yet."""
-    lrs = SELECTED_LRS[corpus]
+
+def selection(arm: str, corpus: str = 'synthetic', epochs: int | None = None) -> tuple[float, str | None]:
+    """An arm's selected learning rate and grid setting on `corpus` at `epochs` of pre-training (None: the
+    corpus config's own; SELECTED_LRS, SELECTED_LRS_LONGER, SELECTED_SETTING); ValueError when its sweep on
+    that corpus and schedule has not selected one yet."""
+    own = epochs is None or epochs == _own_epochs(corpus)
+    lrs = SELECTED_LRS[corpus] if own else SELECTED_LRS_LONGER.get((corpus, epochs), {})
     if arm not in lrs:
-        table = 'SELECTED_LR' if corpus == 'synthetic' else f'SELECTED_LR_{corpus.upper()}'
-        raise ValueError(f'{arm!r} has no selected rate yet on the {corpus} corpus (tools.arms.{table}: '
+        table = ('SELECTED_LR' if corpus == 'synthetic' else f'SELECTED_LR_{corpus.upper()}') if own else (
+            f'SELECTED_LRS_LONGER[({corpus!r}, {epochs})]')
+        at = '' if own else f' at {epochs} epochs'
+        raise ValueError(f'{arm!r} has no selected rate yet on the {corpus} corpus{at} (tools.arms.{table}: '
                          'run its sweep with tools.compare first)')
     return lrs[arm], selected_setting(arm)
+
+
+def _own_epochs(corpus: str) -> int:
+    """The epochs `corpus`'s pre-training config trains (tools.runs.CORPORA), whose selections SELECTED_LRS
+    holds."""
+    with in_root():  # the config's relative path
+        return resolve_config('pretrain', CORPORA[corpus].pretrain, [], check_paths=False).max_epoch
 
 
 def selected_setting(arm: str) -> str | None:

@@ -5,6 +5,8 @@ test split reported at that selection, per seed, re-ranked and ITC-only, with th
         [--arms GRIT-VLP "GRIT-VLP M/N=96" "random batches"] [--output_dir output/compare] [--reuse] \
         [--set key=value ...] [--merge COMPARE_JSON ...]
     python -m tools.compare --seeds 11 12 13 --selected     # each arm at its selection only
+    python -m tools.compare --seeds 4 5 6 --selected --arms GRIT-VLP B3 \
+        --set max_epoch=24 schedular.epochs=24               # at the 24-epoch selections (SELECTED_LR_24)
     python -m tools.compare --corpus real --seeds 1 2 3 --lrs 2.5e-4 5e-4 1e-3 --selected_settings \
         --arms GRIT-VLP "random batches" B3 GCBS "GRIT-VLP + S-ITC" --output_dir output/compare_real
 
@@ -250,8 +252,9 @@ def build_parser() -> Parser:
     p.add_argument('--lrs', type=float, nargs='+', default=None,
                    help='peak learning rates every arm is swept over (default: the config\'s, no sweep)')
     p.add_argument('--selected', action='store_true',
-                   help='each arm at its selection only (the --corpus\'s rate, SELECTED_LR(_REAL), '
-                        'and SELECTED_SETTING for an arm with a grid: the sweeps\' selections; no sweep)')
+                   help='each arm at its selection only (the --corpus\'s rate, SELECTED_LR(_REAL), at the '
+                        'epochs --set asks for: SELECTED_LRS_LONGER, e.g. SELECTED_LR_24; and '
+                        'SELECTED_SETTING for an arm with a grid: the sweeps\' selections; no sweep)')
     p.add_argument('--selected_settings', action='store_true',
                    help='each grid arm at its selected setting (SELECTED_SETTING) with the rates swept: the '
                         'same number of runs for every arm (default: the rates times the arm\'s grid)')
@@ -295,11 +298,13 @@ def main(argv: Sequence[str] | None = None) -> dict:
     if args.selected and args.selected_settings:
         parser.error('--selected already holds every arm at its selected setting (drop --selected_settings)')
     corpus = CORPORA[args.corpus]
+    with in_root():
+        base = resolve_config('pretrain', corpus.pretrain, list(args.overrides), check_paths=False)
     chosen = {}
     if args.selected or args.selected_settings:
-        try:  # (lr, setting) per arm; a sweep of the rates needs the setting only
-            chosen = {arm: selection(arm, args.corpus) if args.selected else (None, selected_setting(arm))
-                      for arm in args.arms}
+        try:  # (lr, setting) per arm, selected at the schedule --set asks for; a sweep needs the setting only
+            chosen = {arm: selection(arm, args.corpus, base.max_epoch) if args.selected
+                      else (None, selected_setting(arm)) for arm in args.arms}
         except ValueError as e:
             parser.error(f'--selected{"_settings" * args.selected_settings}: {e}')
     arm_lrs = {arm: [chosen[arm][0]] if args.selected else args.lrs or [None] for arm in args.arms}
@@ -310,7 +315,6 @@ def main(argv: Sequence[str] | None = None) -> dict:
     merged_from: dict[str, dict[str, list[int]]] = {}  # arm -> setting -> the seeds read
     with in_root():
         prepare_pretraining(args.overrides, corpus.pretrain)
-        base = resolve_config('pretrain', corpus.pretrain, list(args.overrides), check_paths=False)
         runs = {}
         for seed in args.seeds:  # seed-major: a cut-short sweep has whole seeds
             for lr in sorted({lr for lrs in arm_lrs.values() for lr in lrs}, key=lambda x: x or 0):
