@@ -510,3 +510,9 @@ def test_online_arms_get_their_reference_trained_first_and_reported(tmp_path, mo
     assert arms_run[("RHO-LOSS", 5e-4, None, 1)][1][-1] == f"batching.rho.reference={checkpoint}"
     assert not any("reference" in a for a in arms_run[("random batches", 5e-4, None, 1)][1])
     assert record["reference"]["checkpoint"] == checkpoint and record["reference"]["seed"] == 1000
+    import pytest
+    for schedule in ("max_epoch=24", "scheduler.epochs=24"):  # it would replace their equal-compute epochs
+        with pytest.raises(SystemExit):
+            compare.main(["--seeds", "1", "--lrs", "5e-4", "--arms", "JEST", "--output_dir", out, "--set",
+                          schedule])
+    assert len(asked) == 2  # refused before anything ran

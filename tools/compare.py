@@ -297,6 +297,13 @@ def main(argv: Sequence[str] | None = None) -> dict:
         parser.error('--selected and --lrs exclude each other: the selected rates, or a sweep')
     if args.selected and args.selected_settings:
         parser.error('--selected already holds every arm at its selected setting (drop --selected_settings)')
+    schedule = {'max_epoch', 'schedular.epochs', 'scheduler.epochs'}
+    if online := [a for a in args.arms if a in ONLINE_ARMS and any(
+            o.partition('=')[0].strip() in schedule for o in args.overrides)]:
+        # Their epochs are set for equal compute with the tiny config's 12 (tools.arms.ARMS), and --set comes
+        # last: a schedule given there would silently train them at another compute than they claim.
+        parser.error(f'--set: {", ".join(online)} run at equal compute with 12 epochs of plain batches '
+                     '(their max_epoch in tools.arms.ARMS); a schedule set for every arm would override it')
     corpus = CORPORA[args.corpus]
     with in_root():
         base = resolve_config('pretrain', corpus.pretrain, list(args.overrides), check_paths=False)
