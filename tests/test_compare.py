@@ -320,7 +320,7 @@ def test_costs_come_from_the_strategy_benchmark_and_a_bad_file_is_named(tmp_path
         read_costs(str(tmp_path / "missing.json"))
 
 
-def test_the_selected_runs_are_the_sweeps_own_folders_and_commands(tmp_path, monkeypatch):
+def test_the_selected_runs_are_the_sweeps_own_folders_and_commands(tmp_path, monkeypatch, capsys):
     """--selected (the final rows on more seeds, a hidden seed) runs each arm exactly as its sweep ran the
     selection, in the same folder, so --reuse keeps the sweep's seeds; a grid arm without its selected
     setting is refused."""
@@ -361,6 +361,14 @@ def test_the_selected_runs_are_the_sweeps_own_folders_and_commands(tmp_path, mon
                   "--set", *longer])
     assert list(asked[-1]) == [("B3", 2.5e-4, "p=2,m=20", 1)]
     assert asked[-1][("B3", 2.5e-4, "p=2,m=20", 1)][1][-2:] == longer
+    # a schedule cut short of its cosine (or stretched) was never swept: refused, not given max_epoch's rate
+    n = len(asked)
+    for cut in (["max_epoch=24"], ["schedular.epochs=24"]):
+        with pytest.raises(SystemExit):
+            compare.main(["--seeds", "1", "--selected", "--arms", "B3", "--output_dir", str(tmp_path / "e24"),
+                          "--set", *cut])
+        assert "the selections were swept with the two equal" in capsys.readouterr().err
+    assert len(asked) == n
     monkeypatch.delitem(arms.SELECTED_LR_24, "B3")
     with pytest.raises(SystemExit):
         compare.main(["--seeds", "1", "--selected", "--arms", "B3", "--output_dir", str(tmp_path / "e24"),

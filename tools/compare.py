@@ -308,9 +308,15 @@ def main(argv: Sequence[str] | None = None) -> dict:
     with in_root():
         base = resolve_config('pretrain', corpus.pretrain, list(args.overrides), check_paths=False)
     chosen = {}
+    epochs = base.max_epoch or base.schedular.epochs
+    if args.selected and base.schedular.epochs != epochs:
+        # Every sweep behind a selection ran its cosine over the epochs it trained; keyed on max_epoch alone,
+        # a cut-short or stretched schedule would silently take a rate selected under another one.
+        parser.error(f'--selected: max_epoch={epochs} with schedular.epochs={base.schedular.epochs}; the '
+                     'selections were swept with the two equal (set both, or sweep this schedule with --lrs)')
     if args.selected or args.selected_settings:
         try:  # (lr, setting) per arm, selected at the schedule --set asks for; a sweep needs the setting only
-            chosen = {arm: selection(arm, args.corpus, base.max_epoch) if args.selected
+            chosen = {arm: selection(arm, args.corpus, epochs) if args.selected
                       else (None, selected_setting(arm)) for arm in args.arms}
         except ValueError as e:
             parser.error(f'--selected{"_settings" * args.selected_settings}: {e}')
