@@ -175,8 +175,10 @@ SELECTED_LRS = {'synthetic': SELECTED_LR, 'real': SELECTED_LR_REAL}  # tools.run
 # --selected_settings --arms GRIT-VLP B3 --set max_epoch=24 schedular.epochs=24 --output_dir
 # output/compare24` (2026-12-03; both inside the grid; docs/results/compare24_sweep_grit_b3_seeds1-3.md), and
 # random batches by the same command with --arms "random batches" (2026-12-04; inside the grid;
-# docs/results/compare24_sweep_random_seeds1-3.md).
-SELECTED_LR_24 = {'GRIT-VLP': 2.5e-4, 'B3': 2.5e-4, 'random batches': 2.5e-4}
+# docs/results/compare24_sweep_random_seeds1-3.md), and GRIT-VLP + S-ITC by the same command with --arms
+# "GRIT-VLP + S-ITC" --output_dir output/compare24_sitc (2026-12-04; 5e-4, inside the grid, s held at 0.2;
+# docs/results/compare24_sweep_sitc_seeds1-3.md).
+SELECTED_LR_24 = {'GRIT-VLP': 2.5e-4, 'B3': 2.5e-4, 'random batches': 2.5e-4, 'GRIT-VLP + S-ITC': 5e-4}
 # Selections at a schedule other than the corpus config's own (12 epochs synthetic, 6 real): (corpus, epochs).
 SELECTED_LRS_LONGER = {('synthetic', 24): SELECTED_LR_24}
 
