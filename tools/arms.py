@@ -179,9 +179,11 @@ SELECTED_LRS = {'synthetic': SELECTED_LR, 'real': SELECTED_LR_REAL}  # tools.run
 # "GRIT-VLP + S-ITC" --output_dir output/compare24_sitc (2026-12-04; 5e-4, inside the grid, s held at 0.2;
 # docs/results/compare24_sweep_sitc_seeds1-3.md), and GCBS by the same command with --arms GCBS --output_dir
 # output/compare24_gcbs (2026-12-04; 2.5e-4, inside the grid, k held at 5;
-# docs/results/compare24_sweep_gcbs_seeds1-3.md).
+# docs/results/compare24_sweep_gcbs_seeds1-3.md), and random walk by the same command with --arms "random
+# walk" --output_dir output/compare24_rwalk (2026-12-04; 5e-4, inside the grid, k=10, restart=0.1 held;
+# docs/results/compare24_sweep_rwalk_seeds1-3.md).
 SELECTED_LR_24 = {'GRIT-VLP': 2.5e-4, 'B3': 2.5e-4, 'random batches': 2.5e-4, 'GRIT-VLP + S-ITC': 5e-4,
-                  'GCBS': 2.5e-4}
+                  'GCBS': 2.5e-4, 'random walk': 5e-4}
 # Selections at a schedule other than the corpus config's own (12 epochs synthetic, 6 real): (corpus, epochs).
 SELECTED_LRS_LONGER = {('synthetic', 24): SELECTED_LR_24}
 
