@@ -170,18 +170,14 @@ SELECTED_LR_REAL = {'GRIT-VLP': 2.5e-4, 'random batches': 5e-4, 'B3': 2.5e-4, 'G
 SELECTED_LRS = {'synthetic': SELECTED_LR, 'real': SELECTED_LR_REAL}  # tools.runs.CORPORA's names
 
 # The synthetic world at 24 epochs (issue 49's protocol, max_epoch=24 schedular.epochs=24, being adopted):
-# each arm's rate of best mean val R@1 over seeds 1-3 at its 12-epoch grid setting (--selected_settings),
-# GRIT-VLP and B3 by `python -m tools.compare --seeds 1 2 3 --lrs 1.25e-4 2.5e-4 5e-4 1e-3
-# --selected_settings --arms GRIT-VLP B3 --set max_epoch=24 schedular.epochs=24 --output_dir
-# output/compare24` (2026-12-03; both inside the grid; docs/results/compare24_sweep_grit_b3_seeds1-3.md), and
-# random batches by the same command with --arms "random batches" (2026-12-04; inside the grid;
-# docs/results/compare24_sweep_random_seeds1-3.md), and GRIT-VLP + S-ITC by the same command with --arms
-# "GRIT-VLP + S-ITC" --output_dir output/compare24_sitc (2026-12-04; 5e-4, inside the grid, s held at 0.2;
-# docs/results/compare24_sweep_sitc_seeds1-3.md), and GCBS by the same command with --arms GCBS --output_dir
-# output/compare24_gcbs (2026-12-04; 2.5e-4, inside the grid, k held at 5;
-# docs/results/compare24_sweep_gcbs_seeds1-3.md), and random walk by the same command with --arms "random
-# walk" --output_dir output/compare24_rwalk (2026-12-04; 5e-4, inside the grid, k=10, restart=0.1 held;
-# docs/results/compare24_sweep_rwalk_seeds1-3.md).
+# each arm's rate of best mean val R@1 over seeds 1-3 at its 12-epoch grid setting, every one inside the grid,
+# by `python -m tools.compare --seeds 1 2 3 --lrs 1.25e-4 2.5e-4 5e-4 1e-3 --selected_settings --arms ARM
+# --set max_epoch=24 schedular.epochs=24 --output_dir DIR`, recorded in docs/results/ as (arm: record, date):
+#   GRIT-VLP and B3: compare24_sweep_grit_b3_seeds1-3.md (2026-12-03, both arms in one command)
+#   random batches: compare24_sweep_random_seeds1-3.md (2026-12-04)
+#   GRIT-VLP + S-ITC: compare24_sweep_sitc_seeds1-3.md (2026-12-04, s held at 0.2)
+#   GCBS: compare24_sweep_gcbs_seeds1-3.md (2026-12-04, k held at 5)
+#   random walk: compare24_sweep_rwalk_seeds1-3.md (2026-12-04, k = 10 and restart 0.1 held)
 SELECTED_LR_24 = {'GRIT-VLP': 2.5e-4, 'B3': 2.5e-4, 'random batches': 2.5e-4, 'GRIT-VLP + S-ITC': 5e-4,
                   'GCBS': 2.5e-4, 'random walk': 5e-4}
 # Selections at a schedule other than the corpus config's own (12 epochs synthetic, 6 real): (corpus, epochs).
