@@ -184,3 +184,56 @@ def test_ablate_micro_table2_reads_uov(micro_env, tmp_path, monkeypatch):
     with open(os.path.join(out, "micro", "albef_base", "seed1", "probe.json")) as f:
         assert "ft_tr_r1" not in metrics and metrics["probe"] == json.load(f)["overall"]
     assert "UoV@1 (p 0.5)" in open(os.path.join(out, "micro", "table2.md")).read()
+
+
+def _table4_record(seeds=(1, 2, 3)) -> dict:
+    """A table-4 record with hand-chosen recalls: GRIT row ahead of ALBEF_Base50 by 4, 6 and 8 fine-tuned."""
+    def m(ft, zs):
+        return {"ft_tr_r1": ft + 1.0, "ft_ir_r1": ft - 1.0, "zs_tr_r1": zs, "zs_ir_r1": zs}
+    rows = {"albef_base50": {str(s): m(50.0, 40.0) for s in seeds},
+            "grit": {str(s): m(50.0 + 2.0 * (s + 1), 40.0 - s) for s in seeds},
+            "albef_base": {str(s): {"zs_tr_r1": 30.0, "zs_ir_r1": 30.0, "ft_tr_r1": None, "ft_ir_r1": None}
+                           for s in seeds}}
+    return {"table": 4, "preset": "tiny", "seeds": list(seeds), "set": [], "rows": rows}
+
+
+def test_ordering_gaps_are_paired_by_seed_with_scipys_t_interval():
+    from scipy import stats
+
+    from tools.ablate import ordering_gaps
+
+    gaps = {(g["row"], g["baseline"], g["figure"]): g for g in ordering_gaps(4, _table4_record()["rows"])}
+    ft = gaps[("grit", "albef_base50", "ft_mean_r1")]
+    assert ft["per_seed"] == [4.0, 6.0, 8.0] and ft["seeds"] == [1, 2, 3]
+    # by hand: mean 6, s = 2, t(0.975, 2) = 4.3027 -> half-width 4.3027 * 2 / sqrt(3) = 4.968
+    assert ft["mean"] == 6.0 and abs(ft["high"] - ft["mean"] - 4.968) < 1e-3
+    low, high = stats.t.interval(0.95, 2, loc=6.0, scale=stats.sem([4.0, 6.0, 8.0]))
+    assert abs(ft["low"] - low) < 1e-9 and abs(ft["high"] - high) < 1e-9
+    assert (ft["ahead"], ft["behind"], ft["n"]) == (3, 0, 3)
+    zs = gaps[("grit", "albef_base50", "zs_mean_r1")]
+    assert zs["per_seed"] == [-1.0, -2.0, -3.0] and (zs["ahead"], zs["behind"]) == (0, 3)
+    # ALBEF_Base50 - ALBEF_Base: zero-shot only, the fine-tuned recalls being absent (None)
+    assert ("albef_base50", "albef_base", "zs_mean_r1") in gaps
+    assert ("albef_base50", "albef_base", "ft_mean_r1") not in gaps
+    # rows the record lacks (naive GRIT, ...) give no ordering
+    assert not any(g["row"] == "grit_naive" for g in gaps.values())
+
+
+def test_ablate_from_record_tabulates_a_stored_table_with_its_gaps(tmp_path, capsys):
+    from tools.ablate import main
+
+    path = tmp_path / "table4.json"
+    path.write_text(json.dumps(_table4_record()))
+    out = main(["--table", "4", "--from_record", str(path), "--output_dir", str(tmp_path / "out")])
+    assert out["from_record"] == str(path) and out["rows"] == _table4_record()["rows"]
+    text = (tmp_path / "out" / "table4_gaps.md").read_text()
+    assert ("| GRIT over ALBEF_Base50 | + GRIT (shuffles) − ALBEF_Base50 | fine-tuned mean R@1 | "
+            "+6.00 [+1.03, +10.97] | 3 / 0 of 3 | +4.0, +6.0, +8.0 |") in text
+    assert json.loads((tmp_path / "out" / "table4_gaps.json").read_text())["gaps"] == json.loads(
+        json.dumps(out["gaps"]))
+    with pytest.raises(SystemExit):
+        main(["--table", "1", "--from_record", str(path), "--output_dir", str(tmp_path / "out")])
+    assert "not a record of table 1" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        main(["--table", "4", "--from_record", str(tmp_path / "missing.json")])
+    assert "missing.json: no such file" in capsys.readouterr().err

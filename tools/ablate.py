@@ -2,6 +2,7 @@
 
     python -m tools.ablate --preset tiny --table 4 --seeds 1 2 3 [--output_dir output/ablation]
         [--rows grit grit_vlp] [--no_finetune] [--set key=value ...]
+    python -m tools.ablate --table 4 --from_record docs/results/table4.json   # no run: re-tabulate
 
 Each row is one config in configs/ablation/ (preset `paper`) or configs/ablation/tiny/ (`tiny`,
 `micro`): a few overrides of the pre-training config (a config file's `base:` key). For every row
@@ -20,8 +21,12 @@ and table<N>_report/ holds tools.report's per-epoch tables and overlaid plots of
 A step whose result is already on disk is reused, so a table is never recomputed from scratch and
 rows shared between tables (ALBEF_Base is in Tables 1, 2 and 4) are trained once. The table is
 written to <output_dir>/<preset>/table<N>.md with mean and spread (sample standard deviation) over
-seeds, and every per-seed number to table<N>.json (also printed as the last line). The scripts run as
-children in the repository root (tools.launch), so the tool works from any working directory.
+seeds, and every per-seed number to table<N>.json (also printed as the last line). Below the table, each
+ordering the paper states within it (ORDERINGS) is given as a gap paired by seed, fine-tuned and zero-shot
+mean R@1 (the mean of text and image R@1), with its 95 % t interval and the seeds on each side
+(tools.stats.paired_interval); `--from_record` recomputes both from a stored table<N>.json without a run.
+The scripts run as children in the repository root (tools.launch), so the tool works from any working
+directory.
 Presets: `paper` (configs/Pretrain.yaml sizes, configs/Retrieval_coco.yaml), `tiny` (the synthetic world,
 minutes per row on a CPU), `micro` (the tiny rows on 100 images for 2 epochs: a smoke test of the whole
 pipeline in about a minute).
@@ -41,7 +46,7 @@ from tools.cli import emit_record, tool_parser
 from tools.launch import in_root, run
 from tools.report import load_runs, write_report
 from tools.runs import fresh, read_log
-from tools.stats import mean_std
+from tools.stats import mean_std, paired_interval
 from training.cli import Parser, run_main
 from training.config_files import ConfigError, config_to_dict
 from training.config_resolve import resolve_config
@@ -59,6 +64,23 @@ TABLES: dict[int, list[tuple[str, str]]] = {
     5: [("itc", "ITC"), ("itc_grit", "ITC + GRIT"), ("itc_cons_grit", "ITC_cons + GRIT")],
 }
 UOV_PROBS = ("0.15", "0.35", "0.5", "0.75")
+# The orderings the paper states within each table: (row, the row it should beat, the claim). Naive GRIT's
+# claim is a tie at a higher cost (its epoch time is in the table); the rest are "row beats baseline".
+ORDERINGS: dict[int, list[tuple[str, str, str]]] = {
+    1: [("mlm_itm_rand_itc", "mlm_itm_rand", "ITC helps"),
+        ("albef_base", "mlm_itm_rand_itc", "hard negatives over random ones")],
+    2: [("albef_base50", "albef_base", "50 % masking over 15 %")],
+    4: [("albef_base50", "albef_base", "50 % masking over 15 %"),
+        ("grit", "albef_base50", "GRIT over ALBEF_Base50"),
+        ("grit_naive", "grit", "naive GRIT as good as GRIT"),
+        ("grit", "grit_no_shuffle", "shuffles help GRIT"),
+        ("grit_vlp", "grit_cons15", "50 % over 15 % under GRIT + cons"),
+        ("grit_vlp", "grit", "the consistency loss adds to GRIT")],
+    5: [("itc_grit", "itc", "GRIT over ITC"), ("itc_cons_grit", "itc_grit", "the consistency loss adds")],
+}
+# The figures the orderings are judged by: name -> (the two recall keys averaged, label).
+GAP_FIGURES = {"ft_mean_r1": (("ft_tr_r1", "ft_ir_r1"), "fine-tuned mean R@1"),
+               "zs_mean_r1": (("zs_tr_r1", "zs_ir_r1"), "zero-shot mean R@1")}
 
 
 @dataclass(frozen=True)
@@ -263,6 +285,50 @@ def markdown_table(table: int, results: dict[str, dict[int, RowResult]], seeds: 
     return "\n".join(lines) + "\n"
 
 
+def _figure(metrics: dict, keys: tuple[str, str]) -> float | None:
+    """The mean of two recalls of one run, None when the run lacks either (e.g. no fine-tuning)."""
+    values = [metrics.get(k) for k in keys]
+    return None if any(v is None for v in values) else (values[0] + values[1]) / 2
+
+
+def ordering_gaps(table: int, rows: dict[str, dict[str, dict]]) -> list[dict]:
+    """Each of `table`'s ORDERINGS present in `rows` (row -> seed -> metrics, as table<N>.json holds them),
+    per figure of GAP_FIGURES both rows have: the per-seed gaps (row minus baseline, on the seeds both ran)
+    and their paired 95 % t interval with the seeds on each side."""
+    out = []
+    for row, base, claim in ORDERINGS.get(table, []):
+        if row not in rows or base not in rows:
+            continue
+        seeds = sorted(set(rows[row]) & set(rows[base]), key=int)
+        for name, (keys, _) in GAP_FIGURES.items():
+            pairs = [(_figure(rows[row][s], keys), _figure(rows[base][s], keys)) for s in seeds]
+            if not pairs or any(a is None or b is None for a, b in pairs):
+                continue
+            gaps = [a - b for a, b in pairs]
+            out.append({"row": row, "baseline": base, "claim": claim, "figure": name,
+                        "seeds": [int(s) for s in seeds], "per_seed": gaps, **paired_interval(gaps)})
+    return out
+
+
+def gaps_markdown(table: int, gaps: Sequence[dict]) -> str:
+    """The orderings' paired gaps as a markdown table: claim, figure, mean [95 % t], seeds ahead, per seed."""
+    if not gaps:
+        return ""
+    labels = dict(TABLES[table])
+    lines = ["Orderings the paper states, paired by seed (row minus the row it should beat; 95 % t interval)",
+             "",
+             "| claim | row − baseline | figure | mean [95 % t] | seeds ahead / behind | per seed |",
+             "|---|---|---|---|---|---|"]
+    for g in gaps:
+        interval = (f"{g['mean']:+.2f} [{g['low']:+.2f}, {g['high']:+.2f}]" if math.isfinite(g["low"])
+                    else f"{g['mean']:+.2f}")
+        sides = f"{g['ahead']} / {g['behind']} of {g['n']}"
+        lines.append(f"| {g['claim']} | {labels[g['row']]} − {labels[g['baseline']]} | "
+                     f"{GAP_FIGURES[g['figure']][1]} | {interval} | {sides} | "
+                     + ", ".join(f"{v:+.1f}" for v in g["per_seed"]) + " |")
+    return "\n".join(lines) + "\n"
+
+
 def build_parser() -> Parser:
     """The command line."""
     p = tool_parser("tools.ablate", __doc__.splitlines()[0])
@@ -280,6 +346,9 @@ def build_parser() -> Parser:
                    help="skip retrieval fine-tuning (zero-shot, probe and UoV only)")
     p.add_argument("--set", dest="sets", nargs="*", action="extend", default=[], metavar="KEY=VALUE",
                    help="pre-training config overrides applied to every row (e.g. max_epoch=5)")
+    p.add_argument("--from_record", default=None, metavar="TABLE_JSON",
+                   help="no run: re-tabulate a stored table<N>.json (its table must be --table) with its "
+                        "orderings' paired gaps, printed and written to <output_dir>/table<N>_gaps.md/.json")
     return p
 
 
@@ -295,6 +364,8 @@ def main(argv: Sequence[str] | None = None) -> dict:
             parser.error(f"--rows {unknown} are not rows of table {args.table}; its rows: {rows}")
         rows = [r for r in rows if r in args.rows]
     base = os.path.join(os.path.abspath(args.output_dir), args.preset)  # the user's path, from where they are
+    if args.from_record is not None:
+        return from_record(parser, args.from_record, args.table, os.path.abspath(args.output_dir))
     with in_root():
         if preset.synthetic:
             from dataset import ensure_synthetic
@@ -308,9 +379,10 @@ def main(argv: Sequence[str] | None = None) -> dict:
             for seed in args.seeds:
                 row_dir = os.path.join(base, row, f"seed{seed}")
                 results[row][seed] = run_row(row_dir, row, seed, preset, args.table, args.finetune, args.sets)
-    text = markdown_table(args.table, results, args.seeds)
     record = {"table": args.table, "preset": args.preset, "seeds": args.seeds, "set": args.sets,
               "rows": {row: {str(s): r.metrics for s, r in per.items()} for row, per in results.items()}}
+    record["gaps"] = ordering_gaps(args.table, record["rows"])
+    text = markdown_table(args.table, results, args.seeds) + "\n" + gaps_markdown(args.table, record["gaps"])
     os.makedirs(base, exist_ok=True)
     with open(os.path.join(base, f"table{args.table}.md"), "w", encoding="utf-8") as f:
         f.write(text)
@@ -323,6 +395,22 @@ def main(argv: Sequence[str] | None = None) -> dict:
     print("\n" + text)
     print(f"written: {base}/table{args.table}.md, {base}/table{args.table}.json, {report}")
     return emit_record(record, base, f"table{args.table}")
+
+
+def from_record(parser: Parser, path: str, table: int, output_dir: str) -> dict:
+    """--from_record: the table and its orderings' gaps from a stored table<N>.json; no run."""
+    if not os.path.isfile(path):
+        parser.error(f"--from_record {path}: no such file")
+    record = read_json(path)
+    if record.get("table") != table or not isinstance(record.get("rows"), dict):
+        parser.error(f"--from_record {path}: not a record of table {table} "
+                     f"(its 'table': {record.get('table')!r})")
+    results = {row: {int(s): RowResult(m) for s, m in per.items()} for row, per in record["rows"].items()}
+    gaps = ordering_gaps(table, record["rows"])
+    text = markdown_table(table, results, record["seeds"]) + "\n" + gaps_markdown(table, gaps)
+    print(text)
+    return emit_record({**record, "gaps": gaps, "from_record": path}, output_dir, f"table{table}_gaps",
+                       table=text)
 
 
 if __name__ == "__main__":
