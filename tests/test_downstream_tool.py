@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import statistics
 
 import pytest
 
@@ -24,6 +25,29 @@ def test_the_table_has_a_row_per_seed_and_each_arms_mean_and_std():
     assert mean.startswith("| GRIT-VLP | mean ± std | 0.300 ± 0.000 | 0.650 ± 0.000 | 15.0 | 0.680 ± 0.028 |")
     assert not any(line.startswith("| random batches | mean") for line in lines)  # one seed: no spread
     assert "majority answer scores 0.138" in text
+
+
+def test_the_gap_to_random_batches_is_paired_by_seed_with_its_t_interval():
+    from scipy import stats
+
+    # the docs' 36-epoch NLVR2 test-P: GRIT-VLP 0.657 / 0.592 / 0.645, random batches 0.598 / 0.588 / 0.565
+    def row(test):
+        return {**_row(0.6), "nlvr_test": test}
+    rows = {"GRIT-VLP": {1: row(0.657), 2: row(0.592), 3: row(0.645)},
+            "random batches": {1: row(0.598), 2: row(0.588), 3: row(0.565), 4: row(0.5)}}
+    gaps = downstream.downstream_gaps(rows)
+    assert list(gaps) == ["GRIT-VLP"]  # the baseline has no gap to itself
+    g = gaps["GRIT-VLP"]["nlvr_test"]
+    assert g["seeds"] == [1, 2, 3]  # seed 4 only the baseline ran
+    assert [round(v, 9) for v in g["per_seed"]] == [0.059, 0.004, 0.08]
+    low, high = stats.t.interval(0.95, 2, loc=statistics.fmean(g["per_seed"]), scale=stats.sem(g["per_seed"]))
+    assert abs(g["low"] - low) < 1e-12 and abs(g["high"] - high) < 1e-12
+    assert (round(g["low"], 3), round(g["high"], 3), g["ahead"], g["behind"]) == (-0.05, 0.145, 3, 0)
+    assert gaps["GRIT-VLP"]["nlvr_dev"]["per_seed"] == [0.0, 0.0, 0.0]
+    text = downstream.markdown(rows)
+    assert ("| GRIT-VLP | NLVR2 test-P | +0.048 [-0.050, +0.145] | 3 / 0 of 3 | +0.059, +0.004, +0.080 |"
+            in text)
+    assert downstream.downstream_gaps({"GRIT-VLP": rows["GRIT-VLP"]}) == {}  # no baseline, no gaps
 
 
 def test_reuse_keeps_a_finished_pretraining_and_reruns_the_rest(tmp_path, monkeypatch):

@@ -11,8 +11,9 @@ run two side by side, then the chains, a stage of two chains at a time, every ru
 one too: a CPU's floats depend on the thread count, and the docs' numbers are one-thread runs). --reuse
 keeps a pre-training whose log has every epoch and whose result.json records the same command. Prints a
 markdown table (per seed: final loss_itm of the pre-training, text-assignment accuracy, NLVR2's best dev
-epoch with its dev and test-P accuracy, VQA accuracy and the majority answer's) and the JSON record
-(also <output_dir>/downstream.json, downstream.md). `python demo.py --downstream` runs one chain; `make
+epoch with its dev and test-P accuracy, VQA accuracy and the majority answer's), each arm's gap to random
+batches paired by seed (NLVR2 dev, test-P, VQA: mean, 95 % t interval, seeds ahead / behind) and the JSON
+record (also <output_dir>/downstream.json, downstream.md). `python demo.py --downstream` runs one chain; `make
 test-slow` asserts GRIT-VLP's.
 """
 
@@ -34,11 +35,11 @@ from tools.runs import (
     run_dir,
     saved_result,
 )
-from tools.stats import mean_std
+from tools.stats import mean_std, paired_interval
 from training.cli import Parser, run_main
 from training.config_resolve import resolve_config
 
-__all__ = ["DOWNSTREAM_PRETRAIN_CONFIG", "build_parser", "downstream_summary", "main",
+__all__ = ["DOWNSTREAM_PRETRAIN_CONFIG", "build_parser", "downstream_gaps", "downstream_summary", "main",
            "majority_baseline", "markdown", "pretrain_for_downstream", "run_chains", "run_downstream"]
 
 # The tiny config for 36 epochs, not 12: NLVR2 needs a stronger ITM (docs/synthetic-world.md, 'NLVR2 on the
@@ -137,6 +138,27 @@ FIGURES = (('loss_itm', 'final loss_itm'), ('ta_acc', 'TA acc'), ('nlvr_epoch', 
            ('nlvr_dev', 'NLVR2 dev'), ('nlvr_test', 'NLVR2 test-P'), ('vqa_test', 'VQA'))
 
 
+GAP_FIGURES = ('nlvr_dev', 'nlvr_test', 'vqa_test')  # the accuracies an arm is compared by
+GAP_BASELINE = 'random batches'
+
+
+def downstream_gaps(rows: dict[str, dict[int, dict]], baseline: str = GAP_BASELINE) -> dict[str, dict]:
+    """Each other arm's gap to `baseline` per figure of GAP_FIGURES, paired on the seeds both ran:
+    {arm: {figure: {'per_seed', **tools.stats.paired_interval}}}; {} without the baseline."""
+    if baseline not in rows:
+        return {}
+    out = {}
+    for arm, per_seed in rows.items():
+        seeds = sorted(set(per_seed) & set(rows[baseline]))
+        if arm == baseline or not seeds:
+            continue
+        out[arm] = {}
+        for k in GAP_FIGURES:
+            gaps = [per_seed[s][k] - rows[baseline][s][k] for s in seeds]
+            out[arm][k] = {'seeds': seeds, 'per_seed': gaps, **paired_interval(gaps)}
+    return out
+
+
 def markdown(rows: dict[str, dict[int, dict]]) -> str:
     """{arm: {seed: figures}} as a markdown table, a row per arm and seed, then each arm's mean ± std."""
     lines = ['| arm | seed | ' + ' | '.join(h for _, h in FIGURES) + ' |',
@@ -152,7 +174,18 @@ def markdown(rows: dict[str, dict[int, dict]]) -> str:
                 cells.append(f'{m:.1f}' if k == 'nlvr_epoch' else f'{m:.3f} ± {sd:.3f}')
             lines.append(f'| {arm} | mean ± std | ' + ' | '.join(cells) + ' |')
     majority = next(iter(next(iter(rows.values())).values()))['vqa_majority']
-    return '\n'.join(lines) + f'\n\nVQA\'s majority answer scores {majority:.3f}; NLVR2 chance is 0.5.\n'
+    text = '\n'.join(lines) + f'\n\nVQA\'s majority answer scores {majority:.3f}; NLVR2 chance is 0.5.\n'
+    gaps = downstream_gaps(rows)
+    if gaps:
+        labels = dict(FIGURES)
+        text += (f'\nGap to {GAP_BASELINE}, paired by seed: mean [95 % t interval], seeds ahead / behind\n\n'
+                 '| arm | figure | mean [95 % t] | ahead / behind | per seed |\n|---|---|---|---|---|\n')
+        for arm, per_figure in gaps.items():
+            for k, g in per_figure.items():
+                interval = f'{g["mean"]:+.3f} [{g["low"]:+.3f}, {g["high"]:+.3f}]'
+                text += (f'| {arm} | {labels[k]} | {interval} | {g["ahead"]} / {g["behind"]} of {g["n"]} | '
+                         + ', '.join(f'{v:+.3f}' for v in g['per_seed']) + ' |\n')
+    return text
 
 
 def build_parser() -> Parser:
@@ -192,7 +225,8 @@ def main(argv: Sequence[str] | None = None) -> dict:
     with open(os.path.join(output_dir, 'downstream.md'), 'w', encoding='utf-8') as f:
         f.write(text)
     record = {'seeds': args.seeds, 'config': DOWNSTREAM_PRETRAIN_CONFIG,
-              'rows': {arm: {str(s): r for s, r in per.items()} for arm, per in rows.items()}}
+              'rows': {arm: {str(s): r for s, r in per.items()} for arm, per in rows.items()},
+              'gaps': downstream_gaps(rows)}
     return emit_record(record, output_dir, 'downstream')
 
 
