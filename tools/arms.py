@@ -179,8 +179,10 @@ SELECTED_LRS = {'synthetic': SELECTED_LR, 'real': SELECTED_LR_REAL}  # tools.run
 #   GCBS: compare24_sweep_gcbs_seeds1-3.md (2026-12-04, k held at 5)
 #   random walk: compare24_sweep_rwalk_seeds1-3.md (2026-12-04, k = 10 and restart 0.1 held)
 #   random + HN-NCE: compare24_sweep_rhn_seeds1-3.md (2026-12-04, beta held at 0.5)
+#   GRIT-VLP + HN-NCE: compare24_sweep_ghn_seeds1-3.md (2026-12-04, beta held at 0.5)
 SELECTED_LR_24 = {'GRIT-VLP': 2.5e-4, 'B3': 2.5e-4, 'random batches': 2.5e-4, 'GRIT-VLP + S-ITC': 5e-4,
-                  'GCBS': 2.5e-4, 'random walk': 5e-4, 'random + HN-NCE': 2.5e-4}
+                  'GCBS': 2.5e-4, 'random walk': 5e-4, 'random + HN-NCE': 2.5e-4,
+                  'GRIT-VLP + HN-NCE': 5e-4}
 # Selections at a schedule other than the corpus config's own (12 epochs synthetic, 6 real): (corpus, epochs).
 SELECTED_LRS_LONGER = {('synthetic', 24): SELECTED_LR_24}
 
