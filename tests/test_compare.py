@@ -339,7 +339,7 @@ def test_the_selected_runs_are_the_sweeps_own_folders_and_commands(tmp_path, mon
     monkeypatch.setattr(compare, "run_pairs", fake_pairs)
     out = str(tmp_path / "cmp")
     record = compare.main(["--seeds", "2", "1", "--lrs", "5e-4", "2.5e-4", "--arms", "B3", "--output_dir",
-                           out])
+                           out, "--epochs", "12"])
     # the record's sweep by rate, then grid order, its seeds ascending, whatever order the runs came back in
     assert list(record["sweep"]["B3"]) == [
         "0.00025 p=2,m=20", "0.00025 p=10,m=30", "0.0005 p=2,m=20", "0.0005 p=10,m=30"]
@@ -347,9 +347,9 @@ def test_the_selected_runs_are_the_sweeps_own_folders_and_commands(tmp_path, mon
     monkeypatch.setitem(arms.SELECTED_LR, "B3", 5e-4)
     monkeypatch.delitem(arms.SELECTED_SETTING, "B3", raising=False)
     with pytest.raises(SystemExit):  # the rate alone is not B3's selection
-        compare.main(["--seeds", "1", "--selected", "--arms", "B3", "--output_dir", out])
+        compare.main(["--seeds", "1", "--selected", "--arms", "B3", "--output_dir", out, "--epochs", "12"])
     monkeypatch.setitem(arms.SELECTED_SETTING, "B3", "p=2,m=20")
-    compare.main(["--seeds", "1", "--selected", "--arms", "B3", "--output_dir", out])
+    compare.main(["--seeds", "1", "--selected", "--arms", "B3", "--output_dir", out, "--epochs", "12"])
     sweep, selected = asked[0], asked[-1]
     assert len(sweep) == 8 and list(selected) == [("B3", 5e-4, "p=2,m=20", 1)]
     assert selected[("B3", 5e-4, "p=2,m=20", 1)] == sweep[("B3", 5e-4, "p=2,m=20", 1)]
@@ -361,6 +361,25 @@ def test_the_selected_runs_are_the_sweeps_own_folders_and_commands(tmp_path, mon
                   "--set", *longer])
     assert list(asked[-1]) == [("B3", 2.5e-4, "p=2,m=20", 1)]
     assert asked[-1][("B3", 2.5e-4, "p=2,m=20", 1)][1][-2:] == longer
+    # 24 epochs are the comparison's default (issue 49): the runs, folders and record --set spelled
+    spelled, spelled_record = asked[-1], json.load(open(tmp_path / "e24" / "compare.json"))
+    for default in ([], ["--epochs", "24"]):
+        compare.main(["--seeds", "1", "--selected", "--arms", "B3", "--output_dir", str(tmp_path / "e24"),
+                      *default])
+        assert asked[-1] == spelled
+        assert json.load(open(tmp_path / "e24" / "compare.json")) == spelled_record
+    assert spelled_record["epochs"] == 24 and spelled_record["overrides"] == longer
+    # a run's folder does not name its schedule: the default folders do, so that the two never overwrite
+    monkeypatch.chdir(tmp_path)
+    for epochs, folder in (([], "compare_e24"), (["--epochs", "12"], "compare")):
+        compare.main(["--seeds", "1", "--selected", "--arms", "B3", *epochs])
+        (run, _, _), = asked[-1].values()
+        assert run.startswith(os.path.join(str(tmp_path), "output", folder, "seed1"))
+    monkeypatch.chdir(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    with pytest.raises(SystemExit):  # one schedule, not two
+        compare.main(["--seeds", "1", "--selected", "--arms", "B3", "--output_dir", str(tmp_path / "e24"),
+                      "--epochs", "24", "--set", *longer])
+    assert "both set the schedule" in capsys.readouterr().err
     # a schedule cut short of its cosine (or stretched) was never swept: refused, not given max_epoch's rate
     n = len(asked)
     for cut in (["max_epoch=24"], ["schedular.epochs=24"]):
@@ -408,7 +427,7 @@ def test_merged_rows_are_read_not_run_and_a_foreign_record_is_named(tmp_path, mo
 
     monkeypatch.setattr(compare, "run_pairs", fake_pairs)
     first = str(tmp_path / "first")
-    arms = ["--arms", "GRIT-VLP", "random batches"]
+    arms = ["--arms", "GRIT-VLP", "random batches", "--epochs", "12"]
     compare.main(["--seeds", "1", "--selected", *arms, "--output_dir", first])
     earlier = os.path.join(first, "compare.json")
     with open(earlier) as f:
@@ -428,7 +447,11 @@ def test_merged_rows_are_read_not_run_and_a_foreign_record_is_named(tmp_path, mo
         os.path.join(out, "compare.md")).read()
     with pytest.raises(InputFileError, match="compare.json: made with --set"):
         compare.main(["--seeds", "1", "--selected", "--arms", "GRIT-VLP", "--output_dir", out,
-                      "--merge", earlier, "--set", "schedular.warmup_steps=40"])
+                      "--merge", earlier, "--epochs", "12", "--set", "schedular.warmup_steps=40"])
+    with pytest.raises(InputFileError, match=r"compare.json: made with --set \[\], this comparison with "
+                                             r"--set \['max_epoch=24', 'schedular.epochs=24'\]"):
+        compare.main(["--seeds", "1", "--selected", "--arms", "GRIT-VLP", "--output_dir", out,
+                      "--merge", earlier])  # a 12-epoch record in the default, 24-epoch comparison
     saved["sweep"]["GRIT-VLP"]["0.0005"]["1"]["txt_r1"] = 1.0
     other = tmp_path / "other.json"
     other.write_text(json.dumps(saved))
@@ -508,7 +531,7 @@ def test_online_arms_get_their_reference_trained_first_and_reported(tmp_path, mo
     monkeypatch.setattr(compare, "run_pairs", fake_pairs)
     out = str(tmp_path / "cmp")
     record = compare.main(["--seeds", "1", "--lrs", "5e-4", "--arms", "JEST", "random batches", "RHO-LOSS",
-                           "--output_dir", out])
+                           "--output_dir", out, "--epochs", "12"])
     reference, arms_run = asked
     directory, args = reference["reference"]
     assert directory == os.path.join(out, "reference") and args[:2] == ["--seed", "1000"]
@@ -519,8 +542,8 @@ def test_online_arms_get_their_reference_trained_first_and_reported(tmp_path, mo
     assert not any("reference" in a for a in arms_run[("random batches", 5e-4, None, 1)][1])
     assert record["reference"]["checkpoint"] == checkpoint and record["reference"]["seed"] == 1000
     import pytest
-    for schedule in ("max_epoch=24", "scheduler.epochs=24"):  # it would replace their equal-compute epochs
+    # a schedule would replace their equal-compute epochs: refused, the comparison's default 24 included
+    for schedule in (["--set", "max_epoch=24"], ["--set", "scheduler.epochs=24"], [], ["--epochs", "24"]):
         with pytest.raises(SystemExit):
-            compare.main(["--seeds", "1", "--lrs", "5e-4", "--arms", "JEST", "--output_dir", out, "--set",
-                          schedule])
+            compare.main(["--seeds", "1", "--lrs", "5e-4", "--arms", "JEST", "--output_dir", out, *schedule])
     assert len(asked) == 2  # refused before anything ran

@@ -30,7 +30,8 @@ def test_tables_epochs_and_correlations(tmp_path, capsys):
     _write_runs(root, "GRIT-VLP", 5e-4, {1: 2, 2: 4, 3: 5})  # seed 3: never leaves chance in 4 epochs
     _write_runs(root, "random batches", 2.5e-4, {1: 2, 2: 2, 3: 2})
     report = str(tmp_path / "r")
-    record = itm_stall.main(["--compare_dir", root, "--seeds", "1", "2", "3", "--output_dir", report])
+    record = itm_stall.main(["--compare_dir", root, "--seeds", "1", "2", "3", "--output_dir", report,
+                             "--epochs", "12"])
     assert record["itm_epoch"] == {"GRIT-VLP": {1: 2, 2: 4, 3: 5}, "random batches": {1: 2, 2: 2, 3: 2}}
     rho = record["rank_correlation_epoch1"]
     assert rho["GRIT-VLP"]["hardness"] == pytest.approx(1.0)  # rises with the late start
@@ -73,28 +74,32 @@ def test_probe_on_every_epoch_checkpoint(in_repo, tmp_path):
         os.makedirs(folder)
         for epoch in range(4):
             torch.save(state, os.path.join(folder, f"checkpoint_{epoch:02d}.pth"))
-    record = itm_stall.main(["--compare_dir", root, "--seeds", "1", "--probe_limit", "2"])
+    record = itm_stall.main(["--compare_dir", root, "--seeds", "1", "--probe_limit", "2", "--epochs", "12"])
     probes = [r["probe"] for runs in record["logs"].values() for r in runs[1]]
     assert len(probes) == 8 and len(set(probes)) == 1 and 0 <= probes[0] <= 1
     assert "probe" in record["metrics"]
     os.remove(os.path.join(run_dir(root, "GRIT-VLP", 1, 5e-4), "pretrain", "checkpoint_03.pth"))
     with pytest.raises(InputFileError, match="checkpoint_03.pth is missing"):
-        itm_stall.main(["--compare_dir", root, "--seeds", "1", "--probe_limit", "2"])
+        itm_stall.main(["--compare_dir", root, "--seeds", "1", "--probe_limit", "2", "--epochs", "12"])
 
 
 def test_corpus_real_reads_the_runs_at_the_real_selections(tmp_path, monkeypatch):
-    """Without --lrs, --corpus real reads each arm's run at the real corpora's selection (SELECTED_LR_REAL);
+    """Without --lrs, --corpus real reads each arm's run at the real corpora's selection (SELECTED_LR_REAL),
+    the synthetic world at tools.compare's default schedule's (SELECTED_LR_24) or --epochs 12's (SELECTED_LR);
     the probe, which only the synthetic world has, is refused there."""
     from tools import arms
 
     monkeypatch.setitem(arms.SELECTED_LR_REAL, "GRIT-VLP", 2.5e-4)
     monkeypatch.setitem(arms.SELECTED_LR, "GRIT-VLP", 5e-4)
+    monkeypatch.setitem(arms.SELECTED_LR_24, "GRIT-VLP", 1e-3)
     root = str(tmp_path / "compare")
     _write_runs(root, "GRIT-VLP", 2.5e-4, {1: 3})
     record = itm_stall.main(["--compare_dir", root, "--seeds", "1", "--arms", "GRIT-VLP", "--corpus", "real"])
     assert record["itm_epoch"] == {"GRIT-VLP": {1: 3}}
-    with pytest.raises(InputFileError, match=r"lr 0\.0005.*seed 1"):  # the synthetic selection's folder
+    with pytest.raises(InputFileError, match=r"lr 0\.001.*seed 1"):  # the synthetic 24-epoch selection's
         itm_stall.main(["--compare_dir", root, "--seeds", "1", "--arms", "GRIT-VLP"])
+    with pytest.raises(InputFileError, match=r"lr 0\.0005.*seed 1"):  # the synthetic 12-epoch selection's
+        itm_stall.main(["--compare_dir", root, "--seeds", "1", "--arms", "GRIT-VLP", "--epochs", "12"])
     with pytest.raises(InputFileError, match="the real corpus has no compositional probe"):
         itm_stall.main(["--compare_dir", root, "--seeds", "1", "--arms", "GRIT-VLP", "--corpus", "real",
                         "--probe_limit", "5"])

@@ -169,7 +169,7 @@ SELECTED_LR_REAL = {'GRIT-VLP': 2.5e-4, 'random batches': 5e-4, 'B3': 2.5e-4, 'G
                     'GRIT-VLP + S-ITC': 2.5e-4}
 SELECTED_LRS = {'synthetic': SELECTED_LR, 'real': SELECTED_LR_REAL}  # tools.runs.CORPORA's names
 
-# The synthetic world at 24 epochs (issue 49's protocol, max_epoch=24 schedular.epochs=24, being adopted):
+# The synthetic world at 24 epochs (issue 49's protocol, tools.compare's default since 2026-12-07):
 # each arm's rate of best mean val R@1 over seeds 1-3 at its 12-epoch grid setting, every one inside the grid,
 # by `python -m tools.compare --seeds 1 2 3 --lrs 1.25e-4 2.5e-4 5e-4 1e-3 --selected_settings --arms ARM
 # --set max_epoch=24 schedular.epochs=24 --output_dir DIR`, recorded in docs/results/ as (arm: record, date):
@@ -219,13 +219,13 @@ def selected_setting(arm: str) -> str | None:
     return SELECTED_SETTING.get(arm)
 
 
-def arm_setting(arms: Sequence[str], lrs: Sequence[float] | None,
-                corpus: str = 'synthetic') -> dict[str, tuple[float, str | None]]:
+def arm_setting(arms: Sequence[str], lrs: Sequence[float] | None, corpus: str = 'synthetic',
+                epochs: int | None = None) -> dict[str, tuple[float, str | None]]:
     """{arm: (lr, grid setting)}: `lrs` in `arms`' order, each arm at its selected setting, or without `lrs`
-    each arm's selection on `corpus` (selection); ValueError when `lrs` is not one rate per arm."""
+    each arm's selection on `corpus` at `epochs` (selection); ValueError when `lrs` is not one rate an arm."""
     if lrs and len(lrs) != len(arms):
         raise ValueError(f'{len(lrs)} rates for {len(arms)} arms: give one per arm, in their order')
-    return {arm: (lrs[k], SELECTED_SETTING.get(arm)) if lrs else selection(arm, corpus)
+    return {arm: (lrs[k], SELECTED_SETTING.get(arm)) if lrs else selection(arm, corpus, epochs)
             for k, arm in enumerate(arms)}
 
 

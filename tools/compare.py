@@ -4,17 +4,19 @@ test split reported at that selection, per seed, re-ranked and ITC-only, with th
     python -m tools.compare --seeds 1 2 3 --lrs 1.25e-4 2.5e-4 5e-4 1e-3 \
         [--arms GRIT-VLP "GRIT-VLP M/N=96" "random batches"] [--output_dir output/compare] [--reuse] \
         [--set key=value ...] [--merge COMPARE_JSON ...]
-    python -m tools.compare --seeds 11 12 13 --selected     # each arm at its selection only
+    python -m tools.compare --seeds 11 12 13 --selected     # each arm at its 24-epoch selection only
     python -m tools.compare --seeds 4 5 6 --selected --arms GRIT-VLP B3 \
-        --set max_epoch=24 schedular.epochs=24               # at the 24-epoch selections (SELECTED_LR_24)
+        --epochs 12                                          # the tiny config's schedule (SELECTED_LR)
     python -m tools.compare --corpus real --seeds 1 2 3 --lrs 2.5e-4 5e-4 1e-3 --selected_settings \
         --arms GRIT-VLP "random batches" B3 GCBS "GRIT-VLP + S-ITC" --output_dir output/compare_real
 
 Every arm (tools.arms.ARMS) pre-trains configs/tiny/Pretrain.yaml once per learning rate and seed (the
-schedule's floor and warm-up start scaled with it), and an arm with a hyper-parameter (tools.arms.GRIDS:
-the same two-setting grid size for every such arm) once per setting too, and is evaluated zero-shot with
-`python -m Retrieval --evaluate` (configs/tiny/Retrieval.yaml: val and test, ITM re-ranked and by the ITC
-cosine alone) and tools.probe.
+schedule's floor and warm-up start scaled with it) for --epochs: by default 24, twice the config's 12, the
+protocol issue 49 adopted for its seed noise (tools.runs.COMPARISON_EPOCHS; --epochs 12 is the config's own,
+the protocol before it, whose selections are SELECTED_LR), and an arm with a hyper-parameter
+(tools.arms.GRIDS: the same two-setting grid size for every such arm) once per setting too, and is
+evaluated zero-shot with `python -m Retrieval --evaluate` (configs/tiny/Retrieval.yaml: val and test, ITM
+re-ranked and by the ITC cosine alone) and tools.probe.
 Each arm's learning rate (and grid setting) is the one with the best mean val R@1 (re-ranked) over the
 seeds (select_lr: the test split is never read to select); the per-seed test rows at it, their mean,
 sample std, median and range, and the gaps to random batches and to GRIT-VLP per seed are printed, then a
@@ -23,10 +25,9 @@ table (an arm per row at its selection; --costs adds each strategy's measured co
 setting's mean val and test R@1, the selection in bold). A row's batch
 figures: the last epoch's hardness both ways and mined-negative false-negative rate, and the same-scene
 share of the batches over epochs 1.. (tools.batch_scenes rebuilds it for runs that did not log it). Runs
-go two side by side, one thread each
-(tools.launch.run_side_by_side): about 3.5 minutes per run on a 2-core CPU. --reuse keeps a run whose
-result.json records the same command (the code is not compared: reuse within one checkout; nor is the
-folder, so a copied run folder is reused). `make demo`
+go two side by side, one thread each (tools.launch.run_side_by_side): about 8 minutes per 24-epoch run on a
+2-core CPU (4 at 12 epochs). --reuse keeps a run whose result.json records the same command (the code is
+not compared: reuse within one checkout; nor is the folder, so a copied run folder is reused). `make demo`
 runs one seed of two arms at their selected rates (tools.arms.SELECTED_LR).
 --corpus real runs the same protocol on tools.make_real's corpora (tools.runs.CORPORA: configs/real/,
 val and test of held-out concepts and the held-out artist's test split; no probe, which is the synthetic
@@ -34,8 +35,8 @@ world's); --selected_settings holds each grid arm at its synthetic selection (SE
 the rates only, so that every arm gets the same number of runs.
 --merge reads rows from earlier compare.json records instead of running them (a sweep run in parts, on
 other machines, or kept after its run folders are gone): a row there of an asked arm, setting and seed is
-taken as it is, the files must have been made with the same --set, and the record names what came from
-where (merged_from).
+taken as it is, the files must have been made with the same schedule and --set, and the record names what
+came from where (merged_from).
 """
 
 from __future__ import annotations
@@ -263,9 +264,16 @@ def build_parser() -> Parser:
                         'python -m tools.make_real first; default: synthetic)')
     p.add_argument('--arms', nargs='+', choices=list(ARMS), default=['GRIT-VLP', 'random batches'],
                    help='the arms (default: GRIT-VLP and random batches)')
-    p.add_argument('--output_dir', default='output/compare',
+    p.add_argument('--output_dir', default=None,
                    help='folder of the runs (<output_dir>/seed<S>/<arm>_lr<lr>/...) and of compare.json, the '
-                        'printed record (default: output/compare)')
+                        'printed record (default: output/compare at the config\'s own schedule, the folder '
+                        'tools.efficiency reuses, output/compare_e<epochs> at another: a run\'s folder does '
+                        'not name its schedule, so two schedules in one folder would overwrite each other)')
+    p.add_argument('--epochs', type=int, default=None,
+                   help='pre-training epochs of every run, the cosine schedule\'s length with them '
+                        '(default: the corpus\'s comparison schedule, synthetic '
+                        f'{CORPORA["synthetic"].epochs} (issue 49), real its config\'s own; or a schedule in '
+                        '--set)')
     p.add_argument('--reuse', action='store_true',
                    help='keep the runs whose result.json records the same pre-training command')
     p.add_argument('--set', dest='overrides', nargs='*', action='extend', default=[], metavar='KEY=VALUE',
@@ -292,42 +300,59 @@ def main(argv: Sequence[str] | None = None) -> dict:
     """Sweep, select on val, report test; returns the JSON record (sweep, selected_lr, summary, gaps)."""
     parser = build_parser()
     args = parser.parse_args(argv)
-    output_dir = os.path.abspath(args.output_dir)  # the user's path, from where the user is
     if args.selected and args.lrs:
         parser.error('--selected and --lrs exclude each other: the selected rates, or a sweep')
     if args.selected and args.selected_settings:
         parser.error('--selected already holds every arm at its selected setting (drop --selected_settings)')
     schedule = {'max_epoch', 'schedular.epochs', 'scheduler.epochs'}
-    if online := [a for a in args.arms if a in ONLINE_ARMS and any(
-            o.partition('=')[0].strip() in schedule for o in args.overrides)]:
-        # Their epochs are set for equal compute with the tiny config's 12 (tools.arms.ARMS), and --set comes
-        # last: a schedule given there would silently train them at another compute than they claim.
-        parser.error(f'--set: {", ".join(online)} run at equal compute with 12 epochs of plain batches '
-                     '(their max_epoch in tools.arms.ARMS); a schedule set for every arm would override it')
+    scheduled = [o for o in args.overrides if o.partition('=')[0].strip() in schedule]
+    if args.epochs is not None and args.epochs < 1:
+        parser.error(f'--epochs {args.epochs}: at least 1')
+    if args.epochs is not None and scheduled:
+        parser.error(f'--epochs {args.epochs} and --set {" ".join(scheduled)} both set the schedule: '
+                     'give one')
     corpus = CORPORA[args.corpus]
     with in_root():
-        base = resolve_config('pretrain', corpus.pretrain, list(args.overrides), check_paths=False)
+        own = resolve_config('pretrain', corpus.pretrain, [], check_paths=False).max_epoch
+    # The comparison's schedule (tools.runs.COMPARISON_EPOCHS on the synthetic world) goes first, as the
+    # records made with --set max_epoch=24 schedular.epochs=24 before it was the default spell it, so that
+    # they merge and their runs are reused; the config's own schedule adds nothing, as it always did.
+    epochs = args.epochs or (None if scheduled else corpus.epochs)
+    overrides = ([f'max_epoch={epochs}', f'schedular.epochs={epochs}'] if epochs and epochs != own else []
+                 ) + list(args.overrides)
+    if online := [a for a in args.arms if a in ONLINE_ARMS and any(
+            o.partition('=')[0].strip() in schedule for o in overrides)]:
+        # Their epochs are set for equal compute with the tiny config's 12 (tools.arms.ARMS), and the schedule
+        # comes last: one set for every arm would silently train them at another compute than they claim.
+        parser.error(f'{", ".join(online)} run at equal compute with {own} epochs of plain batches (their '
+                     f'max_epoch in tools.arms.ARMS); a schedule set for every arm would override it'
+                     + ('' if scheduled else f' (--epochs {own} runs the config\'s own)'))
+    with in_root():
+        base = resolve_config('pretrain', corpus.pretrain, overrides, check_paths=False)
     chosen = {}
     epochs = base.max_epoch or base.schedular.epochs
+    default_dir = 'output/compare' + ('' if epochs == own else f'_e{epochs}')
+    output_dir = os.path.abspath(args.output_dir or default_dir)  # the user's path, from where the user is
     if args.selected and base.schedular.epochs != epochs:
         # Every sweep behind a selection ran its cosine over the epochs it trained; keyed on max_epoch alone,
         # a cut-short or stretched schedule would silently take a rate selected under another one.
         parser.error(f'--selected: max_epoch={epochs} with schedular.epochs={base.schedular.epochs}; the '
                      'selections were swept with the two equal (set both, or sweep this schedule with --lrs)')
     if args.selected or args.selected_settings:
-        try:  # (lr, setting) per arm, selected at the schedule --set asks for; a sweep needs the setting only
+        try:  # (lr, setting) per arm, selected at the schedule asked for; a sweep needs the setting only
             chosen = {arm: selection(arm, args.corpus, epochs) if args.selected
                       else (None, selected_setting(arm)) for arm in args.arms}
         except ValueError as e:
-            parser.error(f'--selected{"_settings" * args.selected_settings}: {e}')
+            own_hint = '' if epochs == own else f'; --epochs {own} takes the config\'s own schedule\'s'
+            parser.error(f'--selected{"_settings" * args.selected_settings}: {e}{own_hint}')
     arm_lrs = {arm: [chosen[arm][0]] if args.selected else args.lrs or [None] for arm in args.arms}
     # An arm's hyper-parameter grid is swept beside the rates; --selected(_settings) takes the selected one.
     arm_settings = {arm: [chosen[arm][1]] if chosen else GRIDS.get(arm, [None]) for arm in args.arms}
-    merge = merged_rows([os.path.abspath(m) for m in args.merge], args.overrides, args.corpus)
+    merge = merged_rows([os.path.abspath(m) for m in args.merge], overrides, args.corpus)
     sweep: dict[str, dict[float | tuple, dict[int, dict]]] = {}
     merged_from: dict[str, dict[str, list[int]]] = {}  # arm -> setting -> the seeds read
     with in_root():
-        prepare_pretraining(args.overrides, corpus.pretrain)
+        prepare_pretraining(overrides, corpus.pretrain)
         runs = {}
         for seed in args.seeds:  # seed-major: a cut-short sweep has whole seeds
             for lr in sorted({lr for lrs in arm_lrs.values() for lr in lrs}, key=lambda x: x or 0):
@@ -339,14 +364,14 @@ def main(argv: Sequence[str] | None = None) -> dict:
                             sweep.setdefault(arm, {}).setdefault(key, {})[seed] = row
                             merged_from.setdefault(arm, {}).setdefault(setting_label(key), []).append(seed)
                             continue
-                        sets = arm_overrides(arm, lr, setting, corpus.pretrain) + list(args.overrides)
+                        sets = arm_overrides(arm, lr, setting, corpus.pretrain) + overrides
                         # The evaluations get the user's overrides (those shaping the model), not the arm's.
                         runs[(arm, lr, setting, seed)] = (
                             run_dir(output_dir, arm, seed, lr, setting),
-                            ['--seed', str(seed), *(['--set', *sets] if sets else [])], list(args.overrides))
+                            ['--seed', str(seed), *(['--set', *sets] if sets else [])], list(overrides))
         reference = None
         if any(arm in ONLINE_ARMS for arm, *_ in runs):  # their reference model first, then the arms
-            reference = train_reference(output_dir, args.overrides, corpus, args.reuse)
+            reference = train_reference(output_dir, overrides, corpus, args.reuse)
             for (arm, *_), (_, arguments, _) in runs.items():
                 if arm in ONLINE_ARMS:
                     arguments += [f'batching.{ONLINE_ARMS[arm]}.reference={reference["checkpoint"]}']
@@ -367,7 +392,7 @@ def main(argv: Sequence[str] | None = None) -> dict:
     print(text)
     record = {'sweep': {arm: {setting_label(k): rows for k, rows in by_key.items()}
                         for arm, by_key in sweep.items()},
-              **record, 'seeds': args.seeds, 'corpus': args.corpus, 'overrides': args.overrides,
+              **record, 'seeds': args.seeds, 'corpus': args.corpus, 'epochs': epochs, 'overrides': overrides,
               **({'merged_from': {'files': args.merge, 'rows': merged_from}} if merged_from else {}),
               **({'reference': reference} if reference else {}),
               'protocol': 'each arm at the learning rate of best mean val R@1 (re-ranked); test reported'}

@@ -2,17 +2,18 @@
 arm and per seed, side by side.
 
     python -m tools.itm_stall --compare_dir output/compare_strategies --seeds 1 2 3 4 5 6 \
-        [--arms GRIT-VLP "random batches"] [--lrs 5e-4 2.5e-4] [--corpus real] [--output_dir DIR]
+        [--arms GRIT-VLP "random batches"] [--lrs 5e-4 2.5e-4] [--epochs 12] [--corpus real] \
+        [--output_dir DIR]
 
 It reads the runs `python -m tools.compare` left in its --output_dir, --compare_dir here (each arm at its
-selection, tools.arms, or at --lrs, one per arm) and prints, per metric, a table of (arm, seed) rows by
-epoch: ITM's loss, accuracy and match accuracy, the hardness of the batches, the share of mined ITM
-negatives from the anchor's own scene (or family) and the share of examples whose batch holds another of
-their scene. Each run's itm_epoch is the epoch its ITM leaves chance (tools.compare's rule); for each
-metric at the first grouped epoch (epoch 1), the rank correlation over a grouped arm's seeds with that
-epoch says which figure goes with a late start. With --output_dir it also writes itm_stall.json,
-itm_stall.md and, with matplotlib, itm_stall.png (one panel per metric, a line per run, dashed where the
-ITM had not left chance by half the run).
+selection at --epochs, tools.arms, by default tools.compare's 24-epoch one, or at --lrs, one per arm) and
+prints, per metric, a table of (arm, seed) rows by epoch: ITM's loss, accuracy and match accuracy, the
+hardness of the batches, the share of mined ITM negatives from the anchor's own scene (or family) and the
+share of examples whose batch holds another of their scene. Each run's itm_epoch is the epoch its ITM leaves
+chance (tools.compare's rule); for each metric at the first grouped epoch (epoch 1), the rank correlation
+over a grouped arm's seeds with that epoch says which figure goes with a late start. With --output_dir it
+also writes itm_stall.json, itm_stall.md and, with matplotlib, itm_stall.png (one panel per metric, a line
+per run, dashed where the ITM had not left chance by half the run).
 
 The ITM figures above are each arm's on its own mined negatives, whose difficulty differs between arms.
 --probe_limit N adds an arm-neutral one, `probe`: the compositional ITM probe (tools.probe, the synthetic
@@ -41,11 +42,11 @@ METRICS = ("loss_itm", "itm_accuracy", "itm_match_accuracy", "probe", "hardness"
 
 
 def load_logs(output_dir: str, arms: list[str], seeds: list[int], lrs: list[float] | None = None,
-              corpus: str = "synthetic") -> dict[str, dict[int, list[dict]]]:
+              corpus: str = "synthetic", epochs: int | None = None) -> dict[str, dict[int, list[dict]]]:
     """{arm: {seed: per-epoch log rows}} of the runs tools.compare made in output_dir, each arm at --lrs or
-    at its selection on `corpus`."""
+    at its selection on `corpus` at `epochs` (None: the corpus config's own)."""
     out: dict[str, dict[int, list[dict]]] = {}
-    for arm, (lr, setting) in arm_setting(arms, lrs, corpus).items():
+    for arm, (lr, setting) in arm_setting(arms, lrs, corpus, epochs).items():
         out[arm] = {}
         for seed in seeds:
             path = os.path.join(run_dir(output_dir, arm, seed, lr, setting), "result.json")
@@ -57,7 +58,8 @@ def load_logs(output_dir: str, arms: list[str], seeds: list[int], lrs: list[floa
 
 
 def add_probe(logs: dict[str, dict[int, list[dict]]], compare_dir: str, arms: list[str],
-              lrs: list[float] | None, limit: int, config: str = PRETRAIN_CONFIG) -> None:
+              lrs: list[float] | None, limit: int, epochs: int | None = None,
+              config: str = PRETRAIN_CONFIG) -> None:
     """Each log row gets `probe`: tools.probe's overall accuracy (first `limit` images) of that epoch's
     checkpoint (pretrain/checkpoint_EE.pth); InputFileError naming a missing one. The probe's own output
     is not printed."""
@@ -66,7 +68,7 @@ def add_probe(logs: dict[str, dict[int, list[dict]]], compare_dir: str, arms: li
 
     from tools import probe
 
-    for arm, (lr, setting) in arm_setting(arms, lrs).items():
+    for arm, (lr, setting) in arm_setting(arms, lrs, epochs=epochs).items():
         for seed, rows in logs[arm].items():
             folder = os.path.join(run_dir(compare_dir, arm, seed, lr, setting), "pretrain")
             for row in rows:
@@ -161,6 +163,9 @@ def build_parser():
     p.add_argument("--corpus", choices=list(CORPORA), default="synthetic",
                    help="whose selections the runs are at without --lrs (tools.arms.SELECTED_LRS; default: "
                         "synthetic)")
+    p.add_argument("--epochs", type=int, default=None,
+                   help="the schedule the runs trained, whose selections are read without --lrs (default: "
+                        "tools.compare's, 24 epochs on the synthetic world, the real corpora's own 6)")
     p.add_argument("--probe_limit", type=int, default=0,
                    help="N > 0: the ITM probe on every epoch's checkpoint, first N probe images (default: 0, "
                         "off; synthetic world only)")
@@ -168,18 +173,23 @@ def build_parser():
     return p
 
 
+def epochs(args) -> int | None:
+    """The schedule whose selections the runs are at: --epochs, else tools.compare's default on the corpus."""
+    return args.epochs or CORPORA[args.corpus].epochs
+
+
 def main(argv: list[str] | None = None) -> dict:
     """Read the runs, print the tables, return (and with --report_dir write) the record."""
     args = build_parser().parse_args(argv)
     try:
-        arm_setting(args.arms, args.lrs, args.corpus)
+        arm_setting(args.arms, args.lrs, args.corpus, epochs(args))
     except ValueError as e:
         raise InputFileError(f"--lrs or --arms: {e}") from e
     if args.probe_limit > 0 and not CORPORA[args.corpus].probe:
         raise InputFileError(f"--probe_limit: the {args.corpus} corpus has no compositional probe")
-    logs = load_logs(args.compare_dir, args.arms, args.seeds, args.lrs, args.corpus)
+    logs = load_logs(args.compare_dir, args.arms, args.seeds, args.lrs, args.corpus, epochs(args))
     if args.probe_limit > 0:
-        add_probe(logs, args.compare_dir, args.arms, args.lrs, args.probe_limit)
+        add_probe(logs, args.compare_dir, args.arms, args.lrs, args.probe_limit, epochs(args))
     table = markdown(logs)
     print(table)
     record = {"compare_dir": args.compare_dir, "seeds": args.seeds,

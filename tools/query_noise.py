@@ -3,11 +3,12 @@ gap of two arms' test mean R@1 (ITM re-ranked) split into the part more test sce
 part only more seeds, or less noisy training, would.
 
     python -m tools.query_noise --compare_dir output/compare_s1-10 --seeds 8 9 10 --arms GRIT-VLP B3 GCBS \
-        [--lrs 5e-4 5e-4 5e-4] [--record docs/results/compare_strategies_seeds1-10.json] [--factors 2 4 10] \
-        [--output_dir DIR]
+        [--lrs 5e-4 5e-4 5e-4] [--epochs 12] [--record docs/results/compare_strategies_seeds1-10.json] \
+        [--factors 2 4 10] [--output_dir DIR]
 
 It reads the per-query rankings (zeroshot/rankings_test.json) of the runs tools.compare left in
---compare_dir, the first of --arms the baseline, each arm at its selection (tools.arms) or at --lrs. The
+--compare_dir, the first of --arms the baseline, each arm at its selection at --epochs (tools.arms; by
+default tools.compare's 24-epoch one) or at --lrs. The
 unit is a test image: its text-retrieval hit at 1 and the image-retrieval hits of its captions, weighted as
 mean R@1 = (text R@1 + image R@1) / 2 weighs them, so that the mean of the images' values is mean R@1 and a
 scene's correlated queries (its captions, both directions) count once. For each arm the per-image
@@ -34,7 +35,7 @@ from grit_io import InputFileError, read_json
 from tools.arms import ARMS, arm_setting
 from tools.cli import add_output_dir, emit_record, tool_parser
 from tools.records import compare_record, selected_rows
-from tools.runs import run_dir
+from tools.runs import COMPARISON_EPOCHS, run_dir
 from tools.stats import mean_std
 from training.cli import Parser, run_main
 
@@ -163,6 +164,9 @@ def build_parser() -> Parser:
                    help="the baseline, then the arms paired with it (default: GRIT-VLP B3)")
     p.add_argument("--lrs", type=float, nargs="+", default=None,
                    help="the arms' learning rates, in --arms' order (default: their selections, tools.arms)")
+    p.add_argument("--epochs", type=int, default=COMPARISON_EPOCHS,
+                   help="the schedule the runs trained, whose selections are read without --lrs (default: "
+                        f"tools.compare's, {COMPARISON_EPOCHS})")
     p.add_argument("--record", default=None,
                    help="a tools.compare record of the same runs whose seeds give the gap's seed variance "
                         "(default: --seeds')")
@@ -179,7 +183,7 @@ def main(argv: Sequence[str] | None = None) -> dict:
     if len(args.seeds) < 2 or len(args.arms) < 2:
         parser.error("--seeds and --arms: the interaction needs two seeds or more, and a baseline and an arm")
     try:
-        settings = arm_setting(args.arms, args.lrs)
+        settings = arm_setting(args.arms, args.lrs, epochs=args.epochs)
     except ValueError as e:
         parser.error(f"--lrs or --arms: {e}")
     baseline, *others = args.arms
