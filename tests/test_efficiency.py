@@ -110,7 +110,33 @@ def test_compute_to_target_is_a_ratio_to_albef_bases_whole_run():
     assert "flops_ratio" not in older  # a merged older record's point has no FLOPs
     second = reach_entry({**hit, "flops": 200.0, "seconds": 50.0}, base, "mean_r1", "seconds")
     text = compute_table({"mean_r1": {"GRIT-VLP": {1: entry, 2: second, 3: missed}}}, "seconds")
-    assert "| mean_r1 | GRIT-VLP | 0.375 ± 0.177 | 0.400 ± 0.141 | 2 of 3 |" in text
+    # a seed that never reached: not below 1, and no interval (its ratio is unknown, above 1 at least)
+    assert ("| mean_r1 | GRIT-VLP | 0.375 ± 0.177 | 0.400 ± 0.141 | 2 of 3 | 0.375, 2 of 3 below 1 | "
+            "0.400, 2 of 3 below 1 |") in text
+
+
+def test_compute_to_target_interval_against_hand_values_and_scipy():
+    """Every seed reached: the mean ratio's 95 % t interval (hand-computed, and scipy's one-sample t) and the
+    seeds below 1; one seed short of the target: its mean over the others, no bounds."""
+    import math
+
+    from scipy import stats
+
+    from tools.efficiency_tables import compute_intervals, reach_interval
+
+    ratios = [0.5, 0.75, 1.25]
+    per_seed = {s: {"epoch": 6, "flops_ratio": r, "seconds_ratio": r} for s, r in enumerate(ratios, 1)}
+    iv = reach_interval(per_seed, "flops_ratio")
+    std = math.sqrt(((0.5 - 5 / 6) ** 2 + (0.75 - 5 / 6) ** 2 + (1.25 - 5 / 6) ** 2) / 2)
+    half = 4.302653 * std / math.sqrt(3)  # t(0.975, 2 degrees of freedom)
+    assert iv["mean"] == pytest.approx(5 / 6) and iv["high"] == pytest.approx(5 / 6 + half, abs=1e-6)
+    ci = stats.ttest_1samp(ratios, 1.0).confidence_interval(0.95)
+    assert (iv["low"], iv["high"]) == pytest.approx((ci.low, ci.high))
+    assert (iv["below"], iv["reached"], iv["n"]) == (2, 3, 3)
+    per_seed[4] = {"epoch": None, "flops_ratio": None, "seconds_ratio": None}
+    short = compute_intervals({"mean_r1": {"GRIT-VLP": per_seed}})["mean_r1"]["GRIT-VLP"]["seconds_ratio"]
+    assert short["mean"] == pytest.approx(5 / 6) and math.isnan(short["low"]) and math.isnan(short["high"])
+    assert (short["below"], short["reached"], short["n"]) == (2, 3, 4)
 
 
 def test_a_dropping_arm_has_its_masked_and_unmasked_epochs_timed_apart():

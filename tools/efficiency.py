@@ -59,6 +59,7 @@ from tools.arms import ARMS, arm_overrides, selection
 from tools.cli import emit_record, tool_parser
 from tools.efficiency_tables import (
     BASELINE,
+    compute_intervals,
     compute_table,
     curves_table,
     epochs_to_reach,
@@ -359,6 +360,7 @@ def main(argv: Sequence[str] | None = None) -> dict:
               'curves': {arm: {str(s): c for s, c in per.items()} for arm, per in curves.items()},
               'reach_albef_base_final': {k: {a: {str(s): v for s, v in per.items()} for a, per in r.items()}
                                          for k, r in reach.items()},
+              'compute_to_target': compute_intervals(reach),
               'timing': timing, 'timing_epochs': args.timing, 'clock': clock,
               'flops_per_sample': {arm: f for arm, f in flops.items()},
               **({'merged_from': merged_from} if merged_from else {})}

@@ -7,10 +7,10 @@ from __future__ import annotations
 import statistics
 from collections.abc import Sequence
 
-from tools.stats import mean_std
+from tools.stats import mean_std, paired_interval
 
-__all__ = ["ALBEF_ARMS", "BASELINE", "CLOCKS", "SCORES", "compute_table", "curves_table", "epochs_to_reach",
-           "plot", "reach_entry", "timing_table"]
+__all__ = ["ALBEF_ARMS", "BASELINE", "CLOCKS", "SCORES", "compute_intervals", "compute_table", "curves_table",
+           "epochs_to_reach", "plot", "reach_entry", "reach_interval", "timing_table"]
 
 ALBEF_ARMS = ('ALBEF_Base', 'ALBEF_Base50')  # the baselines; every other arm is measured against ALBEF_Base
 BASELINE = 'ALBEF_Base'  # the arm whose final recall the others must reach
@@ -97,13 +97,50 @@ def _spread(values: list[float]) -> str:
     return f'{m:.3f} ± {sd:.3f}' if len(values) > 1 else f'{m:.3f}'
 
 
+def reach_interval(per_seed: dict[int, dict], key: str) -> dict:
+    """An arm's compute to ALBEF_Base's final R@1 as a ratio to ALBEF_Base's run (`key`: flops_ratio or
+    seconds_ratio), over the seeds: {'mean', 'low', 'high' (the 95 % t interval, tools.stats.paired_interval),
+    'below' (seeds that got there with less compute than ALBEF_Base's run), 'reached', 'n'}. A seed that never
+    reached counts as not below, and leaves the bounds nan: its ratio is unknown (above its run's), so a mean
+    over the seeds that reached would flatter the arm. nan throughout where the points carry no `key`."""
+    values = [v.get(key) for v in per_seed.values() if v['epoch'] is not None]
+    if any(x is None for x in values):  # a merged older record's points have no FLOPs
+        return {'mean': float('nan'), 'low': float('nan'), 'high': float('nan'), 'below': 0,
+                'reached': len(values), 'n': len(per_seed)}
+    gap = paired_interval([x - 1 for x in values])  # against 1, ALBEF_Base's own compute
+    whole = len(values) == len(per_seed)
+    return {'mean': gap['mean'] + 1, 'low': gap['low'] + 1 if whole else float('nan'),
+            'high': gap['high'] + 1 if whole else float('nan'), 'below': gap['behind'],
+            'reached': len(values), 'n': len(per_seed)}
+
+
+def compute_intervals(reach: dict) -> dict:
+    """{score: {arm: {flops_ratio: reach_interval, seconds_ratio: reach_interval}}} of curves_table's
+    reach."""
+    return {score: {arm: {key: reach_interval(per_seed, key) for key in ('flops_ratio', 'seconds_ratio')}
+                    for arm, per_seed in per_arm.items()} for score, per_arm in reach.items()}
+
+
+def _interval_cell(iv: dict) -> str:
+    """'mean [low, high], B of N below 1' ('–' where no seed reached; no bounds where one did not)."""
+    if not iv['reached'] or iv['mean'] != iv['mean']:
+        return '–'
+    bounds = f' [{iv["low"]:.3f}, {iv["high"]:.3f}]' if iv['low'] == iv['low'] else ''
+    return f'{iv["mean"]:.3f}{bounds}, {iv["below"]} of {iv["n"]} below 1'
+
+
 def compute_table(reach: dict, clock: str) -> str:
     """Markdown: each arm's compute to ALBEF_Base's final R@1 as a share of ALBEF_Base's own run, executed
-    FLOPs and seconds (clock), mean ± sample std over the seeds that reached it, and the seeds that did."""
+    FLOPs and seconds (clock), mean ± sample std over the seeds that reached it, and the seeds that did; then
+    each ratio's 95 % t interval over the seeds and the seeds below 1 (reach_interval)."""
     lines = [f'Compute to reach {BASELINE}\'s final R@1, as a share of {BASELINE}\'s run to its last '
              'evaluated epoch (same seed; mean ± sample std over the seeds that reached it; seconds: '
-             f'{CLOCKS[clock]})', '',
-             '| scoring | arm | executed FLOPs | seconds | seeds reached |', '|---|---|---|---|---|']
+             f'{CLOCKS[clock]}); then each share\'s mean [95 % t interval] over the seeds, the interval only '
+             'where every seed reached, and the seeds on which it is below 1 (less compute than '
+             f'{BASELINE}\'s run; a seed that never reached is not)', '',
+             '| scoring | arm | executed FLOPs | seconds | seeds reached | FLOPs: interval, seeds below 1 '
+             '| seconds: interval, seeds below 1 |', '|---|---|---|---|---|---|---|']
+    intervals = compute_intervals(reach)
     for score, per_arm in reach.items():
         for arm, per_seed in per_arm.items():
             hits = [v for v in per_seed.values() if v['epoch'] is not None]
@@ -112,7 +149,9 @@ def compute_table(reach: dict, clock: str) -> str:
                 values = [v[key] for v in hits if v.get(key) is not None]
                 # A merged older record's points have no FLOPs: say over how many seeds a figure is.
                 cells.append(_spread(values) + (f' ({len(values)} seeds)' if len(values) < len(hits) else ''))
-            lines.append(f'| {score} | {arm} | {cells[0]} | {cells[1]} | {len(hits)} of {len(per_seed)} |')
+            ivs = [_interval_cell(intervals[score][arm][key]) for key in ('flops_ratio', 'seconds_ratio')]
+            lines.append(f'| {score} | {arm} | {cells[0]} | {cells[1]} | {len(hits)} of {len(per_seed)} | '
+                         f'{ivs[0]} | {ivs[1]} |')
     return '\n'.join(lines) + '\n'
 
 
