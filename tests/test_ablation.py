@@ -237,3 +237,54 @@ def test_ablate_from_record_tabulates_a_stored_table_with_its_gaps(tmp_path, cap
     with pytest.raises(SystemExit):
         main(["--table", "4", "--from_record", str(tmp_path / "missing.json")])
     assert "missing.json: no such file" in capsys.readouterr().err
+
+
+def test_ablate_merge_reads_stored_rows_and_runs_only_the_rest(tmp_path, monkeypatch):
+    """--merge: the (row, seed)s a stored table<N>.json holds are read, not run (a table extended to ten seeds
+    after its run folders are gone); the gaps are over every seed; the record names what was read; a record
+    of another table, preset or --set, or one without the fine-tuned figures this run asks for, is refused."""
+    import dataset
+    from grit_io import InputFileError
+    from tools import ablate
+
+    stored = _table4_record()
+    del stored["rows"]["albef_base"]  # not fine-tuned in the hand-made record
+    path = tmp_path / "table4.json"
+    path.write_text(json.dumps(stored))
+    ran, reported = [], []
+
+    def fake_row(row_dir, row, seed, preset, table, finetune, sets):
+        ran.append((row, seed, finetune))
+        return ablate.RowResult({"ft_tr_r1": 61.0, "ft_ir_r1": 59.0, "zs_tr_r1": 40.0, "zs_ir_r1": 40.0}
+                                if row == "grit" else {"ft_tr_r1": 51.0, "ft_ir_r1": 49.0, "zs_tr_r1": 40.0,
+                                                       "zs_ir_r1": 40.0})
+
+    monkeypatch.setattr(dataset, "ensure_synthetic", lambda root: None)
+    monkeypatch.setattr(ablate, "run_row", fake_row)
+    monkeypatch.setattr(ablate, "load_runs", lambda dirs, names: reported.append(dirs) or [])
+    monkeypatch.setattr(ablate, "write_report", lambda runs, out: (out, None))
+    out = str(tmp_path / "out")
+    args = ["--table", "4", "--rows", "albef_base50", "grit", "--seeds", "1", "2", "3", "4",
+            "--output_dir", out]
+    record = ablate.main([*args, "--merge", str(path)])
+    assert ran == [("albef_base50", 4, True), ("grit", 4, True)]
+    assert {s: record["rows"]["grit"][s] for s in ("1", "2", "3")} == stored["rows"]["grit"]
+    assert record["merged_from"] == {"files": [str(path)],
+                                     "rows": {"albef_base50": [1, 2, 3], "grit": [1, 2, 3]}}
+    ft = next(g for g in record["gaps"] if g["row"] == "grit" and g["figure"] == "ft_mean_r1")
+    assert ft["per_seed"] == [4.0, 6.0, 8.0, 10.0] and ft["n"] == 4  # seed 4: 60 - 50, run here
+    assert [os.path.basename(os.path.dirname(d)) for d in reported[0]] == ["seed4", "seed4"]
+    assert "not run: albef_base50 seeds 1, 2, 3; grit seeds 1, 2, 3" in open(
+        os.path.join(out, "tiny", "table4.md")).read()
+    # zero-shot only: the stored fine-tuned figures are dropped, as the run's own rows have none
+    zs_only = ablate.main([*args, "--merge", str(path), "--no_finetune"])
+    assert "ft_tr_r1" not in zs_only["rows"]["grit"]["1"] and ran[-1] == ("grit", 4, False)
+    with pytest.raises(InputFileError, match="made with table 4, this run with table 1"):
+        ablate.main(["--table", "1", "--rows", "albef_base", "--seeds", "1", "--output_dir", out,
+                     "--merge", str(path)])
+    with pytest.raises(InputFileError, match=r"made with --set \[\], this run with --set"):
+        ablate.main([*args, "--merge", str(path), "--set", "max_epoch=5"])
+    stored["rows"]["grit"]["1"]["ft_tr_r1"] = None  # a --no_finetune record cannot stand in for a fine-tune
+    path.write_text(json.dumps(stored))
+    with pytest.raises(InputFileError, match="grit seed 1 was not fine-tuned"):
+        ablate.main([*args, "--merge", str(path)])

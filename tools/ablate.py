@@ -3,6 +3,8 @@
     python -m tools.ablate --preset tiny --table 4 --seeds 1 2 3 [--output_dir output/ablation]
         [--rows grit grit_vlp] [--no_finetune] [--set key=value ...]
     python -m tools.ablate --table 4 --from_record docs/results/table4.json   # no run: re-tabulate
+    python -m tools.ablate --table 4 --seeds 1 2 3 4 5 6 7 8 9 10 \
+        --merge docs/results/table4.json                                      # seeds 1-3 read, 4-10 run
 
 Each row is one config in configs/ablation/ (preset `paper`) or configs/ablation/tiny/ (`tiny`,
 `micro`): a few overrides of the pre-training config (a config file's `base:` key). For every row
@@ -24,7 +26,10 @@ written to <output_dir>/<preset>/table<N>.md with mean and spread (sample standa
 seeds, and every per-seed number to table<N>.json (also printed as the last line). Below the table, each
 ordering the paper states within it (ORDERINGS) is given as a gap paired by seed, fine-tuned and zero-shot
 mean R@1 (the mean of text and image R@1), with its 95 % t interval and the seeds on each side
-(tools.stats.paired_interval); `--from_record` recomputes both from a stored table<N>.json without a run.
+(tools.stats.paired_interval); `--from_record` recomputes both from a stored table<N>.json without a run,
+and `--merge` reads the (row, seed)s a stored table<N>.json holds instead of running them (a table extended
+to more seeds after its run folders are gone; the file must be the same table, preset and --set, and the
+record's `merged_from` names what was read).
 The scripts run as children in the repository root (tools.launch), so the tool works from any working
 directory.
 Presets: `paper` (configs/Pretrain.yaml sizes, configs/Retrieval_coco.yaml), `tiny` (the synthetic world,
@@ -44,6 +49,7 @@ from dataclasses import dataclass, field
 from grit_io import read_json
 from tools.cli import emit_record, tool_parser
 from tools.launch import in_root, run
+from tools.records import merge_note, merged_table_rows
 from tools.report import load_runs, write_report
 from tools.runs import fresh, read_log
 from tools.stats import mean_std, paired_interval
@@ -346,6 +352,9 @@ def build_parser() -> Parser:
                    help="skip retrieval fine-tuning (zero-shot, probe and UoV only)")
     p.add_argument("--set", dest="sets", nargs="*", action="extend", default=[], metavar="KEY=VALUE",
                    help="pre-training config overrides applied to every row (e.g. max_epoch=5)")
+    p.add_argument("--merge", nargs="+", default=[], metavar="TABLE_JSON",
+                   help="earlier table<N>.json records of this table, preset and --set: a (row, seed) they "
+                        "hold is read from them, not run; the record names them (merged_from)")
     p.add_argument("--from_record", default=None, metavar="TABLE_JSON",
                    help="no run: re-tabulate a stored table<N>.json (its table must be --table) with its "
                         "orderings' paired gaps, printed and written to <output_dir>/table<N>_gaps.md/.json")
@@ -366,6 +375,9 @@ def main(argv: Sequence[str] | None = None) -> dict:
     base = os.path.join(os.path.abspath(args.output_dir), args.preset)  # the user's path, from where they are
     if args.from_record is not None:
         return from_record(parser, args.from_record, args.table, os.path.abspath(args.output_dir))
+    merged = merged_table_rows([os.path.abspath(m) for m in args.merge], args.table, args.preset, args.sets,
+                               args.finetune)
+    read: dict[str, list[int]] = {}  # row -> the seeds read from --merge's files
     with in_root():
         if preset.synthetic:
             from dataset import ensure_synthetic
@@ -377,23 +389,34 @@ def main(argv: Sequence[str] | None = None) -> dict:
         for row in rows:
             results[row] = {}
             for seed in args.seeds:
+                if (row, seed) in merged:
+                    results[row][seed] = RowResult(merged[(row, seed)])
+                    read.setdefault(row, []).append(seed)
+                    continue
                 row_dir = os.path.join(base, row, f"seed{seed}")
                 results[row][seed] = run_row(row_dir, row, seed, preset, args.table, args.finetune, args.sets)
     record = {"table": args.table, "preset": args.preset, "seeds": args.seeds, "set": args.sets,
-              "rows": {row: {str(s): r.metrics for s, r in per.items()} for row, per in results.items()}}
+              "rows": {row: {str(s): r.metrics for s, r in per.items()} for row, per in results.items()},
+              **({"merged_from": {"files": args.merge, "rows": read}} if read else {})}
     record["gaps"] = ordering_gaps(args.table, record["rows"])
     text = markdown_table(args.table, results, args.seeds) + "\n" + gaps_markdown(args.table, record["gaps"])
+    text += merge_note(args.merge, [f'{row} seeds {", ".join(map(str, seeds))}'
+                                    for row, seeds in read.items()])
     os.makedirs(base, exist_ok=True)
     with open(os.path.join(base, f"table{args.table}.md"), "w", encoding="utf-8") as f:
         f.write(text)
-    # Per-epoch curves of every row, overlaid (first seed): losses, hardness, speed, GRIT time.
+    # Per-epoch curves of every row, overlaid (the first seed run here): losses, hardness, speed, GRIT time.
     labels = dict(TABLES[args.table])
-    seed = args.seeds[0]
-    runs = load_runs([os.path.join(base, row, f"seed{seed}", "pretrain") for row in rows],
-                     names=[f"{labels[row]} (seed {seed})" for row in rows])
-    report, _ = write_report(runs, os.path.join(base, f"table{args.table}_report"))
+    report = None
+    if ran := [s for s in args.seeds if any(s not in read.get(row, []) for row in rows)]:
+        seed = ran[0]
+        own = [row for row in rows if seed not in read.get(row, [])]
+        runs = load_runs([os.path.join(base, row, f"seed{seed}", "pretrain") for row in own],
+                         names=[f"{labels[row]} (seed {seed})" for row in own])
+        report, _ = write_report(runs, os.path.join(base, f"table{args.table}_report"))
     print("\n" + text)
-    print(f"written: {base}/table{args.table}.md, {base}/table{args.table}.json, {report}")
+    print(f"written: {base}/table{args.table}.md, {base}/table{args.table}.json"
+          + (f", {report}" if report else " (every row read from --merge: no run to report)"))
     return emit_record(record, base, f"table{args.table}")
 
 

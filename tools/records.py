@@ -12,8 +12,8 @@ from grit_io import InputFileError, read_json
 from tools.arms import setting_label
 from training.logger import current_names
 
-__all__ = ["Curves", "compare_record", "merge_note", "merged_curves", "merged_rows", "selected_rows",
-           "selection"]
+__all__ = ["Curves", "compare_record", "merge_note", "merged_curves", "merged_rows", "merged_table_rows",
+           "selected_rows", "selection"]
 
 Curves = dict[tuple[str, int], list[dict]]  # (arm, seed) -> its points
 
@@ -94,6 +94,34 @@ def merged_curves(paths: Sequence[str], runs: dict[str, tuple[float, str | None]
             if timed and saved.get('timing_epochs') == timing_epochs:
                 _take(timing, source, arm, timed, path, f'{arm}\'s timing')
     return curves, timing
+
+
+def merged_table_rows(paths: Sequence[str], table: int, preset: str, sets: Sequence[str], finetune: bool
+                      ) -> dict[tuple[str, int], dict]:
+    """{(row, seed): metrics} of earlier tools.ablate table<N>.json records (metrics under today's names; the
+    fine-tuned figures dropped when this run does not fine-tune, as its own rows have none); InputFileError
+    naming the file when it is not an ablate record, is another table's or preset's, was made with other
+    --set overrides, lacks the fine-tuned figures this run asks for, or holds a row another file holds with
+    other figures."""
+    rows: dict[tuple[str, int], dict] = {}
+    source: dict = {}
+    for path in paths:
+        saved = _record(path, 'tools.ablate', 'rows')
+        made = {'table': saved.get('table'), 'preset': saved.get('preset'),
+                '--set': list(saved.get('set', []))}
+        for what, this in (('table', table), ('preset', preset), ('--set', list(sets))):
+            if made[what] != this:
+                raise InputFileError(f'{path}: made with {what} {made[what]}, this run with {what} {this}: '
+                                     'its rows are other runs')
+        for row, per_seed in saved['rows'].items():
+            for seed, metrics in per_seed.items():
+                if finetune and metrics.get('ft_tr_r1') is None:
+                    raise InputFileError(f'{path}: {row} seed {seed} was not fine-tuned (made with '
+                                         '--no_finetune); this run fine-tunes')
+                kept = {k: v for k, v in current_names(metrics).items()
+                        if finetune or not k.startswith('ft_')}
+                _take(rows, source, (row, int(seed)), kept, path, f'{row} seed {seed}')
+    return rows
 
 
 def merge_note(files: Sequence[str], parts: Sequence[str]) -> str:
