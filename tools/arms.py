@@ -27,36 +27,42 @@ __all__ = ["ARMS", "GRIDS", "ONLINE_ARMS", "REFERENCE", "SELECTED_LR", "SELECTED
            "SELECTED_LR_24", "SELECTED_LR_REAL", "SELECTED_SETTING", "arm_overrides", "arm_setting",
            "arm_strategies", "grid_overrides", "selected_setting", "selection", "setting_label"]
 
+# The switches several arms share, each spelled once.
+_RANDOM = ['batching.strategy=random']
+# MAFA's code (jaeseokbyun/MAFA, models/model_pretrain_MAFA.py) smooths from the second epoch on
+_S_ITC = ['itc_smoothing_epoch=1']
+_SIGMOID = ['contrastive_loss=sigmoid', 'lambda_cons=0.0']
+_DROP_05 = ['image_token_drop=0.5', 'unmasked_epochs=1']
+
 # The arms: name -> the overrides of the tiny pre-training config that make it.
 ARMS = {'GRIT-VLP': [],  # the tiny config: N = 8, M = 120, L = 1440 (M/N = 15, the paper's 1920/128)
         # the tiny config before issue 26
         'GRIT-VLP M/N=96': ['batching.search_space=768', 'batching.queue_size=1536'],
-        'random batches': ['batching.strategy=random'],
+        'random batches': [*_RANDOM],
         # Tables 2 and 4's baselines (configs/ablation/tiny/albef_base*.yaml), for tools.efficiency
-        'ALBEF_Base': ['batching.strategy=random', 'lambda_cons=0.0', 'mlm_probability=0.15'],
-        'ALBEF_Base50': ['batching.strategy=random', 'lambda_cons=0.0'],
+        'ALBEF_Base': [*_RANDOM, 'lambda_cons=0.0', 'mlm_probability=0.15'],
+        'ALBEF_Base50': [*_RANDOM, 'lambda_cons=0.0'],
         # Batch construction beside GRIT (docs/batch-construction.md; issue 37), each on the tiny config's
         # queue and sub-queues (M/N = 15), and the loss-side switches on random and on GRIT batches.
         'B3': ['batching.strategy=b3'],
         'GCBS': ['batching.strategy=gcbs'],
         'random walk': ['batching.strategy=rwr'],
-        'random + HN-NCE': ['batching.strategy=random'],
+        'random + HN-NCE': [*_RANDOM],
         'GRIT-VLP + HN-NCE': [],
-        # MAFA's code (jaeseokbyun/MAFA, models/model_pretrain_MAFA.py) smooths from the second epoch on
-        'GRIT-VLP + S-ITC': ['itc_smoothing_epoch=1'],
+        'GRIT-VLP + S-ITC': [*_S_ITC],
         # SigLIP's sigmoid loss in place of the softmax ITC (issue 50; models/losses/sigmoid.py), on GRIT and
         # on random batches: the consistency term compares softmaxes, so it goes too (lambda_cons 0).
-        'GRIT-VLP + sigmoid': ['contrastive_loss=sigmoid', 'lambda_cons=0.0'],
+        'GRIT-VLP + sigmoid': [*_SIGMOID],
         # FLIP's image-token dropout (issue 51; models.pretrain), with FLIP's short unmasked tuning as the
         # last of the 12 epochs, on GRIT and on random batches: compute to ALBEF_Base's recall
         # (tools.efficiency counts each epoch's FLOPs at its own step).
-        'GRIT-VLP drop 0.5': ['image_token_drop=0.5', 'unmasked_epochs=1'],
+        'GRIT-VLP drop 0.5': [*_DROP_05],
         'GRIT-VLP drop 0.75': ['image_token_drop=0.75', 'unmasked_epochs=1'],
-        'random drop 0.5': ['batching.strategy=random', 'image_token_drop=0.5', 'unmasked_epochs=1'],
+        'random drop 0.5': [*_RANDOM, *_DROP_05],
         # Issue 51's combination: GRIT-VLP + S-ITC (the comparison's best arm) with dropping 0.5, its
         # smoothing held at GRIT-VLP + S-ITC's selection (SELECTED_SETTING) and its rate swept.
-        'GRIT-VLP + S-ITC drop 0.5': ['itc_smoothing_epoch=1', 'image_token_drop=0.5', 'unmasked_epochs=1'],
-        'random + sigmoid': ['batching.strategy=random', 'contrastive_loss=sigmoid', 'lambda_cons=0.0'],
+        'GRIT-VLP + S-ITC drop 0.5': [*_S_ITC, *_DROP_05],
+        'random + sigmoid': [*_RANDOM, *_SIGMOID],
         # Remedies for the ITM that stays at chance on some seeds (issue 49; docs/batch-construction.md,
         # 'The stalled ITM'), each one switch away from GRIT-VLP: ALBEF's multinomial hard negatives,
         # grouping from a later epoch, a rank skip in the chain, a longer warm-up.
@@ -68,7 +74,7 @@ ARMS = {'GRIT-VLP': [],  # the tiny config: N = 8, M = 120, L = 1440 (M/N = 15, 
         # image, ITC positives and never mined, on GRIT and on random batches. A diagnostic of what those
         # near-copies do to the mined negatives: the labels it needs are not in a web corpus.
         'GRIT-VLP + scene guard': ['guard_false_negatives=true', 'guard_by=scene'],
-        'random + scene guard': ['batching.strategy=random', 'guard_false_negatives=true', 'guard_by=scene'],
+        'random + scene guard': [*_RANDOM, 'guard_false_negatives=true', 'guard_by=scene'],
         # Online batch selection (issue 52; grit.strategies.jest, .rho), each step N = 8 of k x N = 40 random
         # candidates, scored by the learner and the frozen reference (REFERENCE), at equal compute with 12
         # epochs of plain batches: 27 epochs of 72 steps (tools.step_measure.equal_compute_epochs, with the
@@ -90,7 +96,7 @@ GRIDS = {'B3': ['p=2,m=20', 'p=10,m=30'],  # B3's paper: skip the top p, link th
          'random + HN-NCE': ['beta=0.5', 'beta=1'],
          'GRIT-VLP + HN-NCE': ['beta=0.5', 'beta=1'],
          'GRIT-VLP + S-ITC': ['s=0.2', 's=0.5'],  # 0.5: MAFA's own value
-         'GRIT-VLP + S-ITC drop 0.5': ['s=0.2', 's=0.5'],  # swept at 's=0.2' only (--selected_settings)
+         'GRIT-VLP + S-ITC drop 0.5': ['s=0.2', 's=0.5'],  # GRIT-VLP + S-ITC's; swept at 's=0.2' only
          'GRIT-VLP later grouping': ['from=2', 'from=4'],  # the first grouped epoch (the paper's: 1)
          'GRIT-VLP rank skip': ['skip=2', 'skip=10'],  # B3's grid of p
          'GRIT-VLP long warm-up': ['warmup=363', 'warmup=726']}  # one and two epochs of the tiny config
