@@ -353,3 +353,32 @@ def test_the_real_corpora_run_on_their_configs_at_their_own_selections(monkeypat
     with pytest.raises(SystemExit):
         efficiency.main(["--seeds", "1", "--corpus", "real", "--micro"])
     assert "--micro is a preset of the synthetic world" in capsys.readouterr().err
+
+
+def test_each_arms_compute_is_paired_with_grit_vlps_seed_by_seed():
+    """The FLOPs share of an arm minus GRIT-VLP's, paired by seed, with scipy's t interval and the seeds on
+    each side; a seed either arm never reached leaves the bounds out and is counted as missing."""
+    import math
+
+    from scipy import stats
+
+    from tools.efficiency_tables import compute_intervals, compute_table
+
+    def seeds(ratios):
+        return {s: {"epoch": None if r is None else 6, "flops_ratio": r, "seconds_ratio": r}
+                for s, r in enumerate(ratios, 1)}
+
+    grit, sitc = [0.7, 0.7, 0.8, 0.6], [0.5, 0.7, 0.6, 0.5]
+    reach = {"mean_r1": {"GRIT-VLP": seeds(grit), "GRIT-VLP + S-ITC": seeds(sitc)}}
+    gap = compute_intervals(reach)["mean_r1"]["GRIT-VLP + S-ITC"]["flops_gap_to_grit"]
+    diffs = [b - a for a, b in zip(grit, sitc)]
+    ci = stats.ttest_1samp(diffs, 0.0).confidence_interval(0.95)
+    assert gap["mean"] == pytest.approx(-0.125)
+    assert (gap["low"], gap["high"]) == pytest.approx((ci.low, ci.high))
+    assert (gap["behind"], gap["level"], gap["ahead"], gap["missing"]) == (3, 1, 0, 0)
+    assert "flops_gap_to_grit" not in compute_intervals(reach)["mean_r1"]["GRIT-VLP"]
+    assert "| mean_r1 | GRIT-VLP + S-ITC | -0.125 [" in compute_table(reach, "seconds")
+    reach["mean_r1"]["GRIT-VLP + S-ITC"] = seeds([0.5, 0.7, 0.6, None])  # seed 4 never reached
+    gap = compute_intervals(reach)["mean_r1"]["GRIT-VLP + S-ITC"]["flops_gap_to_grit"]
+    assert gap["n"] == 3 and gap["missing"] == 1 and math.isnan(gap["low"]) and math.isnan(gap["high"])
+    assert "(1 seeds not reached) | 2 / 1 / 0 |" in compute_table(reach, "seconds")

@@ -9,11 +9,13 @@ from collections.abc import Sequence
 
 from tools.stats import mean_std, paired_interval
 
-__all__ = ["ALBEF_ARMS", "BASELINE", "CLOCKS", "SCORES", "compute_intervals", "compute_table", "curves_table",
-           "epochs_to_reach", "plot", "reach_entry", "reach_interval", "timing_table"]
+__all__ = ["ALBEF_ARMS", "BASELINE", "CLOCKS", "GRIT_ARM", "SCORES", "compute_intervals", "compute_table",
+           "curves_table", "epochs_to_reach", "plot", "reach_entry", "reach_gap", "reach_interval",
+           "timing_table"]
 
 ALBEF_ARMS = ('ALBEF_Base', 'ALBEF_Base50')  # the baselines; every other arm is measured against ALBEF_Base
 BASELINE = 'ALBEF_Base'  # the arm whose final recall the others must reach
+GRIT_ARM = 'GRIT-VLP'  # the arm every other's compute to that recall is also paired with
 
 SCORES = {'mean_r1': 'zero-shot mean R@1, ITM re-ranked', 'itc_mean_r1': 'zero-shot mean R@1, ITC only'}
 # The seconds a point can be shown at: as logged, or its epochs at the per-epoch time measured side by side.
@@ -114,10 +116,23 @@ def reach_interval(per_seed: dict[int, dict], key: str) -> dict:
             'reached': len(values), 'n': len(per_seed)}
 
 
+def reach_gap(per_seed: dict[int, dict], grit: dict[int, dict], key: str) -> dict:
+    """An arm's compute share (`key`) minus GRIT-VLP's, paired by seed: tools.stats.paired_interval's
+    {'mean', 'low', 'high', 'ahead' (seeds where the arm needed more), 'behind' (less), 'level', 'n'} over the
+    seeds both reached, and 'missing', the seeds either did not: any leaves the bounds nan, as in
+    reach_interval."""
+    both = [s for s in per_seed if per_seed[s].get(key) is not None and grit.get(s, {}).get(key) is not None]
+    gap = paired_interval([per_seed[s][key] - grit[s][key] for s in both])
+    missing = len(per_seed) - len(both)
+    return {**gap, **({'low': float('nan'), 'high': float('nan')} if missing else {}), 'missing': missing}
+
+
 def compute_intervals(reach: dict) -> dict:
-    """{score: {arm: {flops_ratio: reach_interval, seconds_ratio: reach_interval}}} of curves_table's
-    reach."""
-    return {score: {arm: {key: reach_interval(per_seed, key) for key in ('flops_ratio', 'seconds_ratio')}
+    """{score: {arm: {flops_ratio: reach_interval, seconds_ratio: reach_interval, and for an arm beside
+    GRIT-VLP flops_gap_to_grit: reach_gap of the FLOPs}}} of curves_table's reach."""
+    return {score: {arm: {**{key: reach_interval(per_seed, key) for key in ('flops_ratio', 'seconds_ratio')},
+                          **({'flops_gap_to_grit': reach_gap(per_seed, per_arm[GRIT_ARM], 'flops_ratio')}
+                             if arm != GRIT_ARM and GRIT_ARM in per_arm else {})}
                     for arm, per_seed in per_arm.items()} for score, per_arm in reach.items()}
 
 
@@ -152,6 +167,18 @@ def compute_table(reach: dict, clock: str) -> str:
             ivs = [_interval_cell(intervals[score][arm][key]) for key in ('flops_ratio', 'seconds_ratio')]
             lines.append(f'| {score} | {arm} | {cells[0]} | {cells[1]} | {len(hits)} of {len(per_seed)} | '
                          f'{ivs[0]} | {ivs[1]} |')
+    gaps = [(score, arm, ivs['flops_gap_to_grit']) for score, per_arm in intervals.items()
+            for arm, ivs in per_arm.items() if 'flops_gap_to_grit' in ivs]
+    if gaps:
+        lines += ['', f'Each arm\'s FLOPs share minus {GRIT_ARM}\'s, paired by seed: mean [95 % t interval] '
+                  '(none where a seed of either never reached), and the seeds on which the arm needed less, '
+                  'as much, more', '', f'| scoring | arm | gap to {GRIT_ARM} | less / level / more |',
+                  '|---|---|---|---|']
+        for score, arm, g in gaps:
+            bounds = f' [{g["low"]:+.3f}, {g["high"]:+.3f}]' if g['low'] == g['low'] else ''
+            unreached = f' ({g["missing"]} seeds not reached)' if g['missing'] else ''
+            lines.append(f'| {score} | {arm} | {g["mean"]:+.3f}{bounds}{unreached} | '
+                         f'{g["behind"]} / {g["level"]} / {g["ahead"]} |')
     return '\n'.join(lines) + '\n'
 
 
