@@ -247,8 +247,7 @@ def test_ablate_merge_reads_stored_rows_and_runs_only_the_rest(tmp_path, monkeyp
     from grit_io import InputFileError
     from tools import ablate
 
-    stored = _table4_record()
-    del stored["rows"]["albef_base"]  # not fine-tuned in the hand-made record
+    stored = _table4_record()  # its albef_base rows are not fine-tuned: no matter while no run asks for them
     path = tmp_path / "table4.json"
     path.write_text(json.dumps(stored))
     ran, reported = [], []
@@ -269,6 +268,7 @@ def test_ablate_merge_reads_stored_rows_and_runs_only_the_rest(tmp_path, monkeyp
     record = ablate.main([*args, "--merge", str(path)])
     assert ran == [("albef_base50", 4, True), ("grit", 4, True)]
     assert {s: record["rows"]["grit"][s] for s in ("1", "2", "3")} == stored["rows"]["grit"]
+    assert set(record["rows"]) == {"albef_base50", "grit"}
     assert record["merged_from"] == {"files": [str(path)],
                                      "rows": {"albef_base50": [1, 2, 3], "grit": [1, 2, 3]}}
     ft = next(g for g in record["gaps"] if g["row"] == "grit" and g["figure"] == "ft_mean_r1")

@@ -547,3 +547,49 @@ def test_online_arms_get_their_reference_trained_first_and_reported(tmp_path, mo
         with pytest.raises(SystemExit):
             compare.main(["--seeds", "1", "--lrs", "5e-4", "--arms", "JEST", "--output_dir", out, *schedule])
     assert len(asked) == 2  # refused before anything ran
+
+
+def test_the_default_schedule_names_itself_where_it_refuses_and_merges(tmp_path, monkeypatch, capsys):
+    """The comparison's default 24 epochs: a refusal of the online arms names where the schedule came from;
+    a 24-epoch record made with --set spelling the schedule and another item in another order merges; a record
+    of another schedule is refused with the --epochs that would take it; the real corpus's default folder is
+    its own."""
+    import pytest
+
+    from grit_io import InputFileError
+    from tools import compare
+
+    monkeypatch.chdir(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    monkeypatch.setattr(compare, "prepare_pretraining", lambda overrides=(), config=None: None)
+    asked = []
+
+    def fake_pairs(runs, reuse=False, corpus=None):
+        asked.append(runs)
+        return {key: _run(0.4, 6.0 + key[3], 4.0, 0.9) for key in runs}
+
+    monkeypatch.setattr(compare, "run_pairs", fake_pairs)
+    for flags, source in (([], "the default --epochs 24"), (["--epochs", "24"], "--epochs 24"),
+                          (["--set", "max_epoch=24"], "--set max_epoch=24")):
+        with pytest.raises(SystemExit):
+            compare.main(["--seeds", "1", "--lrs", "5e-4", "--arms", "JEST", "--output_dir", str(tmp_path),
+                          *flags])
+        assert f"error: {source}: JEST run at equal compute" in capsys.readouterr().err
+    # a record spelt --set max_epoch=24 schedular.epochs=24 amp=bf16 before the default, read in another order
+    spelled = str(tmp_path / "spelled")
+    compare.main(["--seeds", "1", "--selected", "--arms", "GRIT-VLP", "--output_dir", spelled, "--set",
+                  "amp=bf16", "max_epoch=24", "schedular.epochs=24"])
+    n = len(asked)
+    earlier = os.path.join(spelled, "compare.json")
+    record = compare.main(["--seeds", "1", "--selected", "--arms", "GRIT-VLP", "--output_dir",
+                           str(tmp_path / "b"), "--set", "amp=bf16", "--merge", earlier])
+    assert len(asked) == n and record["merged_from"]["rows"] == {"GRIT-VLP": {"0.00025": [1]}}
+    with pytest.raises(InputFileError, match=r"come from the default --epochs 24; --epochs 12 for a record"):
+        compare.main(["--seeds", "1", "--selected", "--arms", "GRIT-VLP", "--output_dir", str(tmp_path / "c"),
+                      "--merge", os.path.join(spelled, "compare.json")])
+    monkeypatch.chdir(tmp_path)
+    from tools import arms
+
+    monkeypatch.setitem(arms.SELECTED_LR_REAL, "GRIT-VLP", 2.5e-4)
+    compare.main(["--corpus", "real", "--seeds", "1", "--selected", "--arms", "GRIT-VLP"])
+    (run, _, _), = asked[-1].values()
+    assert run.startswith(os.path.join(str(tmp_path), "output", "compare_real", "seed1"))

@@ -11,14 +11,15 @@ from tools import itm_stall
 from tools.runs import run_dir
 
 
-def _write_runs(root: str, arm: str, lr: float, seeds_to_start: dict[int, int]) -> None:
-    """Runs whose ITM leaves chance at the given 1-based epoch; epoch 1's hardness grows with that epoch."""
+def _write_runs(root: str, arm: str, lr: float, seeds_to_start: dict[int, int], epochs: int = 4) -> None:
+    """Runs of `epochs` epochs whose ITM leaves chance at the given 1-based epoch; epoch 1's hardness grows
+    with that epoch."""
     for seed, start in seeds_to_start.items():
         rows = [{"epoch": e, "loss_itm": 0.637 if e + 1 < start else 0.55,
                  "hardness": 0.5 + 0.01 * start,
                  "itm_accuracy": 2 / 3, "itm_match_accuracy": 0.0 if e + 1 < start else 0.4,
                  "itm_false_negatives": 0.1 * seed, "batch_same_scene": 0.2}
-                for e in range(4)]
+                for e in range(epochs)]
         folder = run_dir(root, arm, seed, lr)
         os.makedirs(folder)
         with open(os.path.join(folder, "result.json"), "w") as f:
@@ -31,7 +32,7 @@ def test_tables_epochs_and_correlations(tmp_path, capsys):
     _write_runs(root, "random batches", 2.5e-4, {1: 2, 2: 2, 3: 2})
     report = str(tmp_path / "r")
     record = itm_stall.main(["--compare_dir", root, "--seeds", "1", "2", "3", "--output_dir", report,
-                             "--epochs", "12"])
+                             "--lrs", "5e-4", "2.5e-4"])
     assert record["itm_epoch"] == {"GRIT-VLP": {1: 2, 2: 4, 3: 5}, "random batches": {1: 2, 2: 2, 3: 2}}
     rho = record["rank_correlation_epoch1"]
     assert rho["GRIT-VLP"]["hardness"] == pytest.approx(1.0)  # rises with the late start
@@ -74,13 +75,14 @@ def test_probe_on_every_epoch_checkpoint(in_repo, tmp_path):
         os.makedirs(folder)
         for epoch in range(4):
             torch.save(state, os.path.join(folder, f"checkpoint_{epoch:02d}.pth"))
-    record = itm_stall.main(["--compare_dir", root, "--seeds", "1", "--probe_limit", "2", "--epochs", "12"])
+    both = ["--lrs", "5e-4", "2.5e-4"]
+    record = itm_stall.main(["--compare_dir", root, "--seeds", "1", "--probe_limit", "2", *both])
     probes = [r["probe"] for runs in record["logs"].values() for r in runs[1]]
     assert len(probes) == 8 and len(set(probes)) == 1 and 0 <= probes[0] <= 1
     assert "probe" in record["metrics"]
     os.remove(os.path.join(run_dir(root, "GRIT-VLP", 1, 5e-4), "pretrain", "checkpoint_03.pth"))
     with pytest.raises(InputFileError, match="checkpoint_03.pth is missing"):
-        itm_stall.main(["--compare_dir", root, "--seeds", "1", "--probe_limit", "2", "--epochs", "12"])
+        itm_stall.main(["--compare_dir", root, "--seeds", "1", "--probe_limit", "2", *both])
 
 
 def test_corpus_real_reads_the_runs_at_the_real_selections(tmp_path, monkeypatch):
@@ -93,7 +95,7 @@ def test_corpus_real_reads_the_runs_at_the_real_selections(tmp_path, monkeypatch
     monkeypatch.setitem(arms.SELECTED_LR, "GRIT-VLP", 5e-4)
     monkeypatch.setitem(arms.SELECTED_LR_24, "GRIT-VLP", 1e-3)
     root = str(tmp_path / "compare")
-    _write_runs(root, "GRIT-VLP", 2.5e-4, {1: 3})
+    _write_runs(root, "GRIT-VLP", 2.5e-4, {1: 3}, epochs=6)  # the real corpora's config trains 6
     record = itm_stall.main(["--compare_dir", root, "--seeds", "1", "--arms", "GRIT-VLP", "--corpus", "real"])
     assert record["itm_epoch"] == {"GRIT-VLP": {1: 3}}
     with pytest.raises(InputFileError, match=r"lr 0\.001.*seed 1"):  # the synthetic 24-epoch selection's
@@ -103,3 +105,24 @@ def test_corpus_real_reads_the_runs_at_the_real_selections(tmp_path, monkeypatch
     with pytest.raises(InputFileError, match="the real corpus has no compositional probe"):
         itm_stall.main(["--compare_dir", root, "--seeds", "1", "--arms", "GRIT-VLP", "--corpus", "real",
                         "--probe_limit", "5"])
+
+
+def test_runs_of_another_schedule_are_refused_not_read(tmp_path, monkeypatch):
+    """Read at a schedule's selections, a run that trained another schedule is refused, naming the file and
+    the --epochs that reads it, even where the two schedules select the same rate (the same folder); --lrs
+    alone names the runs and reads them as they are."""
+    from tools import arms
+
+    monkeypatch.setitem(arms.SELECTED_LR_24, "GRIT-VLP", 2.5e-4)
+    monkeypatch.setitem(arms.SELECTED_LR, "GRIT-VLP", 2.5e-4)
+    root = str(tmp_path / "compare")
+    _write_runs(root, "GRIT-VLP", 2.5e-4, {1: 3}, epochs=12)  # 12 epochs at the 24-epoch selection's rate
+    refused = r"result.json: the run trained 12 epochs, not the 24 .*--epochs 12"
+    with pytest.raises(InputFileError, match=refused):
+        itm_stall.main(["--compare_dir", root, "--seeds", "1", "--arms", "GRIT-VLP"])
+    with pytest.raises(InputFileError, match="not the 24"):
+        itm_stall.main(["--compare_dir", root, "--seeds", "1", "--arms", "GRIT-VLP", "--epochs", "24"])
+    assert itm_stall.main(["--compare_dir", root, "--seeds", "1", "--arms", "GRIT-VLP", "--epochs", "12"])[
+        "itm_epoch"] == {"GRIT-VLP": {1: 3}}
+    assert itm_stall.main(["--compare_dir", root, "--seeds", "1", "--arms", "GRIT-VLP", "--lrs", "2.5e-4"])[
+        "itm_epoch"] == {"GRIT-VLP": {1: 3}}

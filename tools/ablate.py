@@ -376,7 +376,7 @@ def main(argv: Sequence[str] | None = None) -> dict:
     if args.from_record is not None:
         return from_record(parser, args.from_record, args.table, os.path.abspath(args.output_dir))
     merged = merged_table_rows([os.path.abspath(m) for m in args.merge], args.table, args.preset, args.sets,
-                               args.finetune)
+                               args.finetune, {(row, seed) for row in rows for seed in args.seeds})
     read: dict[str, list[int]] = {}  # row -> the seeds read from --merge's files
     with in_root():
         if preset.synthetic:

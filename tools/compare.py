@@ -2,7 +2,7 @@
 test split reported at that selection, per seed, re-ranked and ITC-only, with the ITM probe.
 
     python -m tools.compare --seeds 1 2 3 --lrs 1.25e-4 2.5e-4 5e-4 1e-3 \
-        [--arms GRIT-VLP "GRIT-VLP M/N=96" "random batches"] [--output_dir output/compare] [--reuse] \
+        [--arms GRIT-VLP "GRIT-VLP M/N=96" "random batches"] [--epochs 24] [--output_dir DIR] [--reuse] \
         [--set key=value ...] [--merge COMPARE_JSON ...]
     python -m tools.compare --seeds 11 12 13 --selected     # each arm at its 24-epoch selection only
     python -m tools.compare --seeds 4 5 6 --selected --arms GRIT-VLP B3 \
@@ -46,6 +46,7 @@ import os
 import statistics
 from collections.abc import Sequence
 
+from grit_io import InputFileError
 from tools.arms import (
     ARMS,
     GRIDS,
@@ -253,9 +254,10 @@ def build_parser() -> Parser:
     p.add_argument('--lrs', type=float, nargs='+', default=None,
                    help='peak learning rates every arm is swept over (default: the config\'s, no sweep)')
     p.add_argument('--selected', action='store_true',
-                   help='each arm at its selection only (the --corpus\'s rate, SELECTED_LR(_REAL), at the '
-                        'epochs --set asks for: SELECTED_LRS_LONGER, e.g. SELECTED_LR_24; and '
-                        'SELECTED_SETTING for an arm with a grid: the sweeps\' selections; no sweep)')
+                   help='each arm at its selection only, at the schedule trained: SELECTED_LR_24 at the '
+                        'default 24 epochs, SELECTED_LR at --epochs 12, SELECTED_LR_REAL with --corpus real '
+                        '(tools.arms.selection); and SELECTED_SETTING for an arm with a grid: the sweeps\' '
+                        'selections; no sweep)')
     p.add_argument('--selected_settings', action='store_true',
                    help='each grid arm at its selected setting (SELECTED_SETTING) with the rates swept: the '
                         'same number of runs for every arm (default: the rates times the arm\'s grid)')
@@ -266,9 +268,10 @@ def build_parser() -> Parser:
                    help='the arms (default: GRIT-VLP and random batches)')
     p.add_argument('--output_dir', default=None,
                    help='folder of the runs (<output_dir>/seed<S>/<arm>_lr<lr>/...) and of compare.json, the '
-                        'printed record (default: output/compare at the config\'s own schedule, the folder '
-                        'tools.efficiency reuses, output/compare_e<epochs> at another: a run\'s folder does '
-                        'not name its schedule, so two schedules in one folder would overwrite each other)')
+                        'printed record (default: output/compare[_<corpus>][_e<epochs>][_cosine<epochs>], '
+                        'each part where the corpus or schedule is not the synthetic config\'s own: a run\'s '
+                        'folder names neither, so two of them in one folder would overwrite each other\'s '
+                        'runs; output/compare is the folder tools.efficiency reuses)')
     p.add_argument('--epochs', type=int, default=None,
                    help='pre-training epochs of every run, the cosine schedule\'s length with them '
                         '(default: the corpus\'s comparison schedule, synthetic '
@@ -283,8 +286,9 @@ def build_parser() -> Parser:
                    help='tools.strategy_bench\'s JSON: each strategy\'s cost at the paper\'s sizes, a column '
                         f'of compare.md (default: the repository\'s {STRATEGY_BENCH}; left out when missing)')
     p.add_argument('--merge', nargs='+', default=[], metavar='COMPARE_JSON',
-                   help='earlier compare.json records made with the same --set: a row they hold (arm, '
-                        'setting, seed) is read from them, not run; the record names them (merged_from)')
+                   help='earlier compare.json records made with the same schedule and --set: a row they '
+                        'hold (arm, setting, seed) is read from them, not run; the record names them '
+                        '(merged_from)')
     return p
 
 
@@ -320,18 +324,24 @@ def main(argv: Sequence[str] | None = None) -> dict:
     epochs = args.epochs or (None if scheduled else corpus.epochs)
     overrides = ([f'max_epoch={epochs}', f'schedular.epochs={epochs}'] if epochs and epochs != own else []
                  ) + list(args.overrides)
+    source = (f'--set {" ".join(scheduled)}' if scheduled else f'--epochs {args.epochs}' if args.epochs
+              else f'the default --epochs {epochs}')
     if online := [a for a in args.arms if a in ONLINE_ARMS and any(
             o.partition('=')[0].strip() in schedule for o in overrides)]:
         # Their epochs are set for equal compute with the tiny config's 12 (tools.arms.ARMS), and the schedule
         # comes last: one set for every arm would silently train them at another compute than they claim.
-        parser.error(f'{", ".join(online)} run at equal compute with {own} epochs of plain batches (their '
-                     f'max_epoch in tools.arms.ARMS); a schedule set for every arm would override it'
-                     + ('' if scheduled else f' (--epochs {own} runs the config\'s own)'))
+        parser.error(f'{source}: {", ".join(online)} run at equal compute with 12 epochs of plain batches on '
+                     'the tiny config (their max_epoch in tools.arms.ARMS), which a schedule set for every '
+                     f'arm would override; run them at the config\'s own schedule, --epochs {own}')
     with in_root():
         base = resolve_config('pretrain', corpus.pretrain, overrides, check_paths=False)
     chosen = {}
     epochs = base.max_epoch or base.schedular.epochs
-    default_dir = 'output/compare' + ('' if epochs == own else f'_e{epochs}')
+    # A run's folder names neither the corpus nor the schedule: the default folder does, so that two
+    # comparisons left at their defaults never overwrite each other's runs.
+    default_dir = ('output/compare' + ('' if args.corpus == 'synthetic' else f'_{args.corpus}')
+                   + ('' if epochs == own else f'_e{epochs}')
+                   + ('' if base.schedular.epochs == epochs else f'_cosine{base.schedular.epochs}'))
     output_dir = os.path.abspath(args.output_dir or default_dir)  # the user's path, from where the user is
     if args.selected and base.schedular.epochs != epochs:
         # Every sweep behind a selection ran its cosine over the epochs it trained; keyed on max_epoch alone,
@@ -348,7 +358,13 @@ def main(argv: Sequence[str] | None = None) -> dict:
     arm_lrs = {arm: [chosen[arm][0]] if args.selected else args.lrs or [None] for arm in args.arms}
     # An arm's hyper-parameter grid is swept beside the rates; --selected(_settings) takes the selected one.
     arm_settings = {arm: [chosen[arm][1]] if chosen else GRIDS.get(arm, [None]) for arm in args.arms}
-    merge = merged_rows([os.path.abspath(m) for m in args.merge], overrides, args.corpus)
+    try:
+        merge = merged_rows([os.path.abspath(m) for m in args.merge], overrides, args.corpus)
+    except InputFileError as e:
+        if scheduled or epochs == own:
+            raise
+        raise InputFileError(f'{e} (the schedule\'s overrides come from {source}; --epochs {own} for a '
+                             'record of the config\'s own schedule)') from e
     sweep: dict[str, dict[float | tuple, dict[int, dict]]] = {}
     merged_from: dict[str, dict[str, list[int]]] = {}  # arm -> setting -> the seeds read
     with in_root():

@@ -137,11 +137,13 @@ def compute_intervals(reach: dict) -> dict:
 
 
 def _interval_cell(iv: dict) -> str:
-    """'mean [low, high], B of N below 1' ('–' where no seed reached; no bounds where one did not)."""
+    """'mean [low, high], B of N below 1' ('–' where no seed reached; where one did not, the mean said to be
+    over the seeds that reached, which flatters the arm, and no bounds)."""
     if not iv['reached'] or iv['mean'] != iv['mean']:
         return '–'
-    bounds = f' [{iv["low"]:.3f}, {iv["high"]:.3f}]' if iv['low'] == iv['low'] else ''
-    return f'{iv["mean"]:.3f}{bounds}, {iv["below"]} of {iv["n"]} below 1'
+    if iv['reached'] < iv['n']:
+        return f'{iv["mean"]:.3f} over the {iv["reached"]} reached, {iv["below"]} of {iv["n"]} below 1'
+    return f'{iv["mean"]:.3f} [{iv["low"]:.3f}, {iv["high"]:.3f}], {iv["below"]} of {iv["n"]} below 1'
 
 
 def compute_table(reach: dict, clock: str) -> str:
@@ -176,7 +178,7 @@ def compute_table(reach: dict, clock: str) -> str:
                   '|---|---|---|---|']
         for score, arm, g in gaps:
             bounds = f' [{g["low"]:+.3f}, {g["high"]:+.3f}]' if g['low'] == g['low'] else ''
-            unreached = f' ({g["missing"]} seeds not reached)' if g['missing'] else ''
+            unreached = f' ({g["missing"]} seeds not reached or without FLOPs)' if g['missing'] else ''
             lines.append(f'| {score} | {arm} | {g["mean"]:+.3f}{bounds}{unreached} | '
                          f'{g["behind"]} / {g["level"]} / {g["ahead"]} |')
     return '\n'.join(lines) + '\n'

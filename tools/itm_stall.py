@@ -29,7 +29,8 @@ from grit_io import InputFileError, read_json
 from tools.arms import ARMS, arm_setting
 from tools.cli import add_output_dir, emit_record, tool_parser
 from tools.compare import itm_epoch
-from tools.runs import CORPORA, PRETRAIN_CONFIG, run_dir
+from tools.launch import in_root
+from tools.runs import CORPORA, PRETRAIN_CONFIG, check_schedule, comparison_epochs, run_dir
 from training.cli import run_main
 from training.logger import current_names
 
@@ -42,13 +43,16 @@ METRICS = ("loss_itm", "itm_accuracy", "itm_match_accuracy", "probe", "hardness"
 
 
 def load_logs(output_dir: str, arms: list[str], seeds: list[int], lrs: list[float] | None = None,
-              corpus: str = "synthetic", epochs: int | None = None) -> dict[str, dict[int, list[dict]]]:
+              corpus: str = "synthetic", epochs: int | None = None,
+              trained: int | None = None) -> dict[str, dict[int, list[dict]]]:
     """{arm: {seed: per-epoch log rows}} of the runs tools.compare made in output_dir, each arm at --lrs or
-    at its selection on `corpus` at `epochs` (None: the corpus config's own)."""
+    at its selection on `corpus` at `epochs` (None: the corpus config's own); each run must have trained
+    `trained` epochs (None: any; tools.runs.check_schedule)."""
     out: dict[str, dict[int, list[dict]]] = {}
     for arm, (lr, setting) in arm_setting(arms, lrs, corpus, epochs).items():
         out[arm] = {}
         for seed in seeds:
+            check_schedule(run_dir(output_dir, arm, seed, lr, setting), trained)
             path = os.path.join(run_dir(output_dir, arm, seed, lr, setting), "result.json")
             if not os.path.isfile(path):
                 raise InputFileError(f"no run of {arm!r} (lr {lr:g}{', ' + setting if setting else ''}) seed "
@@ -173,23 +177,30 @@ def build_parser():
     return p
 
 
-def epochs(args) -> int | None:
-    """The schedule whose selections the runs are at: --epochs, else tools.compare's default on the corpus."""
-    return args.epochs or CORPORA[args.corpus].epochs
+def schedule(args) -> tuple[int, int | None]:
+    """(the schedule whose selections are read: --epochs, else tools.compare's default on the corpus; the
+    epochs every run must have trained: the same, none where --lrs names the runs and --epochs does not)."""
+    with in_root():
+        chosen = args.epochs if args.epochs is not None else comparison_epochs(args.corpus)
+    return chosen, (None if args.lrs and args.epochs is None else chosen)
 
 
 def main(argv: list[str] | None = None) -> dict:
     """Read the runs, print the tables, return (and with --report_dir write) the record."""
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if args.epochs is not None and args.epochs < 1:
+        parser.error(f"--epochs {args.epochs}: at least 1")
+    epochs, trained = schedule(args)
     try:
-        arm_setting(args.arms, args.lrs, args.corpus, epochs(args))
+        arm_setting(args.arms, args.lrs, args.corpus, epochs)
     except ValueError as e:
         raise InputFileError(f"--lrs or --arms: {e}") from e
     if args.probe_limit > 0 and not CORPORA[args.corpus].probe:
         raise InputFileError(f"--probe_limit: the {args.corpus} corpus has no compositional probe")
-    logs = load_logs(args.compare_dir, args.arms, args.seeds, args.lrs, args.corpus, epochs(args))
+    logs = load_logs(args.compare_dir, args.arms, args.seeds, args.lrs, args.corpus, epochs, trained)
     if args.probe_limit > 0:
-        add_probe(logs, args.compare_dir, args.arms, args.lrs, args.probe_limit, epochs(args))
+        add_probe(logs, args.compare_dir, args.arms, args.lrs, args.probe_limit, epochs)
     table = markdown(logs)
     print(table)
     record = {"compare_dir": args.compare_dir, "seeds": args.seeds,

@@ -35,7 +35,7 @@ from grit_io import InputFileError, read_json
 from tools.arms import ARMS, arm_setting
 from tools.cli import add_output_dir, emit_record, tool_parser
 from tools.records import compare_record, selected_rows
-from tools.runs import COMPARISON_EPOCHS, run_dir
+from tools.runs import COMPARISON_EPOCHS, check_schedule, run_dir
 from tools.stats import mean_std
 from training.cli import Parser, run_main
 
@@ -102,11 +102,13 @@ def decompose(d: np.ndarray, seed_gaps: Sequence[float] | None = None,
             'std_floor': math.sqrt(max(v - q, 0.0))}
 
 
-def _load(compare_dir: str, arm: str, seeds: Sequence[int], lr: float,
-          setting: str | None) -> list[tuple[list[int], np.ndarray]]:
-    """image_hits() of each seed's run of `arm`; InputFileError naming a missing rankings file."""
+def _load(compare_dir: str, arm: str, seeds: Sequence[int], lr: float, setting: str | None,
+          trained: int | None = None) -> list[tuple[list[int], np.ndarray]]:
+    """image_hits() of each seed's run of `arm`, each run of `trained` epochs (None: any); InputFileError
+    naming a missing rankings file or a run of another schedule."""
     out = []
     for seed in seeds:
+        check_schedule(run_dir(compare_dir, arm, seed, lr, setting), trained)
         path = os.path.join(run_dir(compare_dir, arm, seed, lr, setting), 'zeroshot', 'rankings_test.json')
         if not os.path.isfile(path):
             where = f'lr {lr:g}' + (f', {setting}' if setting else '')
@@ -164,9 +166,10 @@ def build_parser() -> Parser:
                    help="the baseline, then the arms paired with it (default: GRIT-VLP B3)")
     p.add_argument("--lrs", type=float, nargs="+", default=None,
                    help="the arms' learning rates, in --arms' order (default: their selections, tools.arms)")
-    p.add_argument("--epochs", type=int, default=COMPARISON_EPOCHS,
-                   help="the schedule the runs trained, whose selections are read without --lrs (default: "
-                        f"tools.compare's, {COMPARISON_EPOCHS})")
+    p.add_argument("--epochs", type=int, default=None,
+                   help="the schedule the runs trained, whose selections are read without --lrs, and which "
+                        f"every run read must have trained (default: tools.compare's, {COMPARISON_EPOCHS}; "
+                        "with --lrs and no --epochs, the runs as they are)")
     p.add_argument("--record", default=None,
                    help="a tools.compare record of the same runs whose seeds give the gap's seed variance "
                         "(default: --seeds')")
@@ -182,15 +185,19 @@ def main(argv: Sequence[str] | None = None) -> dict:
     args = parser.parse_args(argv)
     if len(args.seeds) < 2 or len(args.arms) < 2:
         parser.error("--seeds and --arms: the interaction needs two seeds or more, and a baseline and an arm")
+    if args.epochs is not None and args.epochs < 1:
+        parser.error(f"--epochs {args.epochs}: at least 1")
+    epochs = COMPARISON_EPOCHS if args.epochs is None else args.epochs
+    trained = None if args.lrs and args.epochs is None else epochs  # tools.runs.check_schedule
     try:
-        settings = arm_setting(args.arms, args.lrs, epochs=args.epochs)
+        settings = arm_setting(args.arms, args.lrs, epochs=epochs)
     except ValueError as e:
         parser.error(f"--lrs or --arms: {e}")
     baseline, *others = args.arms
-    base = _load(args.compare_dir, baseline, args.seeds, *settings[baseline])
+    base = _load(args.compare_dir, baseline, args.seeds, *settings[baseline], trained)
     arms = {}
     for arm in others:
-        runs = _load(args.compare_dir, arm, args.seeds, *settings[arm])
+        runs = _load(args.compare_dir, arm, args.seeds, *settings[arm], trained)
         try:
             d = paired_table(base, runs)
             gaps = (100 * d.mean(0)).tolist()

@@ -6,7 +6,7 @@ records disagree about one entry, InputFileError names the file."""
 from __future__ import annotations
 
 import math
-from collections.abc import Hashable, Sequence
+from collections.abc import Collection, Hashable, Sequence
 
 from grit_io import InputFileError, read_json
 from tools.arms import setting_label
@@ -24,6 +24,16 @@ def _record(path: str, tool: str, field: str) -> dict:
     if not isinstance(saved, dict) or not isinstance(saved.get(field), dict):
         raise InputFileError(f'{path}: not a {tool} record (no "{field}")')
     return saved
+
+
+def _same_overrides(made: Sequence[str], asked: Sequence[str]) -> bool:
+    """Whether two --set lists make the same runs: equal, or the same items in another order where no key
+    repeats (the config applies distinct keys alike in any order; a repeated key's last value wins)."""
+    def distinct(items: Sequence[str]) -> bool:
+        keys = [item.partition('=')[0].strip() for item in items]
+        return len(set(keys)) == len(keys)
+
+    return list(made) == list(asked) or (distinct(made) and distinct(asked) and sorted(made) == sorted(asked))
 
 
 def compare_record(path: str) -> dict:
@@ -50,7 +60,7 @@ def merged_rows(paths: Sequence[str], overrides: Sequence[str], corpus: str = 's
         if saved.get('corpus', 'synthetic') != corpus:  # records before --corpus were all synthetic
             raise InputFileError(f'{path}: made on the {saved.get("corpus", "synthetic")} corpus, this '
                                  f'comparison on the {corpus} one: its rows are other runs')
-        if list(saved.get('overrides', [])) != list(overrides):
+        if not _same_overrides(saved.get('overrides', []), overrides):
             raise InputFileError(f'{path}: made with --set {saved.get("overrides")}, this comparison with '
                                  f'--set {list(overrides)}: its rows are other runs')
         for arm, by_label in saved['sweep'].items():
@@ -96,13 +106,13 @@ def merged_curves(paths: Sequence[str], runs: dict[str, tuple[float, str | None]
     return curves, timing
 
 
-def merged_table_rows(paths: Sequence[str], table: int, preset: str, sets: Sequence[str], finetune: bool
-                      ) -> dict[tuple[str, int], dict]:
-    """{(row, seed): metrics} of earlier tools.ablate table<N>.json records (metrics under today's names; the
-    fine-tuned figures dropped when this run does not fine-tune, as its own rows have none); InputFileError
-    naming the file when it is not an ablate record, is another table's or preset's, was made with other
-    --set overrides, lacks the fine-tuned figures this run asks for, or holds a row another file holds with
-    other figures."""
+def merged_table_rows(paths: Sequence[str], table: int, preset: str, sets: Sequence[str], finetune: bool,
+                      wanted: Collection[tuple[str, int]]) -> dict[tuple[str, int], dict]:
+    """{(row, seed): metrics} of the `wanted` (row, seed)s earlier tools.ablate table<N>.json records hold
+    (metrics under today's names; the fine-tuned figures dropped when this run does not fine-tune, as its own
+    rows have none); InputFileError naming the file when it is not an ablate record, is another table's or
+    preset's, was made with other --set overrides, lacks the fine-tuned figures this run asks for in a wanted
+    row, or holds a wanted row another file holds with other figures."""
     rows: dict[tuple[str, int], dict] = {}
     source: dict = {}
     for path in paths:
@@ -115,6 +125,8 @@ def merged_table_rows(paths: Sequence[str], table: int, preset: str, sets: Seque
                                      'its rows are other runs')
         for row, per_seed in saved['rows'].items():
             for seed, metrics in per_seed.items():
+                if (row, int(seed)) not in wanted:
+                    continue
                 if finetune and metrics.get('ft_tr_r1') is None:
                     raise InputFileError(f'{path}: {row} seed {seed} was not fine-tuned (made with '
                                          '--no_finetune); this run fine-tunes')

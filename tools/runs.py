@@ -25,8 +25,8 @@ from training.config_files import split_override
 from training.config_resolve import known_keys, new_spelling, resolve_config
 from training.logger import current_names
 
-__all__ = ["COMPARISON_EPOCHS", "CORPORA", "PRETRAIN_CONFIG", "RETRIEVAL_CONFIG", "Corpus",
-           "evaluation_commands", "fresh", "last_checkpoint",
+__all__ = ["COMPARISON_EPOCHS", "CORPORA", "PRETRAIN_CONFIG", "RETRIEVAL_CONFIG", "Corpus", "check_schedule",
+           "comparison_epochs", "evaluation_commands", "fresh", "last_checkpoint",
            "lr_overrides", "overrides_for", "prepare_pretraining", "pretrain_command", "read_evaluation",
            "read_log", "read_retrieval", "run_dir", "run_pairs", "saved_result", "slug"]
 
@@ -66,6 +66,29 @@ def fresh(output_dir: str) -> str:
         if os.path.exists(os.path.join(output_dir, name)):
             os.remove(os.path.join(output_dir, name))
     return output_dir
+
+
+def comparison_epochs(corpus: str) -> int:
+    """The epochs tools.compare trains by default on `corpus` (CORPORA): its Corpus.epochs, else its
+    pre-training config's own. Call it in the repository root (the config's relative path)."""
+    from training.config_resolve import resolve_config
+
+    own = CORPORA[corpus].epochs
+    return own if own is not None else resolve_config('pretrain', CORPORA[corpus].pretrain, [],
+                                                      check_paths=False).max_epoch
+
+
+def check_schedule(directory: str, epochs: int | None) -> None:
+    """InputFileError naming directory/result.json when that run trained other than `epochs` epochs (None: no
+    check): a reader that takes an arm's run at the selection of one schedule must not read another's, whose
+    folder is the same when the rates agree."""
+    path = os.path.join(directory, 'result.json')
+    if epochs is None or not os.path.isfile(path):
+        return
+    trained = len(read_json(path, 'run result').get('log') or [])
+    if trained != epochs:
+        raise InputFileError(f'{path}: the run trained {trained} epochs, not the {epochs} whose selections '
+                             f'are read (--epochs {trained} reads that schedule\'s, --lrs names the rates)')
 
 
 def read_log(path: str) -> list[dict]:
