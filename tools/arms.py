@@ -172,9 +172,13 @@ SELECTED_SETTING = {'B3': 'p=2,m=20', 'GCBS': 'k=5', 'random walk': 'k=10,restar
 # The real corpora's (tools.make_real; --corpus real): each arm's rate of best mean val R@1 over seeds 1-3,
 # the grid arms held at their synthetic settings (SELECTED_SETTING), by `python -m tools.compare --corpus real
 # --seeds 1 2 3 --lrs 2.5e-4 5e-4 1e-3 --selected_settings --arms GRIT-VLP "random batches" B3 GCBS
-# "GRIT-VLP + S-ITC"` (docs/real-corpora.md, docs/results/compare_real_sweep_seeds1-3.md, 2026-11-28).
+# "GRIT-VLP + S-ITC"` (docs/real-corpora.md, docs/results/compare_real_sweep_seeds1-3.md, 2026-11-28); the
+# drop arms by the same grid, `--arms "GRIT-VLP drop 0.5" "GRIT-VLP drop 0.75" "random drop 0.5"`, one seed a
+# run (docs/results/compare_real_drop_seed{1,2,3}.md, 2026-12-07; all three 5e-4, inside the grid), joined
+# with the first sweep in docs/results/compare_real_drop_seeds1-3.md.
 SELECTED_LR_REAL = {'GRIT-VLP': 2.5e-4, 'random batches': 5e-4, 'B3': 2.5e-4, 'GCBS': 2.5e-4,
-                    'GRIT-VLP + S-ITC': 2.5e-4}
+                    'GRIT-VLP + S-ITC': 2.5e-4, 'GRIT-VLP drop 0.5': 5e-4, 'GRIT-VLP drop 0.75': 5e-4,
+                    'random drop 0.5': 5e-4}
 SELECTED_LRS = {'synthetic': SELECTED_LR, 'real': SELECTED_LR_REAL}  # tools.runs.CORPORA's names
 
 # The synthetic world at 24 epochs (issue 49's protocol, tools.compare's default since 2026-12-07):
