@@ -20,7 +20,7 @@ from collections.abc import Sequence
 
 from models.pretrain import ALBEF_Base
 from tools.arms import ARMS, SELECTED_LR
-from tools.compare import side_by_side
+from tools.compare_summary import side_by_side
 from tools.downstream import (
     DOWNSTREAM_PRETRAIN_CONFIG,
     downstream_summary,

@@ -9,7 +9,7 @@ import os
 import statistics
 
 from tools.arms import ARMS
-from tools.compare import COLUMNS, report, select_lr, side_by_side, summary_row
+from tools.compare_summary import COLUMNS, report, select_lr, side_by_side, summary_row
 from tools.runs import PRETRAIN_CONFIG, lr_overrides, read_evaluation, run_dir
 from training.config_resolve import resolve_config
 

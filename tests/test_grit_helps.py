@@ -18,7 +18,7 @@ import os
 
 import pytest
 
-from tools.compare import ITM_CHANCE
+from tools.compare_summary import ITM_CHANCE
 
 pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("in_repo")]
 

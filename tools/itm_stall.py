@@ -28,7 +28,7 @@ import os
 from grit_io import InputFileError, read_json
 from tools.arms import ARMS, arm_setting
 from tools.cli import add_output_dir, emit_record, tool_parser
-from tools.compare import itm_epoch
+from tools.compare_summary import itm_epoch
 from tools.launch import in_root
 from tools.runs import CORPORA, PRETRAIN_CONFIG, check_schedule, comparison_epochs, run_dir
 from training.cli import run_main
