@@ -200,7 +200,7 @@ def _table4_record(seeds=(1, 2, 3)) -> dict:
 def test_ordering_gaps_are_paired_by_seed_with_scipys_t_interval():
     from scipy import stats
 
-    from tools.ablate import ordering_gaps
+    from tools.ablate_tables import ordering_gaps
 
     gaps = {(g["row"], g["baseline"], g["figure"]): g for g in ordering_gaps(4, _table4_record()["rows"])}
     ft = gaps[("grit", "albef_base50", "ft_mean_r1")]
