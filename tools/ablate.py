@@ -22,12 +22,12 @@ and table<N>_report/ holds tools.report's per-epoch tables and overlaid plots of
 
 A step whose result is already on disk is reused, so a table is never recomputed from scratch and
 rows shared between tables (ALBEF_Base is in Tables 1, 2 and 4) are trained once. The table is
-written to <output_dir>/<preset>/table<N>.md with mean and spread (sample standard deviation) over
-seeds, and every per-seed number to table<N>.json (also printed as the last line). Below the table, each
-ordering the paper states within it (tools.ablate_tables.ORDERINGS) is given as a gap paired by seed,
-fine-tuned and zero-shot mean R@1 (the mean of text and image R@1), with its 95 % t interval and the seeds
-on each side (tools.stats.paired_interval); `--from_record` recomputes both from a stored table<N>.json
-without a run, and `--merge` reads the (row, seed)s a stored table<N>.json holds instead of running them (a table extended
+written to <output_dir>/<preset>/table<N>.md with mean and spread (sample standard deviation) over seeds,
+and every per-seed number to table<N>.json (also printed as the last line). Below the table, each ordering
+the paper states within it (tools.ablate_tables.ORDERINGS) is given as a gap paired by seed, fine-tuned and
+zero-shot mean R@1 (the mean of text and image R@1), with its 95 % t interval and the seeds on each side
+(tools.stats.paired_interval); `--from_record` recomputes both from a stored table<N>.json without a run,
+and `--merge` reads the (row, seed)s a stored table<N>.json holds instead of running them (a table extended
 to more seeds after its run folders are gone; the file must be the same table, preset and --set, and the
 record's `merged_from` names what was read).
 The scripts run as children in the repository root (tools.launch), so the tool works from any working
