@@ -30,7 +30,7 @@ from tools.arms import ARMS, arm_setting
 from tools.cli import add_output_dir, emit_record, tool_parser
 from tools.compare_summary import itm_epoch
 from tools.launch import in_root
-from tools.runs import CORPORA, PRETRAIN_CONFIG, check_schedule, comparison_epochs, run_dir
+from tools.runs import CORPORA, PRETRAIN_CONFIG, check_schedule, reading_schedule, run_dir
 from training.cli import run_main
 from training.logger import current_names
 
@@ -52,8 +52,9 @@ def load_logs(output_dir: str, arms: list[str], seeds: list[int], lrs: list[floa
     for arm, (lr, setting) in arm_setting(arms, lrs, corpus, epochs).items():
         out[arm] = {}
         for seed in seeds:
-            check_schedule(run_dir(output_dir, arm, seed, lr, setting), trained)
-            path = os.path.join(run_dir(output_dir, arm, seed, lr, setting), "result.json")
+            folder = run_dir(output_dir, arm, seed, lr, setting)
+            check_schedule(folder, trained)
+            path = os.path.join(folder, "result.json")
             if not os.path.isfile(path):
                 raise InputFileError(f"no run of {arm!r} (lr {lr:g}{', ' + setting if setting else ''}) seed "
                                      f"{seed}: {path} is missing (run python -m tools.compare first)")
@@ -177,21 +178,15 @@ def build_parser():
     return p
 
 
-def schedule(args) -> tuple[int, int | None]:
-    """(the schedule whose selections are read: --epochs, else tools.compare's default on the corpus; the
-    epochs every run must have trained: the same, none where --lrs names the runs and --epochs does not)."""
-    with in_root():
-        chosen = args.epochs if args.epochs is not None else comparison_epochs(args.corpus)
-    return chosen, (None if args.lrs and args.epochs is None else chosen)
-
-
 def main(argv: list[str] | None = None) -> dict:
     """Read the runs, print the tables, return (and with --report_dir write) the record."""
     parser = build_parser()
     args = parser.parse_args(argv)
-    if args.epochs is not None and args.epochs < 1:
-        parser.error(f"--epochs {args.epochs}: at least 1")
-    epochs, trained = schedule(args)
+    try:
+        with in_root():  # the corpus config's relative path
+            epochs, trained = reading_schedule(args.epochs, args.lrs, args.corpus)
+    except ValueError as e:
+        parser.error(str(e))
     try:
         arm_setting(args.arms, args.lrs, args.corpus, epochs)
     except ValueError as e:

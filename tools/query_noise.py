@@ -35,7 +35,7 @@ from grit_io import InputFileError, read_json
 from tools.arms import ARMS, arm_setting
 from tools.cli import add_output_dir, emit_record, tool_parser
 from tools.records import compare_record, selected_rows
-from tools.runs import COMPARISON_EPOCHS, check_schedule, run_dir
+from tools.runs import COMPARISON_EPOCHS, check_schedule, reading_schedule, run_dir
 from tools.stats import mean_std
 from training.cli import Parser, run_main
 
@@ -108,8 +108,9 @@ def _load(compare_dir: str, arm: str, seeds: Sequence[int], lr: float, setting: 
     naming a missing rankings file or a run of another schedule."""
     out = []
     for seed in seeds:
-        check_schedule(run_dir(compare_dir, arm, seed, lr, setting), trained)
-        path = os.path.join(run_dir(compare_dir, arm, seed, lr, setting), 'zeroshot', 'rankings_test.json')
+        folder = run_dir(compare_dir, arm, seed, lr, setting)
+        check_schedule(folder, trained)
+        path = os.path.join(folder, 'zeroshot', 'rankings_test.json')
         if not os.path.isfile(path):
             where = f'lr {lr:g}' + (f', {setting}' if setting else '')
             raise InputFileError(f'no rankings of {arm!r} ({where}) seed {seed}: {path} is missing (run '
@@ -185,10 +186,10 @@ def main(argv: Sequence[str] | None = None) -> dict:
     args = parser.parse_args(argv)
     if len(args.seeds) < 2 or len(args.arms) < 2:
         parser.error("--seeds and --arms: the interaction needs two seeds or more, and a baseline and an arm")
-    if args.epochs is not None and args.epochs < 1:
-        parser.error(f"--epochs {args.epochs}: at least 1")
-    epochs = COMPARISON_EPOCHS if args.epochs is None else args.epochs
-    trained = None if args.lrs and args.epochs is None else epochs  # tools.runs.check_schedule
+    try:
+        epochs, trained = reading_schedule(args.epochs, args.lrs)  # the synthetic world's: no config read
+    except ValueError as e:
+        parser.error(str(e))
     try:
         settings = arm_setting(args.arms, args.lrs, epochs=epochs)
     except ValueError as e:

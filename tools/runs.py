@@ -28,7 +28,7 @@ from training.logger import current_names
 __all__ = ["COMPARISON_EPOCHS", "CORPORA", "PRETRAIN_CONFIG", "RETRIEVAL_CONFIG", "Corpus", "check_schedule",
            "comparison_epochs", "evaluation_commands", "fresh", "last_checkpoint",
            "lr_overrides", "overrides_for", "prepare_pretraining", "pretrain_command", "read_evaluation",
-           "read_log", "read_retrieval", "run_dir", "run_pairs", "saved_result", "slug"]
+           "read_log", "read_retrieval", "reading_schedule", "run_dir", "run_pairs", "saved_result", "slug"]
 
 # Repository-relative, as the shipped configs' own paths: the tools and their children work in the root.
 PRETRAIN_CONFIG = 'configs/tiny/Pretrain.yaml'
@@ -71,11 +71,21 @@ def fresh(output_dir: str) -> str:
 def comparison_epochs(corpus: str) -> int:
     """The epochs tools.compare trains by default on `corpus` (CORPORA): its Corpus.epochs, else its
     pre-training config's own. Call it in the repository root (the config's relative path)."""
-    from training.config_resolve import resolve_config
-
     own = CORPORA[corpus].epochs
     return own if own is not None else resolve_config('pretrain', CORPORA[corpus].pretrain, [],
                                                       check_paths=False).max_epoch
+
+
+def reading_schedule(epochs: int | None, lrs: Sequence[float] | None, corpus: str = 'synthetic'
+                     ) -> tuple[int, int | None]:
+    """For a tool that reads tools.compare's runs: (the schedule whose selections it reads: `epochs`
+    (--epochs), else tools.compare's default on `corpus`; the epochs every run read must have trained, for
+    check_schedule: the same, or None where --lrs names the runs and --epochs is not given). ValueError for
+    epochs below 1. Call it in the repository root (comparison_epochs)."""
+    if epochs is not None and epochs < 1:
+        raise ValueError(f'--epochs {epochs}: at least 1')
+    chosen = epochs if epochs is not None else comparison_epochs(corpus)
+    return chosen, (None if lrs and epochs is None else chosen)
 
 
 def check_schedule(directory: str, epochs: int | None) -> None:
