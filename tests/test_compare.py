@@ -408,6 +408,39 @@ def test_the_selected_runs_are_the_sweeps_own_folders_and_commands(tmp_path, mon
                       "--output_dir", str(tmp_path / "no_setting")])
 
 
+def test_seeds_run_in_parallel_into_one_folder_keep_each_its_own_record(tmp_path, monkeypatch):
+    """While one comparison writes <output_dir>/compare.json, a second one into the same folder is refused
+    before it runs anything (it would overwrite the first's record on finishing); with its own --record it
+    runs, shares the folder's runs and writes <record>.json and <record>.md beside the first's."""
+    import pytest
+
+    from grit_io import InputFileError
+    from tools import compare
+    from tools.cli import record_claim
+
+    monkeypatch.chdir(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    monkeypatch.setattr(compare, "prepare_pretraining", lambda overrides=(), config=None: None)
+    asked = []
+
+    def fake_pairs(runs, reuse=False, corpus=None):
+        asked.append(runs)
+        return {key: _run(0.4, 6.0, 4.0, 0.9) for key in runs}
+
+    monkeypatch.setattr(compare, "run_pairs", fake_pairs)
+    out = str(tmp_path / "cmp")
+    argv = ["--seeds", "3", "--lrs", "5e-4", "--arms", "GRIT-VLP", "--output_dir", out, "--epochs", "12"]
+    with record_claim(out, "compare", "tools.compare"):  # the seed-2 comparison, still running
+        with pytest.raises(InputFileError, match="compare.json: python -m tools.compare"):
+            compare.main(argv)
+        assert asked == []
+        record = compare.main([*argv, "--record", "compare_seed3"])
+    assert list(asked[0]) == [("GRIT-VLP", 5e-4, None, 3)]
+    assert asked[0][("GRIT-VLP", 5e-4, None, 3)][0] == run_dir(out, "GRIT-VLP", 3, 5e-4, None)
+    folder = tmp_path / "cmp"
+    assert json.loads((folder / "compare_seed3.json").read_text())["seeds"] == record["seeds"] == [3]
+    assert (folder / "compare_seed3.md").is_file() and not (folder / "compare.json").exists()
+
+
 def test_merged_rows_are_read_not_run_and_a_foreign_record_is_named(tmp_path, monkeypatch):
     """--merge: the rows an earlier compare.json holds are taken from it (null back to nan) and only the rest
     is run; the record says which came from where; a record made with other --set overrides, or holding

@@ -12,7 +12,8 @@ import sys
 import pytest
 from conftest import HANG_GUARD_S, ROOT
 
-from tools.cli import emit_record
+from grit_io import InputFileError
+from tools.cli import emit_record, record_claim
 from tools.launch import absolute_paths, child_env, launch, python_command
 
 pytestmark = pytest.mark.usefixtures("in_repo")  # tests/conftest.py: repo root, one thread, synthetic data
@@ -95,6 +96,27 @@ def test_emit_record_writes_strict_json_with_null_for_a_missing_figure(tmp_path,
 
     assert strict(capsys.readouterr().out) == expected
     assert strict((tmp_path / "tool.json").read_text()) == expected
+
+
+def test_a_record_claimed_by_one_invocation_is_refused_to_a_second_naming_the_holder(tmp_path):
+    """Two invocations writing one record into one folder (seeds run in parallel) would overwrite each
+    other's on finishing: the second is refused at its start, naming the first; another record name in the
+    same folder goes ahead, and the record is free again once the first is done."""
+    out = str(tmp_path / "runs")
+    with record_claim(out, "compare", "tools.compare"):
+        holder = rf"compare\.json: python -m tools\.compare \(pid {os.getpid()}\)"
+        with pytest.raises(InputFileError, match=holder + r".*--record compare_2"):
+            with record_claim(out, "compare", "tools.compare"):
+                pass
+        with record_claim(out, "compare_2", "tools.compare"):  # its own record: both go ahead
+            pass
+    with record_claim(out, "compare", "tools.compare"):  # released on leaving, also after an error
+        pass
+    with pytest.raises(RuntimeError):
+        with record_claim(out, "compare", "tools.compare"):
+            raise RuntimeError
+    with record_claim(out, "compare", "tools.compare"):
+        pass
 
 
 def test_absolute_paths_turns_every_user_path_absolute(tmp_path):

@@ -11,21 +11,22 @@ emit_record (print the JSON record; with --output_dir, also write it there) and 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import math
 import os
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from typing import Any
 
 import torch
 
-from grit_io import TRUST_FLAG
+from grit_io import TRUST_FLAG, InputFileError
 from training.cli import Parser
 from training.config import TaskConfig
 from training.config_resolve import resolve_config
 
-__all__ = ["add_checkpoint_args", "add_config_args", "add_output_dir", "checkpoint_parser", "emit_record",
-           "resolve_device", "tool_config", "tool_parser"]
+__all__ = ["add_checkpoint_args", "add_config_args", "add_output_dir", "add_record_name", "checkpoint_parser",
+           "emit_record", "record_claim", "resolve_device", "tool_config", "tool_parser"]
 
 
 def tool_parser(module: str, description: str) -> Parser:
@@ -60,6 +61,48 @@ def add_output_dir(parser: Parser, writes: str, *, required: bool = False, defau
     parser.add_argument("--output_dir", required=required, default=default,
                         help=f"folder to write {writes} into (created when missing)"
                              + ("" if required or default else f"; without it {without}"))
+
+
+def add_record_name(parser: Parser, default: str) -> None:
+    """--record: the name of the record the tool writes into --output_dir (<name>.json, <name>.md, ...),
+    so that two invocations sharing one folder of runs keep each its own record (record_claim)."""
+    parser.add_argument("--record", default=default, metavar="NAME",
+                        help=f"the record's file name in the output folder (default: {default}, that is "
+                             f"{default}.json and {default}.md); two invocations sharing one folder of runs "
+                             "(seeds run in parallel) need one each")
+
+
+@contextlib.contextmanager
+def record_claim(output_dir: str, name: str, module: str) -> Iterator[None]:
+    """Hold output_dir/<name>.json for this process while the tool runs: a second invocation of a tool
+    writing the same record there (it would overwrite this one's on finishing) is refused at its start,
+    naming the one that holds it, instead of one record silently replacing the other hours later."""
+    os.makedirs(output_dir, exist_ok=True)
+    path = os.path.join(output_dir, f".{name}.lock")
+    try:
+        import fcntl  # POSIX; where it is missing (Windows) the claim is not checked
+    except ImportError:
+        yield
+        return
+    with open(path, "a+", encoding="utf-8") as f:
+        try:
+            fcntl.flock(f.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:
+            f.seek(0)
+            holder = f.read().strip() or "another process"
+            raise InputFileError(
+                f"{os.path.join(output_dir, name + '.json')}: {holder} is writing this record; give this "
+                f"one its own --record (e.g. --record {name}_2, the runs are still shared and reused) or "
+                "its own --output_dir") from None
+        f.seek(0)
+        f.truncate()
+        f.write(f"python -m {module} (pid {os.getpid()})\n")
+        f.flush()
+        try:
+            yield
+        finally:  # the lock goes with the file's closing; the file stays, empty, for the next claim
+            f.seek(0)
+            f.truncate()
 
 
 def checkpoint_parser(module: str, description: str, config_help: str, checkpoint_help: str,

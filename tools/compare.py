@@ -37,6 +37,9 @@ the rates only, so that every arm gets the same number of runs.
 other machines, or kept after its run folders are gone): a row there of an asked arm, setting and seed is
 taken as it is, the files must have been made with the same schedule and --set, and the record names what
 came from where (merged_from).
+--record NAME names the record (default compare: NAME.json, NAME.md) so that commands run in parallel into
+one folder of runs (a seed each) keep each its own; a second command writing the same record into the same
+folder is refused at its start, naming the first (tools.cli.record_claim).
 """
 
 from __future__ import annotations
@@ -57,7 +60,7 @@ from tools.arms import (
     setting_label,
 )
 from tools.batch_scenes import with_batch_scenes
-from tools.cli import emit_record, tool_parser
+from tools.cli import add_record_name, emit_record, record_claim, tool_parser
 from tools.compare_summary import report, summary_row
 from tools.compare_tables import markdown_table, read_costs, sweep_table
 from tools.launch import ROOT, in_root
@@ -135,6 +138,7 @@ def build_parser() -> Parser:
                    help='earlier compare.json records made with the same schedule and --set: a row they '
                         'hold (arm, setting, seed) is read from them, not run; the record names them '
                         '(merged_from)')
+    add_record_name(p, 'compare')
     return p
 
 
@@ -189,87 +193,97 @@ def main(argv: Sequence[str] | None = None) -> dict:
                    + ('' if epochs == own else f'_e{epochs}')
                    + ('' if base.schedular.epochs == epochs else f'_cosine{base.schedular.epochs}'))
     output_dir = os.path.abspath(args.output_dir or default_dir)  # the user's path, from where the user is
-    if args.selected and base.schedular.epochs != epochs:
-        # Every sweep behind a selection ran its cosine over the epochs it trained; keyed on max_epoch alone,
-        # a cut-short or stretched schedule would silently take a rate selected under another one.
-        parser.error(f'--selected: max_epoch={epochs} with schedular.epochs={base.schedular.epochs}; the '
-                     'selections were swept with the two equal (set both, or sweep this schedule with --lrs)')
-    if args.selected or args.selected_settings:
-        try:  # (lr, setting) per arm, selected at the schedule asked for; a sweep needs the setting only
-            chosen = {arm: selection(arm, args.corpus, epochs) if args.selected
-                      else (None, selected_setting(arm)) for arm in args.arms}
-        except ValueError as e:
-            own_hint = '' if epochs == own else f'; --epochs {own} takes the config\'s own schedule\'s'
-            parser.error(f'--selected{"_settings" * args.selected_settings}: {e}{own_hint}')
-    arm_lrs = {arm: [chosen[arm][0]] if args.selected else args.lrs or [None] for arm in args.arms}
-    # An arm's hyper-parameter grid is swept beside the rates; --selected(_settings) takes the selected one.
-    arm_settings = {arm: [chosen[arm][1]] if chosen else GRIDS.get(arm, [None]) for arm in args.arms}
-    try:
-        merge = merged_rows([os.path.abspath(m) for m in args.merge], overrides, args.corpus)
-    except InputFileError as e:
-        if scheduled or epochs == own:
-            raise
-        raise InputFileError(f'{e} (the schedule\'s overrides come from {source}; --epochs {own} for a '
-                             'record of the config\'s own schedule)') from e
-    sweep: dict[str, dict[float | tuple, dict[int, dict]]] = {}
-    merged_from: dict[str, dict[str, list[int]]] = {}  # arm -> setting -> the seeds read
-    with in_root():
-        prepare_pretraining(overrides, corpus.pretrain)
-        runs = {}
-        for seed in args.seeds:  # seed-major: a cut-short sweep has whole seeds
-            for lr in sorted({lr for lrs in arm_lrs.values() for lr in lrs}, key=lambda x: x or 0):
-                for arm in [a for a in args.arms if lr in arm_lrs[a]]:
-                    for setting in arm_settings[arm]:
-                        key = sweep_key(lr if lr is not None else base.optimizer.lr, setting)
-                        if (arm, setting_label(key), seed) in merge:  # read, not run
-                            row = merge[(arm, setting_label(key), seed)]
-                            sweep.setdefault(arm, {}).setdefault(key, {})[seed] = row
-                            merged_from.setdefault(arm, {}).setdefault(setting_label(key), []).append(seed)
-                            continue
-                        sets = arm_overrides(arm, lr, setting, corpus.pretrain) + overrides
-                        # The evaluations get the user's overrides (those shaping the model), not the arm's.
-                        runs[(arm, lr, setting, seed)] = (
-                            run_dir(output_dir, arm, seed, lr, setting),
-                            ['--seed', str(seed), *(['--set', *sets] if sets else [])], list(overrides))
-        reference = None
-        if any(arm in ONLINE_ARMS for arm, *_ in runs):  # their reference model first, then the arms
-            reference = train_reference(output_dir, overrides, corpus, args.reuse)
-            for (arm, *_), (_, arguments, _) in runs.items():
-                if arm in ONLINE_ARMS:
-                    arguments += [f'batching.{ONLINE_ARMS[arm]}.reference={reference["checkpoint"]}']
-        results = run_pairs(runs, reuse=args.reuse, corpus=corpus) if runs else {}
-    for (arm, lr, setting, seed), (log, retrieval, probe) in results.items():
-        pre_dir = os.path.join(runs[(arm, lr, setting, seed)][0], 'pretrain')
-        with in_root():  # batch_same_scene rebuilt from the checkpoints of a run made before it was logged
-            log = with_batch_scenes(log, pre_dir)
-        key = sweep_key(lr if lr is not None else base.optimizer.lr, setting)
-        sweep.setdefault(arm, {}).setdefault(key, {})[seed] = summary_row(log, retrieval, probe)
-    # The arms in the order asked for, each arm's settings by rate then grid order and its seeds ascending,
-    # whichever order the runs finished or were reused in (the record and its sweep table read in order).
-    sweep = {arm: {key: dict(sorted(sweep[arm][key].items()))
-                   for key in sorted(sweep[arm], key=lambda key, arm=arm: sweep_order(arm, key))}
-             for arm in args.arms}
-    merged_from = {arm: merged_from[arm] for arm in args.arms if arm in merged_from}
-    text, record = report(sweep, args.seeds)
-    print(text)
-    record = {'sweep': {arm: {setting_label(k): rows for k, rows in by_key.items()}
-                        for arm, by_key in sweep.items()},
-              **record, 'seeds': args.seeds, 'corpus': args.corpus, 'epochs': epochs, 'overrides': overrides,
-              **({'merged_from': {'files': args.merge, 'rows': merged_from}} if merged_from else {}),
-              **({'reference': reference} if reference else {}),
-              'protocol': 'each arm at the learning rate of best mean val R@1 (re-ranked); test reported'}
-    emit_record(record, output_dir, 'compare')
-    default_costs = os.path.join(ROOT, STRATEGY_BENCH)  # the shipped one may be absent from a copy: no column
-    costs = (read_costs(os.path.abspath(args.costs)) if args.costs
-             else read_costs(default_costs) if os.path.isfile(default_costs) else None)
-    with in_root():  # the arms' configs are read where their relative paths point
-        table = markdown_table(record, costs) + '\nThe sweep (selected in bold):\n\n' + sweep_table(record)
-    read = [f'{arm} {label} seeds {", ".join(map(str, seeds))}'
-            for arm, by_label in merged_from.items() for label, seeds in by_label.items()]
-    table += merge_note(args.merge, read)
-    with open(os.path.join(output_dir, 'compare.md'), 'w', encoding='utf-8') as f:
-        f.write(table)
-    return record
+    with record_claim(output_dir, args.record, 'tools.compare'):
+        if args.selected and base.schedular.epochs != epochs:
+            # Every sweep behind a selection ran its cosine over the epochs it trained; keyed on max_epoch
+            # alone, a cut-short or stretched schedule would silently take a rate selected under another one.
+            parser.error(f'--selected: max_epoch={epochs} with schedular.epochs={base.schedular.epochs}; the '
+                         'selections were swept with the two equal (set both, or sweep this schedule with '
+                         '--lrs)')
+        if args.selected or args.selected_settings:
+            try:  # (lr, setting) per arm, selected at the schedule asked for; a sweep needs the setting only
+                chosen = {arm: selection(arm, args.corpus, epochs) if args.selected
+                          else (None, selected_setting(arm)) for arm in args.arms}
+            except ValueError as e:
+                own_hint = '' if epochs == own else f'; --epochs {own} takes the config\'s own schedule\'s'
+                parser.error(f'--selected{"_settings" * args.selected_settings}: {e}{own_hint}')
+        arm_lrs = {arm: [chosen[arm][0]] if args.selected else args.lrs or [None] for arm in args.arms}
+        # An arm's hyper-parameter grid is swept beside the rates; --selected(_settings) takes the selected
+        # one.
+        arm_settings = {arm: [chosen[arm][1]] if chosen else GRIDS.get(arm, [None]) for arm in args.arms}
+        try:
+            merge = merged_rows([os.path.abspath(m) for m in args.merge], overrides, args.corpus)
+        except InputFileError as e:
+            if scheduled or epochs == own:
+                raise
+            raise InputFileError(f'{e} (the schedule\'s overrides come from {source}; --epochs {own} for a '
+                                 'record of the config\'s own schedule)') from e
+        sweep: dict[str, dict[float | tuple, dict[int, dict]]] = {}
+        merged_from: dict[str, dict[str, list[int]]] = {}  # arm -> setting -> the seeds read
+        with in_root():
+            prepare_pretraining(overrides, corpus.pretrain)
+            runs = {}
+            for seed in args.seeds:  # seed-major: a cut-short sweep has whole seeds
+                for lr in sorted({lr for lrs in arm_lrs.values() for lr in lrs}, key=lambda x: x or 0):
+                    for arm in [a for a in args.arms if lr in arm_lrs[a]]:
+                        for setting in arm_settings[arm]:
+                            key = sweep_key(lr if lr is not None else base.optimizer.lr, setting)
+                            if (arm, setting_label(key), seed) in merge:  # read, not run
+                                row = merge[(arm, setting_label(key), seed)]
+                                sweep.setdefault(arm, {}).setdefault(key, {})[seed] = row
+                                by_label = merged_from.setdefault(arm, {})
+                                by_label.setdefault(setting_label(key), []).append(seed)
+                                continue
+                            sets = arm_overrides(arm, lr, setting, corpus.pretrain) + overrides
+                            # The evaluations get the user's overrides (those shaping the model), not the
+                            # arm's.
+                            runs[(arm, lr, setting, seed)] = (
+                                run_dir(output_dir, arm, seed, lr, setting),
+                                ['--seed', str(seed), *(['--set', *sets] if sets else [])], list(overrides))
+            reference = None
+            if any(arm in ONLINE_ARMS for arm, *_ in runs):  # their reference model first, then the arms
+                reference = train_reference(output_dir, overrides, corpus, args.reuse)
+                for (arm, *_), (_, arguments, _) in runs.items():
+                    if arm in ONLINE_ARMS:
+                        arguments += [f'batching.{ONLINE_ARMS[arm]}.reference={reference["checkpoint"]}']
+            results = run_pairs(runs, reuse=args.reuse, corpus=corpus) if runs else {}
+        for (arm, lr, setting, seed), (log, retrieval, probe) in results.items():
+            pre_dir = os.path.join(runs[(arm, lr, setting, seed)][0], 'pretrain')
+            # batch_same_scene rebuilt from the checkpoints of a run made before it was logged
+            with in_root():
+                log = with_batch_scenes(log, pre_dir)
+            key = sweep_key(lr if lr is not None else base.optimizer.lr, setting)
+            sweep.setdefault(arm, {}).setdefault(key, {})[seed] = summary_row(log, retrieval, probe)
+        # The arms in the order asked for, each arm's settings by rate then grid order and its seeds
+        # ascending, whichever order the runs finished or were reused in (the record and its sweep table
+        # read in order).
+        sweep = {arm: {key: dict(sorted(sweep[arm][key].items()))
+                       for key in sorted(sweep[arm], key=lambda key, arm=arm: sweep_order(arm, key))}
+                 for arm in args.arms}
+        merged_from = {arm: merged_from[arm] for arm in args.arms if arm in merged_from}
+        text, record = report(sweep, args.seeds)
+        print(text)
+        record = {'sweep': {arm: {setting_label(k): rows for k, rows in by_key.items()}
+                            for arm, by_key in sweep.items()},
+                  **record, 'seeds': args.seeds, 'corpus': args.corpus, 'epochs': epochs,
+                  'overrides': overrides,
+                  **({'merged_from': {'files': args.merge, 'rows': merged_from}} if merged_from else {}),
+                  **({'reference': reference} if reference else {}),
+                  'protocol': 'each arm at the learning rate of best mean val R@1 (re-ranked); test reported'}
+        emit_record(record, output_dir, args.record)
+        # The shipped one may be absent from a copy: no column then.
+        default_costs = os.path.join(ROOT, STRATEGY_BENCH)
+        costs = (read_costs(os.path.abspath(args.costs)) if args.costs
+                 else read_costs(default_costs) if os.path.isfile(default_costs) else None)
+        with in_root():  # the arms' configs are read where their relative paths point
+            table = (markdown_table(record, costs) + '\nThe sweep (selected in bold):\n\n'
+                     + sweep_table(record))
+        read = [f'{arm} {label} seeds {", ".join(map(str, seeds))}'
+                for arm, by_label in merged_from.items() for label, seeds in by_label.items()]
+        table += merge_note(args.merge, read)
+        with open(os.path.join(output_dir, f'{args.record}.md'), 'w', encoding='utf-8') as f:
+            f.write(table)
+        return record
 
 
 if __name__ == '__main__':

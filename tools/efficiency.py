@@ -44,6 +44,8 @@ real corpora's selections, tools.arms.SELECTED_LR_REAL), evaluated on their test
 measured in parts, or kept after their run folders are gone): an asked arm's curve of a seed, and its timing
 with --timing of the same epoch count, are taken as they are when the file ran that arm at the same rate and
 setting, the same --epochs and --micro; the record names what came from where (merged_from).
+--record NAME names the files written (default efficiency: NAME.json, NAME.md, NAME.png); a second command
+writing the same record into the same folder is refused at its start (tools.cli.record_claim).
 """
 
 from __future__ import annotations
@@ -56,7 +58,7 @@ from collections.abc import Mapping, Sequence
 
 from tools.ablate import PRESETS, ensure_micro_data
 from tools.arms import ARMS, arm_overrides, selection
-from tools.cli import emit_record, tool_parser
+from tools.cli import add_record_name, emit_record, record_claim, tool_parser
 from tools.efficiency_tables import (
     BASELINE,
     compute_intervals,
@@ -258,6 +260,7 @@ def build_parser() -> Parser:
                    help='earlier efficiency.json records: the curves (and --timing pairs of as many epochs) '
                         'of the arms they ran at the same rate, setting, --epochs and --micro are read from '
                         'them, not run; the record names them (merged_from)')
+    add_record_name(p, 'efficiency')
     return p
 
 
@@ -266,105 +269,109 @@ def main(argv: Sequence[str] | None = None) -> dict:
     parser = build_parser()
     args = parser.parse_args(argv)
     output_dir = os.path.abspath(args.output_dir)
-    micro = PRESETS['micro']
-    base_sets = list(micro.pretrain_set) if args.micro else []
-    eval_sets = list(micro.retrieval_set) if args.micro else []
-    if args.timing and (args.timing < 2 or BASELINE not in args.arms):
-        parser.error(f'--timing needs at least 2 epochs and {BASELINE} in --arms (timed beside each arm)')
-    if args.micro and args.corpus != 'synthetic':
-        parser.error('--micro is a preset of the synthetic world: drop it or --corpus')
-    corpus = CORPORA[args.corpus]
-    with in_root():
-        prepare_pretraining(base_sets, corpus.pretrain)
-        if args.micro:
-            ensure_micro_data()
-        max_epoch = resolve_config('pretrain', corpus.pretrain, base_sets, check_paths=False).max_epoch
-        epochs = sorted({e - 1 for e in args.epochs}) if args.epochs else list(range(max_epoch))
-        if epochs[0] < 0 or epochs[-1] >= max_epoch:
-            parser.error(f'--epochs must lie in 1..{max_epoch} (the pre-training\'s max_epoch)')
-        try:
-            runs = {arm: arm_run(arm, args.corpus) for arm in args.arms}
-        except ValueError as e:
-            parser.error(f'--arms: {e}')
-        if BASELINE not in runs:
-            print(f'tools.efficiency: without {BASELINE} in --arms there is no final recall to reach; '
-                  'only the curves are written', flush=True)
-        merged, merged_timing = merged_curves([os.path.abspath(m) for m in args.merge], runs,
-                                              [e + 1 for e in epochs], args.micro, args.timing, args.corpus)
-        spec = {}
-        for seed in args.seeds:
-            for arm, (lr, setting) in runs.items():
+    with record_claim(output_dir, args.record, 'tools.efficiency'):
+        micro = PRESETS['micro']
+        base_sets = list(micro.pretrain_set) if args.micro else []
+        eval_sets = list(micro.retrieval_set) if args.micro else []
+        if args.timing and (args.timing < 2 or BASELINE not in args.arms):
+            parser.error(f'--timing needs at least 2 epochs and {BASELINE} in --arms (timed beside each arm)')
+        if args.micro and args.corpus != 'synthetic':
+            parser.error('--micro is a preset of the synthetic world: drop it or --corpus')
+        corpus = CORPORA[args.corpus]
+        with in_root():
+            prepare_pretraining(base_sets, corpus.pretrain)
+            if args.micro:
+                ensure_micro_data()
+            max_epoch = resolve_config('pretrain', corpus.pretrain, base_sets, check_paths=False).max_epoch
+            epochs = sorted({e - 1 for e in args.epochs}) if args.epochs else list(range(max_epoch))
+            if epochs[0] < 0 or epochs[-1] >= max_epoch:
+                parser.error(f'--epochs must lie in 1..{max_epoch} (the pre-training\'s max_epoch)')
+            try:
+                runs = {arm: arm_run(arm, args.corpus) for arm in args.arms}
+            except ValueError as e:
+                parser.error(f'--arms: {e}')
+            if BASELINE not in runs:
+                print(f'tools.efficiency: without {BASELINE} in --arms there is no final recall to reach; '
+                      'only the curves are written', flush=True)
+            merged, merged_timing = merged_curves([os.path.abspath(m) for m in args.merge], runs,
+                                                  [e + 1 for e in epochs], args.micro, args.timing,
+                                                  args.corpus)
+            spec = {}
+            for seed in args.seeds:
+                for arm, (lr, setting) in runs.items():
+                    if (arm, seed) in merged:
+                        continue
+                    sets = arm_overrides(arm, lr, setting, corpus.pretrain) + base_sets
+                    spec[(arm, seed)] = (run_dir(output_dir, arm, seed, lr, setting),
+                                         ['--seed', str(seed), '--set', *sets], [])
+            probe_args = ['--limit', str(micro.limit)] if args.micro else []
+            if spec:
+                run_pairs(spec, reuse=True, eval_overrides=eval_sets, probe_args=probe_args, corpus=corpus)
+            commands = [(c, os.path.join(c[c.index('--output_dir') + 1], 'stdout.txt'))
+                        for d, _, sets in spec.values()
+                        for c in evaluate_epochs(d, epochs, max_epoch - 1, sets, eval_sets, corpus)]
+            for start in range(0, len(commands), 2):
+                run_side_by_side(commands[start:start + 2])
+            # Each arm's step counted once (its model on a synthetic batch): the FLOPs its epochs execute.
+            configs = {arm: resolve_config('pretrain', corpus.pretrain,
+                                           arm_overrides(arm, lr, setting, corpus.pretrain) + base_sets,
+                                           check_paths=False)
+                       for arm, (lr, setting) in runs.items()}
+            flops = {arm: epoch_flops(config) for arm, config in configs.items()}
+            timing = {}
+            if args.timing:
+                to_time = {a: r for a, r in runs.items() if a not in merged_timing}
+                timed = time_beside_baseline(to_time, output_dir, args.timing, base_sets, corpus.pretrain)
+                timing = {a: merged_timing[a] if a in merged_timing else timed[a]
+                          for a in runs if a != BASELINE}
+        curves: dict[str, dict[int, list[dict]]] = {}
+        for arm in runs:
+            for seed in args.seeds:
                 if (arm, seed) in merged:
+                    curves.setdefault(arm, {})[seed] = merged[(arm, seed)]
                     continue
-                sets = arm_overrides(arm, lr, setting, corpus.pretrain) + base_sets
-                spec[(arm, seed)] = (run_dir(output_dir, arm, seed, lr, setting),
-                                     ['--seed', str(seed), '--set', *sets], [])
-        probe_args = ['--limit', str(micro.limit)] if args.micro else []
-        if spec:
-            run_pairs(spec, reuse=True, eval_overrides=eval_sets, probe_args=probe_args, corpus=corpus)
-        commands = [(c, os.path.join(c[c.index('--output_dir') + 1], 'stdout.txt'))
-                    for d, _, sets in spec.values()
-                    for c in evaluate_epochs(d, epochs, max_epoch - 1, sets, eval_sets, corpus)]
-        for start in range(0, len(commands), 2):
-            run_side_by_side(commands[start:start + 2])
-        # Each arm's step counted once (its model on a synthetic batch): the FLOPs its epochs execute.
-        configs = {arm: resolve_config('pretrain', corpus.pretrain,
-                                       arm_overrides(arm, lr, setting, corpus.pretrain) + base_sets,
-                                       check_paths=False)
-                   for arm, (lr, setting) in runs.items()}
-        flops = {arm: epoch_flops(config) for arm, config in configs.items()}
-        timing = {}
-        if args.timing:
-            to_time = {a: r for a, r in runs.items() if a not in merged_timing}
-            timed = time_beside_baseline(to_time, output_dir, args.timing, base_sets, corpus.pretrain)
-            timing = {a: merged_timing[a] if a in merged_timing else timed[a] for a in runs if a != BASELINE}
-    curves: dict[str, dict[int, list[dict]]] = {}
-    for arm in runs:
-        for seed in args.seeds:
-            if (arm, seed) in merged:
-                curves.setdefault(arm, {})[seed] = merged[(arm, seed)]
-                continue
-            directory = spec[(arm, seed)][0]
-            log = read_log(os.path.join(directory, 'pretrain', 'log.txt'))
-            curves.setdefault(arm, {})[seed] = [point(directory, e, log, flops[arm], configs[arm].batch_size)
-                                                for e in epochs]
-    merged_from = {'files': args.merge,
-                   'curves': {a: [s for s in args.seeds if (a, s) in merged] for a in runs
-                              if any((a, s) in merged for s in args.seeds)},
-                   'timing': [a for a in timing if a in merged_timing]} if args.merge else {}
-    # With --timing the seconds are the side-by-side ones: the logged seconds of runs made hours apart
-    # on a shared machine differ 2x for one arm.
-    clock = 'timed_seconds' if timing else 'seconds'
-    if timing:
-        masked = {arm: c.max_epoch - c.unmasked_epochs for arm, c in configs.items() if c.image_token_drop}
-        add_timed_seconds(curves, timing, masked)
-    text, reach = curves_table(curves, args.seeds, clock)
-    if reach:
-        text += '\n' + compute_table(reach, clock)
-    if timing:
-        text += '\n' + timing_table(timing, args.timing)
-    curves_read = '; '.join(f'{a} seeds {", ".join(map(str, ss))}'
-                            for a, ss in merged_from.get('curves', {}).items())
-    read = [f'the curves of {curves_read}'] if curves_read else []
-    read += [f'the timing of {", ".join(merged_from["timing"])}'] if merged_from.get('timing') else []
-    text += merge_note(args.merge, read)
-    os.makedirs(output_dir, exist_ok=True)
-    with open(os.path.join(output_dir, 'efficiency.md'), 'w', encoding='utf-8') as f:
-        f.write(text)
-    figure = plot(curves, args.seeds, os.path.join(output_dir, 'efficiency.png'), clock)
-    print(text)
-    print(f'written: {output_dir}/efficiency.md, {figure}, {output_dir}/efficiency.json')
-    record = {'seeds': args.seeds, 'corpus': args.corpus,
-              'learning_rates': {a: lr for a, (lr, _) in runs.items()},
-              'settings': {a: st for a, (_, st) in runs.items() if st}, 'micro': args.micro,
-              'curves': {arm: {str(s): c for s, c in per.items()} for arm, per in curves.items()},
-              'reach_albef_base_final': {k: {a: {str(s): v for s, v in per.items()} for a, per in r.items()}
-                                         for k, r in reach.items()},
-              'compute_to_target': compute_intervals(reach),
-              'timing': timing, 'timing_epochs': args.timing, 'clock': clock,
-              'flops_per_sample': {arm: f for arm, f in flops.items()},
-              **({'merged_from': merged_from} if merged_from else {})}
-    return emit_record(record, output_dir, 'efficiency')
+                directory = spec[(arm, seed)][0]
+                log = read_log(os.path.join(directory, 'pretrain', 'log.txt'))
+                curves.setdefault(arm, {})[seed] = [
+                    point(directory, e, log, flops[arm], configs[arm].batch_size) for e in epochs]
+        merged_from = {'files': args.merge,
+                       'curves': {a: [s for s in args.seeds if (a, s) in merged] for a in runs
+                                  if any((a, s) in merged for s in args.seeds)},
+                       'timing': [a for a in timing if a in merged_timing]} if args.merge else {}
+        # With --timing the seconds are the side-by-side ones: the logged seconds of runs made hours apart
+        # on a shared machine differ 2x for one arm.
+        clock = 'timed_seconds' if timing else 'seconds'
+        if timing:
+            masked = {arm: c.max_epoch - c.unmasked_epochs for arm, c in configs.items()
+                      if c.image_token_drop}
+            add_timed_seconds(curves, timing, masked)
+        text, reach = curves_table(curves, args.seeds, clock)
+        if reach:
+            text += '\n' + compute_table(reach, clock)
+        if timing:
+            text += '\n' + timing_table(timing, args.timing)
+        curves_read = '; '.join(f'{a} seeds {", ".join(map(str, ss))}'
+                                for a, ss in merged_from.get('curves', {}).items())
+        read = [f'the curves of {curves_read}'] if curves_read else []
+        read += [f'the timing of {", ".join(merged_from["timing"])}'] if merged_from.get('timing') else []
+        text += merge_note(args.merge, read)
+        os.makedirs(output_dir, exist_ok=True)
+        with open(os.path.join(output_dir, f'{args.record}.md'), 'w', encoding='utf-8') as f:
+            f.write(text)
+        figure = plot(curves, args.seeds, os.path.join(output_dir, f'{args.record}.png'), clock)
+        print(text)
+        print(f'written: {output_dir}/{args.record}.md, {figure}, {output_dir}/{args.record}.json')
+        record = {'seeds': args.seeds, 'corpus': args.corpus,
+                  'learning_rates': {a: lr for a, (lr, _) in runs.items()},
+                  'settings': {a: st for a, (_, st) in runs.items() if st}, 'micro': args.micro,
+                  'curves': {arm: {str(s): c for s, c in per.items()} for arm, per in curves.items()},
+                  'reach_albef_base_final': {k: {a: {str(s): v for s, v in per.items()}
+                                                 for a, per in r.items()} for k, r in reach.items()},
+                  'compute_to_target': compute_intervals(reach),
+                  'timing': timing, 'timing_epochs': args.timing, 'clock': clock,
+                  'flops_per_sample': {arm: f for arm, f in flops.items()},
+                  **({'merged_from': merged_from} if merged_from else {})}
+        return emit_record(record, output_dir, args.record)
 
 
 if __name__ == '__main__':
