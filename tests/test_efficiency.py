@@ -382,3 +382,24 @@ def test_each_arms_compute_is_paired_with_grit_vlps_seed_by_seed():
     gap = compute_intervals(reach)["mean_r1"]["GRIT-VLP + S-ITC"]["flops_gap_to_grit"]
     assert gap["n"] == 3 and gap["missing"] == 1 and math.isnan(gap["low"]) and math.isnan(gap["high"])
     assert "(1 seeds not reached or without FLOPs) | 2 / 1 / 0 |" in compute_table(reach, "seconds")
+
+
+def test_a_real_corpus_figure_names_its_corpus_and_the_files_take_the_record_name(tmp_path, monkeypatch):
+    """--corpus real with --record NAME: NAME.json, NAME.md and NAME.png are written, nothing under the
+    default name, and the figure's title names the real corpora, not the synthetic world."""
+    monkeypatch.chdir(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    monkeypatch.setattr(efficiency, "prepare_pretraining", lambda overrides=(), config=None: None)
+    lrs = {a: efficiency.arm_run(a, "real")[0] for a in ("ALBEF_Base", "GRIT-VLP")}
+    saved = {"seeds": [1], "corpus": "real", "learning_rates": lrs, "settings": {}, "micro": False,
+             "timing_epochs": 0, "curves": {"ALBEF_Base": {"1": _curve([1.0, 2.0], 10.0)},
+                                            "GRIT-VLP": {"1": _curve([1.5, 2.5], 11.0)}}, "timing": {}}
+    earlier = tmp_path / "earlier.json"
+    earlier.write_text(json.dumps(saved))
+    titles = []
+    monkeypatch.setattr("matplotlib.figure.Figure.suptitle", lambda fig, text, **kw: titles.append(text))
+    out = tmp_path / "eff"
+    efficiency.main(["--seeds", "1", "--corpus", "real", "--arms", "ALBEF_Base", "GRIT-VLP", "--epochs", "1",
+                     "2", "--merge", str(earlier), "--output_dir", str(out), "--record", "eff_real"])
+    assert sorted(p.name for p in out.iterdir() if not p.name.startswith(".")) == [
+        "eff_real.json", "eff_real.md", "eff_real.png"]
+    assert titles == ["Tiny pre-training on the real corpora (tools.make_real), seeds 1 (tools.efficiency)"]

@@ -358,7 +358,8 @@ def main(argv: Sequence[str] | None = None) -> dict:
         os.makedirs(output_dir, exist_ok=True)
         with open(os.path.join(output_dir, f'{args.record}.md'), 'w', encoding='utf-8') as f:
             f.write(text)
-        figure = plot(curves, args.seeds, os.path.join(output_dir, f'{args.record}.png'), clock)
+        figure = plot(curves, args.seeds, os.path.join(output_dir, f'{args.record}.png'), clock,
+                      corpus.title)
         print(text)
         print(f'written: {output_dir}/{args.record}.md, {figure}, {output_dir}/{args.record}.json')
         record = {'seeds': args.seeds, 'corpus': args.corpus,

@@ -196,9 +196,9 @@ def timing_table(timing: dict[str, dict], epochs: int) -> str:
 
 
 def plot(curves: dict[str, dict[int, list[dict]]], seeds: Sequence[int], path: str,
-         clock: str = 'seconds') -> str:
+         clock: str = 'seconds', corpus: str = 'the synthetic world') -> str:
     """efficiency.png: R@1 (re-ranked, ITC only) against epochs and against seconds (clock: the points' key,
-    as in curves_table), mean ± std band."""
+    as in curves_table), mean ± std band; corpus: what the runs pre-trained on, for the title."""
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
 
@@ -220,7 +220,7 @@ def plot(curves: dict[str, dict[int, list[dict]]], seeds: Sequence[int], path: s
             ax.set_ylabel(label)
             ax.grid(alpha=0.3)
             ax.legend(fontsize=8)
-    fig.suptitle(f'Tiny pre-training on the synthetic world, seeds {", ".join(map(str, seeds))} '
+    fig.suptitle(f'Tiny pre-training on {corpus}, seeds {", ".join(map(str, seeds))} '
                  '(tools.efficiency)')
     fig.tight_layout()
     fig.savefig(path, dpi=100)

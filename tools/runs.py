@@ -39,14 +39,16 @@ RETRIEVAL_CONFIG = 'configs/tiny/Retrieval.yaml'
 class Corpus:
     """What a comparison pre-trains on and how its runs are evaluated, zero-shot: the pre-training config,
     the retrieval config of val (what selects) and test, further test splits (name, a retrieval config
-    whose test_file is that split), whether the synthetic world's compositional ITM probe applies, and the
-    comparison's schedule in epochs (tools.compare --epochs' default; None: the config's own)."""
+    whose test_file is that split), whether the synthetic world's compositional ITM probe applies, the
+    comparison's schedule in epochs (tools.compare --epochs' default; None: the config's own), and what
+    the corpus is called in a figure's title."""
 
     pretrain: str
     retrieval: str
     tests: tuple[tuple[str, str], ...] = ()
     probe: bool = True
     epochs: int | None = None
+    title: str = 'the synthetic world'
 
 
 # The synthetic comparison trains 24 epochs, twice the tiny config's 12 (issue 49): at 12 the seed std of the
@@ -57,7 +59,8 @@ COMPARISON_EPOCHS = 24
 CORPORA = {'synthetic': Corpus(PRETRAIN_CONFIG, RETRIEVAL_CONFIG, epochs=COMPARISON_EPOCHS),
            # tools.make_real's corpora: held-out concepts (val, test) and the held-out artist
            'real': Corpus('configs/real/Pretrain.yaml', 'configs/real/Retrieval.yaml',
-                          (('artist', 'configs/real/Retrieval_artist.yaml'),), probe=False)}
+                          (('artist', 'configs/real/Retrieval_artist.yaml'),), probe=False,
+                          title='the real corpora (tools.make_real)')}
 
 
 def fresh(output_dir: str) -> str:
