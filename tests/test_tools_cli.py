@@ -119,6 +119,22 @@ def test_a_record_claimed_by_one_invocation_is_refused_to_a_second_naming_the_ho
         pass
 
 
+def test_a_folder_without_file_locks_runs_unchecked(tmp_path, monkeypatch):
+    """Where the file system refuses locks (ENOLCK on some NFS mounts) the tool runs, unchecked, instead of
+    being refused as if another held the record."""
+    import errno
+    import fcntl
+
+    def no_locks(fd, operation):
+        raise OSError(errno.ENOLCK, "No locks available")
+
+    monkeypatch.setattr(fcntl, "flock", no_locks)
+    ran = []
+    with record_claim(str(tmp_path), "compare", "tools.compare"):
+        ran.append(1)
+    assert ran == [1]
+
+
 def test_absolute_paths_turns_every_user_path_absolute(tmp_path):
     args = ["--config", "c.yaml", "--output-dir=out", "--checkpoint", "/abs/k.pth", "--resume", "--set",
             "image_root=data/x", "--probe_file", "p.json", "--seed", "3"]

@@ -87,13 +87,16 @@ def record_claim(output_dir: str, name: str, module: str) -> Iterator[None]:
     with open(path, "a+", encoding="utf-8") as f:
         try:
             fcntl.flock(f.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except OSError:
+        except BlockingIOError:  # held: another process claimed the record
             f.seek(0)
             holder = f.read().strip() or "another process"
             raise InputFileError(
                 f"{os.path.join(output_dir, name + '.json')}: {holder} is writing this record; give this "
                 f"one its own --record (e.g. --record {name}_2, the runs are still shared and reused) or "
                 "its own --output_dir") from None
+        except OSError:  # a file system without locks (some NFS mounts): unchecked, as without fcntl
+            yield
+            return
         f.seek(0)
         f.truncate()
         f.write(f"python -m {module} (pid {os.getpid()})\n")
