@@ -119,6 +119,16 @@ def test_a_record_claimed_by_one_invocation_is_refused_to_a_second_naming_the_ho
         pass
 
 
+def test_a_record_name_with_a_folder_is_one_line_naming_the_flag(capsys):
+    """--record names a file in --output_dir: a path would write the record elsewhere."""
+    from tools import compare
+
+    with pytest.raises(SystemExit):
+        compare.main(["--seeds", "1", "--record", "../elsewhere"])
+    err = capsys.readouterr().err
+    assert "--record" in err and "a file name without a folder" in err and err.count("\n") <= 2
+
+
 def test_a_folder_without_file_locks_runs_unchecked(tmp_path, monkeypatch):
     """Where the file system refuses locks (ENOLCK on some NFS mounts) the tool runs, unchecked, instead of
     being refused as if another held the record."""

@@ -63,10 +63,18 @@ def add_output_dir(parser: Parser, writes: str, *, required: bool = False, defau
                              + ("" if required or default else f"; without it {without}"))
 
 
+def _record_name(value: str) -> str:
+    """--record's value: a file name without a folder (the record stays in --output_dir)."""
+    if not value or value in (".", "..") or "/" in value or os.sep in value:
+        raise argparse.ArgumentTypeError(f"{value!r}: a file name without a folder (the record is written "
+                                         "into --output_dir)")
+    return value
+
+
 def add_record_name(parser: Parser, default: str) -> None:
     """--record: the name of the record the tool writes into --output_dir (<name>.json, <name>.md, ...),
     so that two invocations sharing one folder of runs keep each its own record (record_claim)."""
-    parser.add_argument("--record", default=default, metavar="NAME",
+    parser.add_argument("--record", type=_record_name, default=default, metavar="NAME",
                         help=f"the record's file name in the output folder (default: {default}, that is "
                              f"{default}.json and {default}.md); two invocations sharing one folder of runs "
                              "(seeds run in parallel) need one each")
