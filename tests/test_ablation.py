@@ -219,6 +219,40 @@ def test_ordering_gaps_are_paired_by_seed_with_scipys_t_interval():
     assert not any(g["row"] == "grit_naive" for g in gaps.values())
 
 
+def test_seeds_held_out_of_the_fit_are_checked_against_its_intervals(tmp_path, capsys):
+    """--fit_seeds 1 2 3 on a five-seed record: the intervals are seeds 1-3's (the prediction interval
+    against scipy's), seeds 4 and 5 are counted inside or outside them, and the file is named for the fit."""
+    from scipy import stats
+
+    from tools.ablate import main
+    from tools.ablate_tables import ordering_gaps
+
+    record = _table4_record(seeds=(1, 2, 3, 4, 5))
+    gaps = {(g["row"], g["figure"]): g for g in ordering_gaps(4, record["rows"], fit_seeds=[1, 2, 3])}
+    ft = gaps[("grit", "ft_mean_r1")]  # gaps 4, 6, 8 fitted; 10 and 12 held out
+    assert ft["seeds"] == [1, 2, 3] and ft["per_seed"] == [4.0, 6.0, 8.0]
+    low, high = stats.t.interval(0.95, 2, loc=6.0, scale=2.0 * (1 + 1 / 3) ** 0.5)
+    assert ft["prediction"]["low"] == pytest.approx(low) and ft["prediction"]["high"] == pytest.approx(high)
+    assert ft["held_out"] == {"per_seed": {4: 10.0, 5: 12.0}, "inside_interval": 1, "inside_prediction": 2}
+    zs = gaps[("grit", "zs_mean_r1")]  # -1, -2, -3 fitted: [-4.48, +0.48]; -4 inside, -5 outside
+    assert (zs["held_out"]["inside_interval"], zs["held_out"]["inside_prediction"]) == (1, 2)
+    every = {(g["row"], g["figure"]): g for g in ordering_gaps(4, record["rows"])}[("grit", "ft_mean_r1")]
+    assert every["seeds"] == [1, 2, 3, 4, 5] and "held_out" not in every
+    path = tmp_path / "table4.json"
+    path.write_text(json.dumps(record))
+    main(["--table", "4", "--from_record", str(path), "--fit_seeds", "1", "2", "3", "--output_dir",
+          str(tmp_path / "out")])
+    text = (tmp_path / "out" / "table4_gaps_fit1-2-3.md").read_text()
+    assert ("+6.00 [+1.03, +10.97] | 3 / 0 of 3 | +4.0, +6.0, +8.0 | [-3.94, +15.94] | +10.0, +12.0 | "
+            "1 / 2 of 2 |") in text
+    with pytest.raises(SystemExit):
+        main(["--table", "4", "--from_record", str(path), "--fit_seeds", "1", "7"])
+    assert "--fit_seeds [7]: not seeds of" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        main(["--table", "4", "--fit_seeds", "1", "2"])
+    assert "--fit_seeds reads a stored record" in capsys.readouterr().err
+
+
 def test_ablate_from_record_tabulates_a_stored_table_with_its_gaps(tmp_path, capsys):
     from tools.ablate import main
 

@@ -26,7 +26,9 @@ written to <output_dir>/<preset>/table<N>.md with mean and spread (sample standa
 and every per-seed number to table<N>.json (also printed as the last line). Below the table, each ordering
 the paper states within it (tools.ablate_tables.ORDERINGS) is given as a gap paired by seed, fine-tuned and
 zero-shot mean R@1 (the mean of text and image R@1), with its 95 % t interval and the seeds on each side
-(tools.stats.paired_interval); `--from_record` recomputes both from a stored table<N>.json without a run,
+(tools.stats.paired_interval) and the prediction interval of one new seed's gap; `--from_record` recomputes
+both from a stored table<N>.json without a run (with `--fit_seeds`, the intervals from those seeds and the
+record's other seeds checked against them, table<N>_gaps_fit<seeds>.md/.json),
 and `--merge` reads the (row, seed)s a stored table<N>.json holds instead of running them (a table extended
 to more seeds after its run folders are gone; the file must be the same table, preset and --set, and the
 record's `merged_from` names what was read).
@@ -243,6 +245,9 @@ def build_parser() -> Parser:
     p.add_argument("--from_record", default=None, metavar="TABLE_JSON",
                    help="no run: re-tabulate a stored table<N>.json (its table must be --table) with its "
                         "orderings' paired gaps, printed and written to <output_dir>/table<N>_gaps.md/.json")
+    p.add_argument("--fit_seeds", type=int, nargs="+", default=None,
+                   help="with --from_record: the gaps' intervals from these seeds only, the record's other "
+                        "seeds checked against them (inside the t interval / the prediction interval)")
     return p
 
 
@@ -258,8 +263,11 @@ def main(argv: Sequence[str] | None = None) -> dict:
             parser.error(f"--rows {unknown} are not rows of table {args.table}; its rows: {rows}")
         rows = [r for r in rows if r in args.rows]
     base = os.path.join(os.path.abspath(args.output_dir), args.preset)  # the user's path, from where they are
+    if args.fit_seeds and args.from_record is None:
+        parser.error("--fit_seeds reads a stored record: give --from_record")
     if args.from_record is not None:
-        return from_record(parser, args.from_record, args.table, os.path.abspath(args.output_dir))
+        return from_record(parser, args.from_record, args.table, os.path.abspath(args.output_dir),
+                           args.fit_seeds)
     merged = merged_table_rows([os.path.abspath(m) for m in args.merge], args.table, args.preset, args.sets,
                                args.finetune, {(row, seed) for row in rows for seed in args.seeds})
     read: dict[str, list[int]] = {}  # row -> the seeds read from --merge's files
@@ -305,8 +313,10 @@ def main(argv: Sequence[str] | None = None) -> dict:
     return emit_record(record, base, f"table{args.table}")
 
 
-def from_record(parser: Parser, path: str, table: int, output_dir: str) -> dict:
-    """--from_record: the table and its orderings' gaps from a stored table<N>.json; no run."""
+def from_record(parser: Parser, path: str, table: int, output_dir: str,
+                fit_seeds: Sequence[int] | None = None) -> dict:
+    """--from_record: the table and its orderings' gaps from a stored table<N>.json (with fit_seeds, the
+    intervals from those seeds and the others held out); no run."""
     if not os.path.isfile(path):
         parser.error(f"--from_record {path}: no such file")
     record = read_json(path)
@@ -314,10 +324,14 @@ def from_record(parser: Parser, path: str, table: int, output_dir: str) -> dict:
         parser.error(f"--from_record {path}: not a record of table {table} "
                      f"(its 'table': {record.get('table')!r})")
     results = {row: {int(s): RowResult(m) for s, m in per.items()} for row, per in record["rows"].items()}
-    gaps = ordering_gaps(table, record["rows"])
+    if fit_seeds and (absent := sorted(set(fit_seeds) - {int(s) for s in record["seeds"]})):
+        parser.error(f"--fit_seeds {absent}: not seeds of {path} (its seeds: {record['seeds']})")
+    gaps = ordering_gaps(table, record["rows"], fit_seeds)
     text = markdown_table(table, results, record["seeds"]) + "\n" + gaps_markdown(table, gaps)
     print(text)
-    return emit_record({**record, "gaps": gaps, "from_record": path}, output_dir, f"table{table}_gaps",
+    return emit_record({**record, "gaps": gaps, "from_record": path,
+                        **({"fit_seeds": fit_seeds} if fit_seeds else {})}, output_dir,
+                       f"table{table}_gaps" + ("_fit" + "-".join(map(str, fit_seeds)) if fit_seeds else ""),
                        table=text)
 
 

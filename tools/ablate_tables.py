@@ -8,7 +8,7 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from tools.stats import mean_std, paired_interval
+from tools.stats import mean_std, paired_interval, prediction_interval
 
 __all__ = ["COLUMNS", "GAP_FIGURES", "ORDERINGS", "TABLES", "RowResult", "gaps_markdown", "markdown_table",
            "mean_spread", "ordering_gaps"]
@@ -92,10 +92,13 @@ def _figure(metrics: dict, keys: tuple[str, str]) -> float | None:
     return None if any(v is None for v in values) else (values[0] + values[1]) / 2
 
 
-def ordering_gaps(table: int, rows: dict[str, dict[str, dict]]) -> list[dict]:
+def ordering_gaps(table: int, rows: dict[str, dict[str, dict]],
+                  fit_seeds: Sequence[int] | None = None) -> list[dict]:
     """Each of `table`'s ORDERINGS present in `rows` (row -> seed -> metrics, as table<N>.json holds them),
-    per figure of GAP_FIGURES both rows have: the per-seed gaps (row minus baseline, on the seeds both ran)
-    and their paired 95 % t interval with the seeds on each side."""
+    per figure of GAP_FIGURES both rows have: the per-seed gaps (row minus baseline, on the seeds both ran),
+    their paired 95 % t interval with the seeds on each side, and the 95 % prediction interval of one more
+    seed's gap. With fit_seeds the intervals are those seeds' only, and 'held_out' checks the other seeds'
+    gaps against them (inside the mean's interval / inside the prediction interval): seeds never fitted."""
     out = []
     for row, base, claim in ORDERINGS.get(table, []):
         if row not in rows or base not in rows:
@@ -105,26 +108,48 @@ def ordering_gaps(table: int, rows: dict[str, dict[str, dict]]) -> list[dict]:
             pairs = [(_figure(rows[row][s], keys), _figure(rows[base][s], keys)) for s in seeds]
             if not pairs or any(a is None or b is None for a, b in pairs):
                 continue
-            gaps = [a - b for a, b in pairs]
-            out.append({"row": row, "baseline": base, "claim": claim, "figure": name,
-                        "seeds": [int(s) for s in seeds], "per_seed": gaps, **paired_interval(gaps)})
+            by_seed = {int(s): a - b for s, (a, b) in zip(seeds, pairs, strict=True)}
+            fit = [s for s in by_seed if fit_seeds is None or s in fit_seeds]
+            gaps = [by_seed[s] for s in fit]
+            entry = {"row": row, "baseline": base, "claim": claim, "figure": name, "seeds": fit,
+                     "per_seed": gaps, **paired_interval(gaps), "prediction": prediction_interval(gaps)}
+            if fit_seeds is not None:
+                held = {s: g for s, g in by_seed.items() if s not in fit_seeds}
+                p = entry["prediction"]
+                entry["held_out"] = {
+                    "per_seed": held,
+                    "inside_interval": sum(entry["low"] <= g <= entry["high"] for g in held.values()),
+                    "inside_prediction": sum(p["low"] <= g <= p["high"] for g in held.values())}
+            out.append(entry)
     return out
 
 
 def gaps_markdown(table: int, gaps: Sequence[dict]) -> str:
-    """The orderings' paired gaps as a markdown table: claim, figure, mean [95 % t], seeds ahead, per seed."""
+    """The orderings' paired gaps as a markdown table: claim, figure, mean [95 % t], seeds ahead, per seed;
+    with held-out seeds (ordering_gaps' fit_seeds) also the prediction interval and how many fell inside."""
     if not gaps:
         return ""
     labels = dict(TABLES[table])
-    lines = ["Orderings the paper states, paired by seed (row minus the row it should beat; 95 % t interval)",
+    held = "held_out" in gaps[0]
+    lines = ["Orderings the paper states, paired by seed (row minus the row it should beat; 95 % t interval)"
+             + (f"; intervals from seeds {', '.join(map(str, gaps[0]['seeds']))} only, the other seeds held "
+                "out: each listed and counted inside the mean's interval / inside the 95 % prediction "
+                "interval of one new seed's gap" if held else ""),
              "",
-             "| claim | row − baseline | figure | mean [95 % t] | seeds ahead / behind | per seed |",
-             "|---|---|---|---|---|---|"]
+             "| claim | row − baseline | figure | mean [95 % t] | seeds ahead / behind | per seed |"
+             + (" 95 % prediction interval | held-out gaps | inside t / prediction |" if held else ""),
+             "|---|---|---|---|---|---|" + ("---|---|---|" if held else "")]
     for g in gaps:
         interval = (f"{g['mean']:+.2f} [{g['low']:+.2f}, {g['high']:+.2f}]" if math.isfinite(g["low"])
                     else f"{g['mean']:+.2f}")
         sides = f"{g['ahead']} / {g['behind']} of {g['n']}"
-        lines.append(f"| {g['claim']} | {labels[g['row']]} − {labels[g['baseline']]} | "
-                     f"{GAP_FIGURES[g['figure']][1]} | {interval} | {sides} | "
-                     + ", ".join(f"{v:+.1f}" for v in g["per_seed"]) + " |")
+        line = (f"| {g['claim']} | {labels[g['row']]} − {labels[g['baseline']]} | "
+                f"{GAP_FIGURES[g['figure']][1]} | {interval} | {sides} | "
+                + ", ".join(f"{v:+.1f}" for v in g["per_seed"]) + " |")
+        if held:
+            p, h = g["prediction"], g["held_out"]
+            line += (f" [{p['low']:+.2f}, {p['high']:+.2f}] | "
+                     + ", ".join(f"{v:+.1f}" for v in h["per_seed"].values())
+                     + f" | {h['inside_interval']} / {h['inside_prediction']} of {len(h['per_seed'])} |")
+        lines.append(line)
     return "\n".join(lines) + "\n"
