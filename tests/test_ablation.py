@@ -322,3 +322,15 @@ def test_ablate_merge_reads_stored_rows_and_runs_only_the_rest(tmp_path, monkeyp
     path.write_text(json.dumps(stored))
     with pytest.raises(InputFileError, match="grit seed 1 was not fine-tuned"):
         ablate.main([*args, "--merge", str(path)])
+    # Another command writing table4 into the same folder is refused before it runs anything; with its own
+    # --record it runs and writes <record>.json / .md beside table4's
+    from tools.cli import record_claim
+
+    ran.clear()
+    with record_claim(os.path.join(out, "tiny"), "table4", "tools.ablate"):
+        with pytest.raises(InputFileError, match="table4.json: python -m tools.ablate"):
+            ablate.main([*args, "--no_finetune"])
+        assert ran == []
+        ablate.main([*args, "--no_finetune", "--record", "table4_b"])
+    assert len(ran) == 8 and os.path.isfile(os.path.join(out, "tiny", "table4_b.json"))
+    assert os.path.isfile(os.path.join(out, "tiny", "table4_b.md"))

@@ -31,7 +31,9 @@ both from a stored table<N>.json without a run (with `--fit_seeds`, the interval
 record's other seeds checked against them, table<N>_gaps_fit<seeds>.md/.json),
 and `--merge` reads the (row, seed)s a stored table<N>.json holds instead of running them (a table extended
 to more seeds after its run folders are gone; the file must be the same table, preset and --set, and the
-record's `merged_from` names what was read).
+record's `merged_from` names what was read). `--record NAME` names the table's files (default table<N>):
+two commands running other seeds into one folder keep each its own; a second command writing the same
+record there is refused at its start (tools.cli.record_claim).
 The scripts run as children in the repository root (tools.launch), so the tool works from any working
 directory.
 Presets: `paper` (configs/Pretrain.yaml sizes, configs/Retrieval_coco.yaml), `tiny` (the synthetic world,
@@ -49,7 +51,7 @@ from dataclasses import dataclass
 
 from grit_io import read_json
 from tools.ablate_tables import TABLES, RowResult, gaps_markdown, markdown_table, ordering_gaps
-from tools.cli import emit_record, tool_parser
+from tools.cli import add_record_name, emit_record, record_claim, tool_parser
 from tools.launch import in_root, run
 from tools.records import merge_note, merged_table_rows
 from tools.report import load_runs, write_report
@@ -248,6 +250,7 @@ def build_parser() -> Parser:
     p.add_argument("--fit_seeds", type=int, nargs="+", default=None,
                    help="with --from_record: the gaps' intervals from these seeds only, the record's other "
                         "seeds checked against them (inside the t interval / the prediction interval)")
+    add_record_name(p, None, shown="table<N>")
     return p
 
 
@@ -268,49 +271,55 @@ def main(argv: Sequence[str] | None = None) -> dict:
     if args.from_record is not None:
         return from_record(parser, args.from_record, args.table, os.path.abspath(args.output_dir),
                            args.fit_seeds)
-    merged = merged_table_rows([os.path.abspath(m) for m in args.merge], args.table, args.preset, args.sets,
-                               args.finetune, {(row, seed) for row in rows for seed in args.seeds})
-    read: dict[str, list[int]] = {}  # row -> the seeds read from --merge's files
-    with in_root():
-        if preset.synthetic:
-            from dataset import ensure_synthetic
+    name = args.record or f"table{args.table}"
+    with record_claim(base, name, 'tools.ablate'):
+        asked = {(row, seed) for row in rows for seed in args.seeds}
+        merged = merged_table_rows([os.path.abspath(m) for m in args.merge], args.table, args.preset,
+                                   args.sets, args.finetune, asked)
+        read: dict[str, list[int]] = {}  # row -> the seeds read from --merge's files
+        with in_root():
+            if preset.synthetic:
+                from dataset import ensure_synthetic
 
-            ensure_synthetic("data/synthetic")
-            if args.preset == "micro":
-                ensure_micro_data()
-        results: dict[str, dict[int, RowResult]] = {}
-        for row in rows:
-            results[row] = {}
-            for seed in args.seeds:
-                if (row, seed) in merged:
-                    results[row][seed] = RowResult(merged[(row, seed)])
-                    read.setdefault(row, []).append(seed)
-                    continue
-                row_dir = os.path.join(base, row, f"seed{seed}")
-                results[row][seed] = run_row(row_dir, row, seed, preset, args.table, args.finetune, args.sets)
-    record = {"table": args.table, "preset": args.preset, "seeds": args.seeds, "set": args.sets,
-              "rows": {row: {str(s): r.metrics for s, r in per.items()} for row, per in results.items()},
-              **({"merged_from": {"files": args.merge, "rows": read}} if read else {})}
-    record["gaps"] = ordering_gaps(args.table, record["rows"])
-    text = markdown_table(args.table, results, args.seeds) + "\n" + gaps_markdown(args.table, record["gaps"])
-    text += merge_note(args.merge, [f'{row} seeds {", ".join(map(str, seeds))}'
-                                    for row, seeds in read.items()])
-    os.makedirs(base, exist_ok=True)
-    with open(os.path.join(base, f"table{args.table}.md"), "w", encoding="utf-8") as f:
-        f.write(text)
-    # Per-epoch curves of every row, overlaid (the first seed run here): losses, hardness, speed, GRIT time.
-    labels = dict(TABLES[args.table])
-    report = None
-    if ran := [s for s in args.seeds if any(s not in read.get(row, []) for row in rows)]:
-        seed = ran[0]
-        own = [row for row in rows if seed not in read.get(row, [])]
-        runs = load_runs([os.path.join(base, row, f"seed{seed}", "pretrain") for row in own],
-                         names=[f"{labels[row]} (seed {seed})" for row in own])
-        report, _ = write_report(runs, os.path.join(base, f"table{args.table}_report"))
-    print("\n" + text)
-    print(f"written: {base}/table{args.table}.md, {base}/table{args.table}.json"
-          + (f", {report}" if report else " (every row read from --merge: no run to report)"))
-    return emit_record(record, base, f"table{args.table}")
+                ensure_synthetic("data/synthetic")
+                if args.preset == "micro":
+                    ensure_micro_data()
+            results: dict[str, dict[int, RowResult]] = {}
+            for row in rows:
+                results[row] = {}
+                for seed in args.seeds:
+                    if (row, seed) in merged:
+                        results[row][seed] = RowResult(merged[(row, seed)])
+                        read.setdefault(row, []).append(seed)
+                        continue
+                    row_dir = os.path.join(base, row, f"seed{seed}")
+                    results[row][seed] = run_row(row_dir, row, seed, preset, args.table, args.finetune,
+                                                 args.sets)
+        record = {"table": args.table, "preset": args.preset, "seeds": args.seeds, "set": args.sets,
+                  "rows": {row: {str(s): r.metrics for s, r in per.items()} for row, per in results.items()},
+                  **({"merged_from": {"files": args.merge, "rows": read}} if read else {})}
+        record["gaps"] = ordering_gaps(args.table, record["rows"])
+        text = (markdown_table(args.table, results, args.seeds) + "\n"
+                + gaps_markdown(args.table, record["gaps"]))
+        text += merge_note(args.merge, [f'{row} seeds {", ".join(map(str, seeds))}'
+                                        for row, seeds in read.items()])
+        os.makedirs(base, exist_ok=True)
+        with open(os.path.join(base, f"{name}.md"), "w", encoding="utf-8") as f:
+            f.write(text)
+        # Per-epoch curves of every row, overlaid (the first seed run here): losses, hardness, speed, GRIT
+        # time.
+        labels = dict(TABLES[args.table])
+        report = None
+        if ran := [s for s in args.seeds if any(s not in read.get(row, []) for row in rows)]:
+            seed = ran[0]
+            own = [row for row in rows if seed not in read.get(row, [])]
+            runs = load_runs([os.path.join(base, row, f"seed{seed}", "pretrain") for row in own],
+                             names=[f"{labels[row]} (seed {seed})" for row in own])
+            report, _ = write_report(runs, os.path.join(base, f"{name}_report"))
+        print("\n" + text)
+        print(f"written: {base}/{name}.md, {base}/{name}.json"
+              + (f", {report}" if report else " (every row read from --merge: no run to report)"))
+        return emit_record(record, base, name)
 
 
 def from_record(parser: Parser, path: str, table: int, output_dir: str,

@@ -71,12 +71,14 @@ def _record_name(value: str) -> str:
     return value
 
 
-def add_record_name(parser: Parser, default: str) -> None:
+def add_record_name(parser: Parser, default: str | None, shown: str | None = None) -> None:
     """--record: the name of the record the tool writes into --output_dir (<name>.json, <name>.md, ...),
-    so that two invocations sharing one folder of runs keep each its own record (record_claim)."""
+    so that two invocations sharing one folder of runs keep each its own record (record_claim); `shown`:
+    how the help names a default the tool derives itself (default None)."""
+    name = shown or default
     parser.add_argument("--record", type=_record_name, default=default, metavar="NAME",
-                        help=f"the record's file name in the output folder (default: {default}, that is "
-                             f"{default}.json and {default}.md); two invocations sharing one folder of runs "
+                        help=f"the record's file name in the output folder (default: {name}, that is "
+                             f"{name}.json and {name}.md); two invocations sharing one folder of runs "
                              "(seeds run in parallel) need one each")
 
 
