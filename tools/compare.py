@@ -44,8 +44,10 @@ folder is refused at its start, naming the first (tools.cli.record_claim).
 
 from __future__ import annotations
 
+import argparse
 import os
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 from grit_io import InputFileError
 from tools.arms import (
@@ -67,9 +69,11 @@ from tools.launch import ROOT, in_root
 from tools.records import merge_note, merged_rows
 from tools.runs import CORPORA, last_checkpoint, prepare_pretraining, run_dir, run_pairs
 from training.cli import Parser, run_main
+from training.config import TaskConfig
 from training.config_resolve import resolve_config
 
-__all__ = ["STRATEGY_BENCH", "build_parser", "main", "sweep_key", "sweep_order"]
+__all__ = ["STRATEGY_BENCH", "Schedule", "build_parser", "comparison_schedule", "default_output_dir", "main",
+           "sweep_key", "sweep_order"]
 
 STRATEGY_BENCH = 'docs/results/strategy_bench.json'  # the strategies' measured cost (tools.strategy_bench)
 
@@ -150,14 +154,21 @@ def sweep_order(arm: str, key: float | tuple) -> tuple[float, int]:
     return lr, grid.index(setting) if setting in grid else -1
 
 
-def main(argv: Sequence[str] | None = None) -> dict:
-    """Sweep, select on val, report test; returns the JSON record (sweep, selected_lr, summary, gaps)."""
-    parser = build_parser()
-    args = parser.parse_args(argv)
-    if args.selected and args.lrs:
-        parser.error('--selected and --lrs exclude each other: the selected rates, or a sweep')
-    if args.selected and args.selected_settings:
-        parser.error('--selected already holds every arm at its selected setting (drop --selected_settings)')
+@dataclass(frozen=True)
+class Schedule:
+    """What every pre-training of a comparison trains for, and how the user asked for it."""
+
+    base: TaskConfig        # the pre-training config resolved with `overrides`
+    epochs: int             # the epochs every run trains
+    own: int                # the corpus's pre-training config's own max_epoch
+    overrides: list[str]    # every run's --set: the schedule first, then the user's
+    scheduled: list[str]    # the user's --set items that set the schedule
+    source: str             # how the schedule was asked for, as messages name it
+
+
+def comparison_schedule(parser: Parser, args: argparse.Namespace) -> Schedule:
+    """The schedule --epochs, a schedule in --set or the corpus's default (tools.runs.CORPORA) asks for;
+    --epochs beside a schedule in --set, or a schedule set for the online arms, ends in parser.error."""
     schedule = {'max_epoch', 'schedular.epochs', 'scheduler.epochs'}
     scheduled = [o for o in args.overrides if o.partition('=')[0].strip() in schedule]
     if args.epochs is not None and args.epochs < 1:
@@ -185,14 +196,32 @@ def main(argv: Sequence[str] | None = None) -> dict:
                      f'arm would override; run them at the config\'s own schedule, --epochs {own}')
     with in_root():
         base = resolve_config('pretrain', corpus.pretrain, overrides, check_paths=False)
+    return Schedule(base, base.max_epoch or base.schedular.epochs, own, overrides, scheduled, source)
+
+
+def default_output_dir(corpus: str, schedule: Schedule) -> str:
+    """output/compare[_<corpus>][_e<epochs>][_cosine<epochs>]: a run's folder names neither the corpus nor
+    the schedule, so the default folder does, and two comparisons left at their defaults never overwrite
+    each other's runs."""
+    cosine = schedule.base.schedular.epochs
+    return ('output/compare' + ('' if corpus == 'synthetic' else f'_{corpus}')
+            + ('' if schedule.epochs == schedule.own else f'_e{schedule.epochs}')
+            + ('' if cosine == schedule.epochs else f'_cosine{cosine}'))
+
+
+def main(argv: Sequence[str] | None = None) -> dict:
+    """Sweep, select on val, report test; returns the JSON record (sweep, selected_lr, summary, gaps)."""
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if args.selected and args.lrs:
+        parser.error('--selected and --lrs exclude each other: the selected rates, or a sweep')
+    if args.selected and args.selected_settings:
+        parser.error('--selected already holds every arm at its selected setting (drop --selected_settings)')
+    schedule = comparison_schedule(parser, args)
+    base, epochs, own, overrides = schedule.base, schedule.epochs, schedule.own, schedule.overrides
+    scheduled, source, corpus = schedule.scheduled, schedule.source, CORPORA[args.corpus]
     chosen = {}
-    epochs = base.max_epoch or base.schedular.epochs
-    # A run's folder names neither the corpus nor the schedule: the default folder does, so that two
-    # comparisons left at their defaults never overwrite each other's runs.
-    default_dir = ('output/compare' + ('' if args.corpus == 'synthetic' else f'_{args.corpus}')
-                   + ('' if epochs == own else f'_e{epochs}')
-                   + ('' if base.schedular.epochs == epochs else f'_cosine{base.schedular.epochs}'))
-    output_dir = os.path.abspath(args.output_dir or default_dir)  # the user's path, from where the user is
+    output_dir = os.path.abspath(args.output_dir or default_output_dir(args.corpus, schedule))
     with record_claim(output_dir, args.record, 'tools.compare'):
         if args.selected and base.schedular.epochs != epochs:
             # Every sweep behind a selection ran its cosine over the epochs it trained; keyed on max_epoch
