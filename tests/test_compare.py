@@ -438,6 +438,12 @@ def test_seeds_run_in_parallel_into_one_folder_keep_each_its_own_record(tmp_path
     assert asked[0][("GRIT-VLP", 5e-4, None, 3)][0] == run_dir(out, "GRIT-VLP", 3, 5e-4, None)
     folder = tmp_path / "cmp"
     assert json.loads((folder / "compare_seed3.json").read_text())["seeds"] == record["seeds"] == [3]
+    # a mistake found before any run (here a missing --merge file) claims nothing: no folder is made
+    fresh = tmp_path / "mistake"
+    with pytest.raises((InputFileError, FileNotFoundError), match="missing.json"):
+        compare.main([*argv[:-4], "--output_dir", str(fresh), "--epochs", "12", "--merge",
+                      str(tmp_path / "missing.json")])
+    assert not fresh.exists()
     assert (folder / "compare_seed3.md").is_file() and not (folder / "compare.json").exists()
 
 

@@ -405,3 +405,6 @@ def test_a_real_corpus_figure_names_its_corpus_and_the_files_take_the_record_nam
     assert sorted(p.name for p in out.iterdir() if not p.name.startswith(".")) == [
         "eff_real.json", "eff_real.md", "eff_real.png"]
     assert titles == ["Tiny pre-training on the real corpora (tools.make_real), seeds 1 (tools.efficiency)"]
+    with pytest.raises(SystemExit):  # a mistake in the arguments claims nothing: no folder is made
+        efficiency.main(["--seeds", "1", "--timing", "1", "--output_dir", str(tmp_path / "mistake")])
+    assert not (tmp_path / "mistake").exists()

@@ -43,6 +43,7 @@ pipeline in about a minute).
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import statistics
@@ -272,10 +273,11 @@ def main(argv: Sequence[str] | None = None) -> dict:
         return from_record(parser, args.from_record, args.table, os.path.abspath(args.output_dir),
                            args.fit_seeds)
     name = args.record or f"table{args.table}"
-    with record_claim(base, name, 'tools.ablate'):
+    with contextlib.ExitStack() as claim:  # the record claimed once --merge is checked
         asked = {(row, seed) for row in rows for seed in args.seeds}
         merged = merged_table_rows([os.path.abspath(m) for m in args.merge], args.table, args.preset,
                                    args.sets, args.finetune, asked)
+        claim.enter_context(record_claim(base, name, 'tools.ablate'))
         read: dict[str, list[int]] = {}  # row -> the seeds read from --merge's files
         with in_root():
             if preset.synthetic:

@@ -45,6 +45,7 @@ folder is refused at its start, naming the first (tools.cli.record_claim).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -222,7 +223,7 @@ def main(argv: Sequence[str] | None = None) -> dict:
     scheduled, source, corpus = schedule.scheduled, schedule.source, CORPORA[args.corpus]
     chosen = {}
     output_dir = os.path.abspath(args.output_dir or default_output_dir(args.corpus, schedule))
-    with record_claim(output_dir, args.record, 'tools.compare'):
+    with contextlib.ExitStack() as claim:  # the record claimed once the arguments and --merge are checked
         if args.selected and base.schedular.epochs != epochs:
             # Every sweep behind a selection ran its cosine over the epochs it trained; keyed on max_epoch
             # alone, a cut-short or stretched schedule would silently take a rate selected under another one.
@@ -247,6 +248,7 @@ def main(argv: Sequence[str] | None = None) -> dict:
                 raise
             raise InputFileError(f'{e} (the schedule\'s overrides come from {source}; --epochs {own} for a '
                                  'record of the config\'s own schedule)') from e
+        claim.enter_context(record_claim(output_dir, args.record, 'tools.compare'))
         sweep: dict[str, dict[float | tuple, dict[int, dict]]] = {}
         merged_from: dict[str, dict[str, list[int]]] = {}  # arm -> setting -> the seeds read
         with in_root():

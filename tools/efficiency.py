@@ -50,6 +50,7 @@ writing the same record into the same folder is refused at its start (tools.cli.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import os
@@ -269,7 +270,7 @@ def main(argv: Sequence[str] | None = None) -> dict:
     parser = build_parser()
     args = parser.parse_args(argv)
     output_dir = os.path.abspath(args.output_dir)
-    with record_claim(output_dir, args.record, 'tools.efficiency'):
+    with contextlib.ExitStack() as claim:  # the record claimed once the arguments and --merge are checked
         micro = PRESETS['micro']
         base_sets = list(micro.pretrain_set) if args.micro else []
         eval_sets = list(micro.retrieval_set) if args.micro else []
@@ -304,6 +305,7 @@ def main(argv: Sequence[str] | None = None) -> dict:
                     sets = arm_overrides(arm, lr, setting, corpus.pretrain) + base_sets
                     spec[(arm, seed)] = (run_dir(output_dir, arm, seed, lr, setting),
                                          ['--seed', str(seed), '--set', *sets], [])
+            claim.enter_context(record_claim(output_dir, args.record, 'tools.efficiency'))
             probe_args = ['--limit', str(micro.limit)] if args.micro else []
             if spec:
                 run_pairs(spec, reuse=True, eval_overrides=eval_sets, probe_args=probe_args, corpus=corpus)
