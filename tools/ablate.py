@@ -305,9 +305,6 @@ def main(argv: Sequence[str] | None = None) -> dict:
                 + gaps_markdown(args.table, record["gaps"]))
         text += merge_note(args.merge, [f'{row} seeds {", ".join(map(str, seeds))}'
                                         for row, seeds in read.items()])
-        os.makedirs(base, exist_ok=True)
-        with open(os.path.join(base, f"{name}.md"), "w", encoding="utf-8") as f:
-            f.write(text)
         # Per-epoch curves of every row, overlaid (the first seed run here): losses, hardness, speed, GRIT
         # time.
         labels = dict(TABLES[args.table])
@@ -321,7 +318,7 @@ def main(argv: Sequence[str] | None = None) -> dict:
         print("\n" + text)
         print(f"written: {base}/{name}.md, {base}/{name}.json"
               + (f", {report}" if report else " (every row read from --merge: no run to report)"))
-        return emit_record(record, base, name)
+        return emit_record(record, base, name, table=text)
 
 
 def from_record(parser: Parser, path: str, table: int, output_dir: str,

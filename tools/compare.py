@@ -301,7 +301,6 @@ def main(argv: Sequence[str] | None = None) -> dict:
                   **({'merged_from': {'files': args.merge, 'rows': merged_from}} if merged_from else {}),
                   **({'reference': reference} if reference else {}),
                   'protocol': 'each arm at the learning rate of best mean val R@1 (re-ranked); test reported'}
-        emit_record(record, output_dir, args.record)
         # The shipped one may be absent from a copy: no column then.
         default_costs = os.path.join(ROOT, STRATEGY_BENCH)
         costs = (read_costs(os.path.abspath(args.costs)) if args.costs
@@ -312,9 +311,7 @@ def main(argv: Sequence[str] | None = None) -> dict:
         read = [f'{arm} {label} seeds {", ".join(map(str, seeds))}'
                 for arm, by_label in merged_from.items() for label, seeds in by_label.items()]
         table += merge_note(args.merge, read)
-        with open(os.path.join(output_dir, f'{args.record}.md'), 'w', encoding='utf-8') as f:
-            f.write(table)
-        return record
+        return emit_record(record, output_dir, args.record, table)
 
 
 if __name__ == '__main__':

@@ -357,9 +357,6 @@ def main(argv: Sequence[str] | None = None) -> dict:
         read = [f'the curves of {curves_read}'] if curves_read else []
         read += [f'the timing of {", ".join(merged_from["timing"])}'] if merged_from.get('timing') else []
         text += merge_note(args.merge, read)
-        os.makedirs(output_dir, exist_ok=True)
-        with open(os.path.join(output_dir, f'{args.record}.md'), 'w', encoding='utf-8') as f:
-            f.write(text)
         figure = plot(curves, args.seeds, os.path.join(output_dir, f'{args.record}.png'), clock,
                       corpus.title)
         print(text)
@@ -374,7 +371,7 @@ def main(argv: Sequence[str] | None = None) -> dict:
                   'timing': timing, 'timing_epochs': args.timing, 'clock': clock,
                   'flops_per_sample': {arm: f for arm, f in flops.items()},
                   **({'merged_from': merged_from} if merged_from else {})}
-        return emit_record(record, output_dir, args.record)
+        return emit_record(record, output_dir, args.record, text)
 
 
 if __name__ == '__main__':
