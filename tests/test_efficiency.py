@@ -322,7 +322,7 @@ def test_merged_curves_and_timings_are_read_not_run_and_a_foreign_record_is_name
         efficiency.main([*args, "--arms", "GRIT-VLP"])
 
 
-def test_the_real_corpora_run_on_their_configs_at_their_own_selections(monkeypatch, capsys):
+def test_the_real_corpora_run_on_their_configs_at_their_own_selections(monkeypatch, capsys, tmp_path):
     """--corpus real: every run pre-trains configs/real/Pretrain.yaml at the real corpora's selections (the
     ALBEF arms at random batches' real rate), evaluated on the real retrieval config; its epochs are that
     config's, and the synthetic world's --micro preset is refused."""
@@ -339,7 +339,8 @@ def test_the_real_corpora_run_on_their_configs_at_their_own_selections(monkeypat
 
     monkeypatch.setattr(efficiency, "run_pairs", stop)
     with pytest.raises(KeyboardInterrupt):
-        efficiency.main(["--seeds", "1", "--corpus", "real", "--arms", "ALBEF_Base", "GRIT-VLP"])
+        efficiency.main(["--seeds", "1", "--corpus", "real", "--arms", "ALBEF_Base", "GRIT-VLP",
+                         "--output_dir", str(tmp_path)])  # not the repository's output/compare
     (spec, corpus), = asked
     assert corpus == CORPORA["real"]
     for arm, rate_of in (("ALBEF_Base", "random batches"), ("GRIT-VLP", "GRIT-VLP")):
